@@ -1,0 +1,390 @@
+"""Frozen, hashable configurations for targets, drafters and decoding.
+
+Every config is a frozen dataclass so it can be a static argument of `jax.jit`. Targets and
+drafters read from and write back to HF `config.json` dictionaries (transformers v4 and v5 keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_TARGET_ARCHS = ("llama", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with the reason in the message."""
+
+
+def _freeze(value: Any) -> Any:
+    """Turns nested dicts/lists into sorted tuples so configs stay hashable."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple) and value and all(
+        isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value
+    ):
+        return {k: _thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple | None]:
+    """Returns (theta, frozen scaling or None) from v4 `rope_theta`/`rope_scaling` or v5
+    `rope_parameters`; refuses scaling types we do not implement."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        theta = 10000.0
+    if scaling is None and params:
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rest.get("rope_type", rest.get("type", "default")) != "default":
+            scaling = rest
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"{where}: rope scaling type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return float(theta), (_freeze(scaling) if scaling else None)
+
+
+def _rope_to_hf(theta: float, scaling: tuple | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_theta": theta}
+    if scaling:
+        out["rope_scaling"] = _thaw(scaling)
+    return out
+
+
+def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A causal LM of the Llama or Qwen3 family.
+
+    `arch` selects the per-head q/k RMSNorm (qwen3) or none (llama).
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_TARGET_ARCHS:
+            raise ConfigError(
+                f"target architecture {self.arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_TARGET_ARCHS)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def use_qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
+        """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
+        model_type = hf.get("model_type")
+        arch = {"llama": "llama", "qwen3": "qwen3"}.get(model_type)
+        if arch is None:
+            archs = hf.get("architectures") or []
+            raise ConfigError(
+                f"unsupported target: model_type={model_type!r}, architectures={archs}; "
+                f"supported model_type values: {', '.join(SUPPORTED_TARGET_ARCHS)}"
+            )
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ConfigError(f"{model_type}: attention_bias/mlp_bias=True is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (only silu)")
+        theta, scaling = _rope_from_hf(hf, f"target {model_type}")
+        n_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // n_heads
+        eos = _as_int_tuple(hf.get("eos_token_id"))
+        return cls(
+            arch=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=n_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+            dtype=dtype,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "LlamaForCausalLM"],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            **_rope_to_hf(self.rope_theta, self.rope_scaling),
+        }
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference tap rule: one tap at N//2 for a 1-layer drafter, else L taps spread over
+    [1, N-3] with banker's rounding (np.round), exactly as z-lab's `build_target_layer_ids`."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(
+        int(np.round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter (Qwen3-style layers with K/V injection), as in z-lab's config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"drafter layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_layers} layers"
+            )
+        for t in self.layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"drafter layer type {t!r} is not supported")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("drafter has sliding_attention layers but no sliding_window")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"drafter num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if not self.target_layer_ids:
+            raise ConfigError("drafter has no target_layer_ids")
+        if self.block_size < 2:
+            raise ConfigError(f"drafter block_size={self.block_size} must be at least 2")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, i: int) -> bool:
+        """`causal` overrides per-layer types; sliding layers are causal inside the block."""
+        if self.causal is not None:
+            return self.causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_zlab(cls, hf: Mapping[str, Any], dtype: str = "float32") -> DrafterConfig:
+        """Reads a z-lab drafter `config.json`. Lookup order for DFlash keys: `dflash_config`,
+        then top level, then the default."""
+        archs = hf.get("architectures") or ["DFlashDraftModel"]
+        if "DFlash2DraftModel" in archs:
+            raise ConfigError("DFlash2 drafters (DFlash2DraftModel) are not supported yet")
+        if "DFlashDraftModel" not in archs:
+            raise ConfigError(f"not a DFlash drafter config: architectures={archs}")
+        dcfg = hf.get("dflash_config") or {}
+
+        def lookup(name, default=None):
+            if name in dcfg and dcfg[name] is not None:
+                return dcfg[name]
+            if name in hf and hf[name] is not None:
+                return hf[name]
+            return default
+
+        if lookup("mask_token_id") is None:
+            raise ConfigError("drafter config has no dflash_config.mask_token_id")
+        num_layers = int(hf["num_hidden_layers"])
+        num_target_layers = int(lookup("num_target_layers", 0) or 0)
+        tap_ids = _as_int_tuple(lookup("target_layer_ids"))
+        if not tap_ids:
+            if not num_target_layers:
+                raise ConfigError(
+                    "drafter config has neither dflash_config.target_layer_ids nor "
+                    "num_target_layers to derive them from"
+                )
+            tap_ids = default_target_layer_ids(num_target_layers, num_layers)
+        theta, scaling = _rope_from_hf(hf, "drafter")
+        n_heads = int(hf["num_attention_heads"])
+        is_causal = lookup("causal", hf.get("is_causal"))
+        return cls(
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
+            vocab_size=int(hf["vocab_size"]),
+            mask_token_id=int(lookup("mask_token_id")),
+            target_layer_ids=tap_ids,
+            num_target_layers=num_target_layers or (max(tap_ids) + 1),
+            block_size=int(lookup("block_size", 16)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            layer_types=tuple(hf.get("layer_types") or ()),
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            causal=None if is_causal is None else bool(is_causal),
+            input_embedding_scale=lookup("input_embedding_scale"),
+            output_multiplier=lookup("output_multiplier"),
+            final_logit_softcapping=lookup("final_logit_softcapping"),
+            dtype=dtype,
+        )
+
+    def to_zlab(self) -> dict[str, Any]:
+        """The z-lab `config.json` dict that the reference `dflash` package loads."""
+        dflash_config: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                dflash_config[name] = getattr(self, name)
+        if self.causal is not None:
+            dflash_config["causal"] = self.causal
+        out = {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "layer_types": list(self.layer_types),
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16" if self.dtype == "bfloat16" else "float32",
+            "dflash_config": dflash_config,
+            **_rope_to_hf(self.rope_theta, self.rope_scaling),
+        }
+        if self.sliding_window:
+            out["sliding_window"] = self.sliding_window
+            out["use_sliding_window"] = True
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_zlab(), indent=2, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static decoding settings. `temperature == 0` is greedy; otherwise sampling with
+    top-k (0 = off) and top-p (1 = off), applied identically to target and draft."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    block_size: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size={self.block_size} must be at least 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,128 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP and the
+attention projections. Submodule names mirror HF (`q_proj`, `k_norm`, `gate_proj`, ...) so
+checkpoint conversion is a rename plus transposes.
+
+Letters: B batch, T tokens, D model dim, N query heads, K kv heads, H head dim, F ffn dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import _thaw
+
+Dtype = jnp.dtype
+
+
+class RMSNorm(nn.Module):
+    """HF Qwen3/Llama RMSNorm: normalise in fp32, cast back, then scale (no 1+ offset)."""
+
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+    """Inverse frequencies [H/2] in fp32 as HF computes them (llama3 scaling supported)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
+    if not scaling:
+        return inv_freq
+    s = _thaw(scaling)
+    rope_type = s.get("rope_type", s.get("type"))
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Dtype):
+    """positions [B,T] int -> (cos, sin) [B,T,H] computed in fp32 at HIGHEST precision, then
+    cast to the activation dtype, as HF does (bf16 positions would round 257 to 256)."""
+    freqs_bth = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb_bth = jnp.concatenate([freqs_bth, freqs_bth], axis=-1)
+    return jnp.cos(emb_bth).astype(dtype), jnp.sin(emb_bth).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NeoX rotate-half RoPE. x [B,T,N,H], cos/sin [B,T,H]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases."""
+
+    intermediate_size: int
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.dtype, name=name)
+        gate_btf = dense(self.intermediate_size, "gate_proj")(x_btd)
+        up_btf = dense(self.intermediate_size, "up_proj")(x_btd)
+        return dense(x_btd.shape[-1], "down_proj")(nn.silu(gate_btf) * up_btf)
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections with optional per-head q/k RMSNorm (applied before RoPE).
+
+    Kernels: q_proj [D,N,H], k_proj/v_proj [D,K,H], o_proj [N,H,D].
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    qk_norm: bool
+    eps: float
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        dg = lambda feats, name: nn.DenseGeneral(
+            feats, use_bias=False, dtype=self.dtype, name=name
+        )
+        self.q_proj = dg((self.num_heads, self.head_dim), "q_proj")
+        self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")
+        self.v_proj = dg((self.num_kv_heads, self.head_dim), "v_proj")
+        self.o_proj = nn.DenseGeneral(
+            self.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="o_proj"
+        )
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.eps, self.dtype, name="q_norm")
+            self.k_norm = RMSNorm(self.eps, self.dtype, name="k_norm")
+
+    def query(self, x_btd, cos, sin):
+        q_btnh = self.q_proj(x_btd)
+        if self.qk_norm:
+            q_btnh = self.q_norm(q_btnh)
+        return apply_rope(q_btnh, cos, sin)
+
+    def key_value(self, x_btd, cos, sin):
+        k_btkh = self.k_proj(x_btd)
+        if self.qk_norm:
+            k_btkh = self.k_norm(k_btkh)
+        return apply_rope(k_btkh, cos, sin), self.v_proj(x_btd)
+
+    def output(self, attn_btnh):
+        return self.o_proj(attn_btnh)

@@ -1,0 +1,158 @@
+"""The target causal LM (Llama family and Qwen3 dense) with a fixed-size KV cache and taps.
+
+One forward serves prefill, verify blocks and plain full-sequence passes:
+  tokens [B,T], positions [B,T]; optional cache with per-row lengths [B] — new K/V are written at
+  slots lengths[b] + t (scatter, mode="drop", so nothing past the buffer is ever clobbered) and
+  query t sees slots <= lengths[b] + t. Without a cache, attention is causal over the T tokens.
+It returns logits, the concatenated taps (raw residual output of each requested decoder layer,
+= HF `hidden_states[l+1]`) and the updated cache.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
+from dflash_jax.ops.attention import attention, causal_cache_mask, causal_mask
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value buffers, each [B,S,K,H]; lengths live with the caller."""
+
+    k: tuple
+    v: tuple
+
+    @classmethod
+    def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        # zeros, never jnp.empty (uninitialised since JAX 0.11).
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def write_rows(buf_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Writes new[b, t] at buf[b, start[b] + t]; writes past the end are dropped, not clamped."""
+    b, t = new_btkh.shape[:2]
+    slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
+    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return buf_bskh.at[rows_bt, slots_bt].set(new_btkh.astype(buf_bskh.dtype), mode="drop")
+
+
+class DecoderLayer(nn.Module):
+    config: TargetConfig
+
+    def setup(self):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        self.self_attn = AttentionProjections(
+            c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.use_qk_norm,
+            c.rms_norm_eps, dtype,
+        )
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        self.mlp = MLP(c.intermediate_size, dtype)
+
+    def __call__(self, x_btd, cos, sin, mask_bts, layer_cache=None, cache_lengths=None):
+        h_btd = self.input_layernorm(x_btd)
+        q_btnh = self.self_attn.query(h_btd, cos, sin)
+        k_btkh, v_btkh = self.self_attn.key_value(h_btd, cos, sin)
+        if layer_cache is not None:
+            k_bskh = write_rows(layer_cache[0], k_btkh, cache_lengths)
+            v_bskh = write_rows(layer_cache[1], v_btkh, cache_lengths)
+            layer_cache = (k_bskh, v_bskh)
+        else:
+            k_bskh, v_bskh = k_btkh, v_btkh
+        attn_btnh = attention(q_btnh, k_bskh, v_bskh, mask_bts)
+        x_btd = x_btd + self.self_attn.output(attn_btnh)
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        return x_btd, layer_cache
+
+
+class Transformer(nn.Module):
+    """Causal LM. Params: embed_tokens, layers_{i}, norm, lm_head (absent when tied)."""
+
+    config: TargetConfig
+
+    def setup(self):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype)
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        return self.embed_tokens(tokens_bt)
+
+    def unembed(self, x_btd: jax.Array) -> jax.Array:
+        """Frozen LM head on already-normalised hidden states -> logits [..., V]."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(x_btd)
+        return self.lm_head(x_btd)
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        cache: KVCache | None = None,
+        cache_lengths: jax.Array | None = None,
+        tap_layers: tuple[int, ...] = (),
+        logit_indices: jax.Array | None = None,
+    ):
+        """Returns (logits, taps, cache).
+
+        logits: [B,T,V], or [B,M,V] at `logit_indices` [B,M] (e.g. each row's last prompt token).
+        taps: [B,T,len(tap_layers)*D] in tap_layers order (None when no taps are asked for).
+        """
+        c = self.config
+        for l in tap_layers:
+            if not 0 <= l < c.num_layers:
+                raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
+        b, t = tokens_bt.shape
+        x_btd = self.embed(tokens_bt)
+        cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
+        if cache is not None:
+            mask_bts = causal_cache_mask(cache_lengths, t, cache.max_len)
+        else:
+            mask_bts = causal_mask(b, t)
+        taps, new_k, new_v = {}, [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            x_btd, layer_cache = layer(x_btd, cos, sin, mask_bts, layer_cache, cache_lengths)
+            if layer_cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+            if i in tap_layers:
+                taps[i] = x_btd
+        taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
+        if logit_indices is not None:
+            x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)
+        logits = self.unembed(self.norm(x_btd))
+        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits, taps_btf, new_cache
+
+
+def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    return KVCache.zeros(
+        config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim,
+        jnp.dtype(dtype or config.dtype),
+    )
+
+
+def init_params(config: TargetConfig, rng: jax.Array):
+    """Random params (tests, eval_shape of full-size configs)."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    return Transformer(config).init(rng, tokens, jnp.zeros((1, 2), jnp.int32))["params"]
