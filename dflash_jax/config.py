@@ -31,8 +31,10 @@ def _freeze(value: Any) -> Any:
 
 
 def _thaw(value: Any) -> Any:
-    if isinstance(value, tuple) and value and all(
-        isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value)
     ):
         return {k: _thaw(v) for k, v in value}
     if isinstance(value, tuple):

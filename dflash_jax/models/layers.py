@@ -99,9 +99,7 @@ class AttentionProjections(nn.Module):
     dtype: Dtype = jnp.float32
 
     def setup(self):
-        dg = lambda feats, name: nn.DenseGeneral(
-            feats, use_bias=False, dtype=self.dtype, name=name
-        )
+        dg = lambda feats, name: nn.DenseGeneral(feats, use_bias=False, dtype=self.dtype, name=name)
         self.q_proj = dg((self.num_heads, self.head_dim), "q_proj")
         self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")
         self.v_proj = dg((self.num_kv_heads, self.head_dim), "v_proj")

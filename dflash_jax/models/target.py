@@ -57,8 +57,13 @@ class DecoderLayer(nn.Module):
         dtype = jnp.dtype(c.dtype)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.self_attn = AttentionProjections(
-            c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.use_qk_norm,
-            c.rms_norm_eps, dtype,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.use_qk_norm,
+            c.rms_norm_eps,
+            dtype,
         )
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.mlp = MLP(c.intermediate_size, dtype)
@@ -147,7 +152,11 @@ class Transformer(nn.Module):
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     return KVCache.zeros(
-        config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim,
+        config.num_layers,
+        batch,
+        max_len,
+        config.num_kv_heads,
+        config.head_dim,
         jnp.dtype(dtype or config.dtype),
     )
 

@@ -1,0 +1,102 @@
+"""Logit processing, sampling and the two acceptance rules (greedy prefix match and lossless
+speculative rejection sampling).
+
+Letters: B batch, G = block_size - 1 drafted tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DecodeConfig
+
+
+def process_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
+    """Temperature, top-k then top-p -> fp32 log-probabilities with -inf outside the support.
+    Applied identically to target and draft logits. Not for greedy decoding."""
+    x = logits.astype(jnp.float32) / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if cfg.top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        # Keep the smallest prefix whose mass reaches top_p (the crossing token included).
+        keep = mass_before < cfg.top_p
+        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < threshold, -jnp.inf, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """One key per batch row (fold in the row index), so a row's randomness never depends on
+    the other rows of its batch. -> [B] keys."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+def sample(keys_b: jax.Array, logp_bxv: jax.Array) -> jax.Array:
+    """One categorical draw per row from log-probs [B, ..., V] with per-row keys [B]."""
+    draw = lambda k, lp: jax.random.categorical(k, lp, axis=-1)
+    return jax.vmap(draw)(keys_b, logp_bxv).astype(jnp.int32)
+
+
+def pick(logits_bv: jax.Array, key: jax.Array, cfg: DecodeConfig) -> jax.Array:
+    """Greedy argmax (temperature 0) or one sample per row of the processed distribution."""
+    if cfg.greedy:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    return sample(row_keys(key, logits_bv.shape[0]), process_logits(logits_bv, cfg))
+
+
+def accept_greedy(drafts_bg: jax.Array, target_logits_bgv: jax.Array):
+    """Greedy verification. drafts [B,G]; target logits [B,G+1,V] (row i predicts the token
+    after block slot i). Returns (accepted count a [B], committed tokens [B,G+1]): the first a
+    drafts, then the target's own token (the bonus) at index a."""
+    choice_bt = jnp.argmax(target_logits_bgv, axis=-1).astype(jnp.int32)
+    match_bg = drafts_bg == choice_bt[:, :-1]
+    a_b = jnp.sum(jnp.cumprod(match_bg.astype(jnp.int32), axis=-1), axis=-1)
+    return a_b, _commit_tokens(drafts_bg, a_b, jnp.take_along_axis(choice_bt, a_b[:, None], 1))
+
+
+def accept_rejection(
+    drafts_bg: jax.Array,
+    draft_logp_bgv: jax.Array,
+    target_logits_bgv: jax.Array,
+    key: jax.Array,
+    cfg: DecodeConfig,
+):
+    """Lossless speculative rejection sampling (Leviathan et al.; Chen et al.).
+
+    Draft j was sampled from q_j = draft_logp[:, j]. Accept it iff u_j * q_j(d_j) < p_j(d_j)
+    (probability min(1, p/q)), where p_j is the processed target distribution at the same
+    position. At the first rejection the bonus is drawn from normalise(max(p - q, 0)); if every
+    draft is accepted it is drawn from the target's last row. Every committed token is then an
+    exact sample of the target given its prefix.
+    """
+    b, g = drafts_bg.shape
+    target_logp_btv = process_logits(target_logits_bgv, cfg)
+    p_btv = jnp.exp(target_logp_btv)
+    q_bgv = jnp.exp(draft_logp_bgv)
+    k_accept, k_bonus = jax.random.split(key)
+    keys_accept, keys_bonus = row_keys(k_accept, b), row_keys(k_bonus, b)
+    p_d = jnp.take_along_axis(p_btv[:, :g], drafts_bg[..., None], -1)[..., 0]
+    q_d = jnp.take_along_axis(q_bgv, drafts_bg[..., None], -1)[..., 0]
+    u_bg = jax.vmap(lambda k: jax.random.uniform(k, (g,), jnp.float32))(keys_accept)
+    accept_bg = u_bg * q_d < p_d
+    a_b = jnp.sum(jnp.cumprod(accept_bg.astype(jnp.int32), axis=-1), axis=-1)
+
+    q_pad_btv = jnp.concatenate([q_bgv, jnp.zeros_like(q_bgv[:, :1])], axis=1)
+    p_a = jnp.take_along_axis(p_btv, a_b[:, None, None], 1)[:, 0]
+    q_a = jnp.take_along_axis(q_pad_btv, a_b[:, None, None], 1)[:, 0]
+    residual_bv = jnp.maximum(p_a - q_a, 0.0)
+    residual_bv = jnp.where(jnp.sum(residual_bv, -1, keepdims=True) > 0, residual_bv, p_a)
+    bonus_b = sample(keys_bonus, jnp.log(residual_bv))
+    return a_b, _commit_tokens(drafts_bg, a_b, bonus_b[:, None])
+
+
+def _commit_tokens(drafts_bg, a_b, bonus_b1):
+    """[d_1 .. d_a, bonus, (unused)] -> [B, G+1]."""
+    padded_bt = jnp.concatenate([drafts_bg, bonus_b1], axis=1)
+    idx_t = jnp.arange(padded_bt.shape[1])
+    return jnp.where(idx_t[None, :] == a_b[:, None], bonus_b1, padded_bt)
