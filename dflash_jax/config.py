@@ -327,8 +327,6 @@ class DrafterConfig:
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
             if getattr(self, name) is not None:
                 dflash_config[name] = getattr(self, name)
-        if self.causal is not None:
-            dflash_config["causal"] = self.causal
         out = {
             "architectures": ["DFlashDraftModel"],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -353,6 +351,9 @@ class DrafterConfig:
             "dflash_config": dflash_config,
             **_rope_to_hf(self.rope_theta, self.rope_scaling),
         }
+        if self.causal is not None:
+            # The reference, vLLM and SGLang read the top-level `is_causal`.
+            out["is_causal"] = self.causal
         if self.sliding_window:
             out["sliding_window"] = self.sliding_window
             out["use_sliding_window"] = True

@@ -1,0 +1,124 @@
+"""Drafter checkpoints: our Orbax format, z-lab HF directories, hub ids and the shipped default.
+
+Orbax layout: `<dir>/drafter_config.json` (the z-lab config dict, so the same reader serves
+both) + `<dir>/params/` (an `ocp.StandardCheckpointer` pytree). In a notebook:
+
+    from dflash_jax.io.drafter_io import restore_drafter
+    drafter = restore_drafter("/path/to/ckpt")
+    drafter.config, drafter.params
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.io.hf import CheckpointError
+from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
+from dflash_jax.models.drafter import check_fits, init_drafter_params
+
+ORBAX_CONFIG_FILE = "drafter_config.json"
+ORBAX_PARAMS_DIR = "params"
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "assets/drafters/smollm2-135m-instruct-b16"
+
+
+@dataclasses.dataclass
+class LoadedDrafter:
+    config: DrafterConfig
+    params: dict
+    source: str
+
+
+def save_drafter(directory: str | Path, config: DrafterConfig, params: dict) -> None:
+    """Writes params with Orbax and the config as JSON beside them; never overwrites one."""
+    directory = Path(directory).absolute()
+    if (directory / ORBAX_PARAMS_DIR).exists():
+        raise CheckpointError(
+            f"{directory} already holds a drafter checkpoint; pick a new directory"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / ORBAX_PARAMS_DIR, params)
+    checkpointer.wait_until_finished()
+    config_json = json.dumps(config.to_zlab(), indent=2, sort_keys=True)
+    (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
+
+
+def restore_drafter(directory: str | Path, dtype: str | None = None) -> LoadedDrafter:
+    """Restores a `save_drafter` directory; `dtype` defaults to the saved one."""
+    directory = Path(directory).absolute()
+    config_path = directory / ORBAX_CONFIG_FILE
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the drafter config {config_path}: {e}") from e
+    config = DrafterConfig.from_zlab(hf, dtype=dtype or hf.get("torch_dtype", "float32"))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.dtype), sharding=device),
+        jax.eval_shape(functools.partial(init_drafter_params, config), jax.random.key(0)),
+    )
+    params_path = directory / ORBAX_PARAMS_DIR
+    try:
+        params = ocp.StandardCheckpointer().restore(params_path, abstract)
+    except Exception as e:  # orbax/tensorstore raise many types for missing or corrupt files
+        raise CheckpointError(
+            f"cannot restore drafter params from {params_path} (config {config_path}): {e}"
+        ) from e
+    return LoadedDrafter(config=config, params=params, source=str(directory))
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_FILE, "*.safetensors"]))
+    except Exception as e:  # offline, unknown id, gated repo: all mean "not available here"
+        raise CheckpointError(
+            f"drafter {repo_id!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}: {e})"
+        ) from e
+
+
+def read_drafter(source: str | Path, dtype: str = "float32") -> LoadedDrafter:
+    """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
+    HF dir, a hub id (`owner/name`) or "default" (the drafter shipped in the repository)."""
+    source = str(source)
+    if source == "default":
+        if not DEFAULT_DRAFTER.is_dir():
+            raise CheckpointError(
+                f"the default drafter is not shipped yet: {DEFAULT_DRAFTER} does not exist; "
+                "pass a drafter directory or hub id instead"
+            )
+        path = DEFAULT_DRAFTER
+    elif Path(source).exists():
+        path = Path(source)
+    elif source.count("/") == 1 and not source.startswith((".", "/")):
+        path = _hub_snapshot(source)
+    else:
+        raise CheckpointError(f"drafter {source!r}: no such directory (nor a hub id owner/name)")
+    if (path / ORBAX_CONFIG_FILE).is_file():
+        loaded = restore_drafter(path, dtype)
+        return dataclasses.replace(loaded, source=source)
+    if (path / CONFIG_FILE).is_file():
+        config, params = read_zlab(path, dtype)
+        return LoadedDrafter(config=config, params=jax.tree.map(jnp.asarray, params), source=source)
+    raise CheckpointError(
+        f"{path} is neither an Orbax drafter ({ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/) nor a "
+        f"z-lab drafter ({CONFIG_FILE} + model.safetensors)"
+    )
+
+
+def load_drafter(source: str | Path, target, dtype: str | None = None) -> LoadedDrafter:
+    """Reads a drafter (see `read_drafter`) in the target's dtype unless `dtype` is given, and
+    refuses one that does not fit `target` (anything with `.config`: a TargetConfig)."""
+    loaded = read_drafter(source, dtype or target.config.dtype)
+    check_fits(loaded.config, target.config, loaded.params)
+    return loaded

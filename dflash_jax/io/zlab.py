@@ -1,0 +1,185 @@
+"""z-lab HF drafter format: `config.json` (Qwen3Config + `dflash_config`) + `model.safetensors`.
+
+Tensor table (dflash-spec §8.2), torch layout [out, in], optional leading `model.`:
+  fc.weight [D, F]; hidden_norm.weight, norm.weight [D];
+  layers.{i}.{input,post_attention}_layernorm.weight [D];
+  layers.{i}.self_attn.q_proj.weight [N*H, D], {k,v}_proj.weight [K*H, D], o_proj.weight [D, N*H],
+  layers.{i}.self_attn.{q,k}_norm.weight [H]; layers.{i}.mlp.{gate,up}_proj.weight [I, D],
+  down_proj.weight [D, I].
+Our params mirror these names (`layers.{i}` -> `layers_{i}`, `weight` -> `kernel`/`scale`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from dflash_jax.config import ConfigError, DrafterConfig
+from dflash_jax.io.hf import CheckpointError, canonical_name, read_safetensors_dir
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype == "float32":
+        return np.dtype(np.float32)
+    raise ValueError(f"dtype {dtype!r} is not supported (bfloat16 or float32)")
+
+
+def _table(config: DrafterConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """z-lab key -> (our param path, z-lab shape [out, in] or [n], how to convert)."""
+    c = config
+    d, h, i = c.hidden_size, c.head_dim, c.intermediate_size
+    nq, nk = c.num_heads, c.num_kv_heads
+    table = {
+        "fc.weight": (("fc", "kernel"), (d, c.num_taps * d), "dense"),
+        "hidden_norm.weight": (("hidden_norm", "scale"), (d,), "norm"),
+        "norm.weight": (("norm", "scale"), (d,), "norm"),
+    }
+    for l in range(c.num_layers):
+        hf, ours = f"layers.{l}.", f"layers_{l}"
+        attn = (ours, "self_attn")
+        table |= {
+            hf + "input_layernorm.weight": ((ours, "input_layernorm", "scale"), (d,), "norm"),
+            hf + "post_attention_layernorm.weight": (
+                (ours, "post_attention_layernorm", "scale"),
+                (d,),
+                "norm",
+            ),
+            hf + "self_attn.q_proj.weight": ((*attn, "q_proj", "kernel"), (nq * h, d), "heads"),
+            hf + "self_attn.k_proj.weight": ((*attn, "k_proj", "kernel"), (nk * h, d), "heads"),
+            hf + "self_attn.v_proj.weight": ((*attn, "v_proj", "kernel"), (nk * h, d), "heads"),
+            hf + "self_attn.o_proj.weight": ((*attn, "o_proj", "kernel"), (d, nq * h), "o_proj"),
+            hf + "self_attn.q_norm.weight": ((*attn, "q_norm", "scale"), (h,), "norm"),
+            hf + "self_attn.k_norm.weight": ((*attn, "k_norm", "scale"), (h,), "norm"),
+            hf + "mlp.gate_proj.weight": ((ours, "mlp", "gate_proj", "kernel"), (i, d), "dense"),
+            hf + "mlp.up_proj.weight": ((ours, "mlp", "up_proj", "kernel"), (i, d), "dense"),
+            hf + "mlp.down_proj.weight": ((ours, "mlp", "down_proj", "kernel"), (d, i), "dense"),
+        }
+    return table
+
+
+def _to_ours(w: np.ndarray, kind: str, config: DrafterConfig) -> np.ndarray:
+    if kind == "norm":
+        return w
+    if kind == "dense":
+        return w.T
+    if kind == "heads":
+        return w.T.reshape(config.hidden_size, -1, config.head_dim)
+    return w.T.reshape(config.num_heads, config.head_dim, config.hidden_size)
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for name in path[:-1]:
+        tree = tree.setdefault(name, {})
+    tree[path[-1]] = value
+
+
+def read_zlab_config(directory: str | Path, dtype: str = "float32") -> DrafterConfig:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the drafter config {path}: {e}") from e
+    return DrafterConfig.from_zlab(hf, dtype=dtype)
+
+
+def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """All tensors of the directory (sharded or not), `model.` stripped, duplicates refused."""
+    try:
+        stored = read_safetensors_dir(directory)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, struct.error) as e:
+        raise CheckpointError(f"cannot read drafter weights in {directory}: {e}") from e
+    tensors: dict[str, np.ndarray] = {}
+    for key, st in stored.items():
+        name = canonical_name(key)
+        if name in tensors:
+            raise CheckpointError(f"{st.file}: tensor {name!r} appears twice (as {key!r})")
+        try:
+            tensors[name] = np.asarray(st.read())
+        except (OSError, ValueError) as e:  # a truncated file fails when mapped
+            raise CheckpointError(f"cannot read tensor {key!r} from {st.file}: {e}") from e
+    return tensors
+
+
+def read_zlab(directory: str | Path, dtype: str = "float32") -> tuple[DrafterConfig, dict]:
+    """Reads a z-lab drafter directory -> (DrafterConfig, params as numpy arrays in `dtype`).
+
+    Refuses unmapped, missing or duplicate tensors and wrong shapes, naming the key."""
+    directory = Path(directory)
+    config = read_zlab_config(directory, dtype)
+    tensors = _read_tensors(directory)
+    table = _table(config)
+    unmapped = sorted(set(tensors) - set(table))
+    if unmapped:
+        raise CheckpointError(
+            f"{directory}: unmapped drafter tensors {unmapped[:8]}"
+            f"{' ...' if len(unmapped) > 8 else ''} (DFlash2 or a different architecture?)"
+        )
+    missing = sorted(set(table) - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"{directory}: missing drafter tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}; config.json expects "
+            f"{config.num_layers} layers"
+        )
+    np_dtype = _np_dtype(dtype)
+    params: dict = {}
+    for key, (path, shape, kind) in table.items():
+        w = tensors[key]
+        if tuple(w.shape) != shape:
+            raise CheckpointError(
+                f"{directory}: tensor {key!r} has shape {list(w.shape)}; expected {list(shape)} "
+                f"from config.json"
+            )
+        _set(params, path, np.ascontiguousarray(_to_ours(w, kind, config)).astype(np_dtype))
+    return config, params
+
+
+def write_zlab(
+    directory: str | Path, config: DrafterConfig, params: dict, dtype: str = "bfloat16"
+) -> None:
+    """Writes `config.json` + `model.safetensors` that `dflash.DFlashDraftModel.from_pretrained`
+    (and vLLM/SGLang) load."""
+    np_dtype = _np_dtype(dtype)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for key, (path, shape, kind) in _table(config).items():
+        try:
+            w = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
+        except KeyError as e:
+            raise ConfigError(f"drafter params lack {'/'.join(path)} (for {key})") from e
+        if kind == "norm":
+            hf = w
+        elif kind == "o_proj":
+            hf = w.reshape(-1, config.hidden_size).T
+        else:
+            hf = w.reshape(w.shape[0], -1).T
+        if tuple(hf.shape) != shape:
+            raise ConfigError(
+                f"drafter param {'/'.join(path)} gives {key} of shape {list(hf.shape)}; "
+                f"expected {list(shape)}"
+            )
+        tensors[key] = np.ascontiguousarray(hf).astype(np_dtype)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    zlab = dataclasses.replace(config, dtype=dtype).to_zlab()
+    (directory / CONFIG_FILE).write_text(json.dumps(zlab, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,232 @@
+"""The DFlash drafter: a few Qwen3-style layers whose keys/values also cover the target's context.
+
+One draft call (dflash-spec §1):
+  c = hidden_norm(fc(concat taps))                      context, shared by every layer
+  per layer: q from the block only; k/v = proj([c ; h]) context first, k_norm on both, RoPE at
+  absolute positions (context slot s at s, block slot j at anchor + j); attention non-causal
+  over visible context + own block (sliding layers: causal in the block and windowed)
+  final `norm`, then the target's frozen lm_head on slots 1..bs-1.
+
+Context K/V are computed once per appended context row (`context_kv`) and cached by the caller;
+`__call__` runs the layers over embedded blocks against that cache.
+
+Letters: B batch, T context rows, S cache slots, Q block tokens (N blocks x block_size),
+N blocks, K kv heads, H head dim, D model dim, F taps width, V vocab.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
+from dflash_jax.models.target import Transformer
+from dflash_jax.ops.attention import attention, drafter_mask
+
+
+class DrafterLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer whose attention keys are [context ; block]."""
+
+    config: DrafterConfig
+
+    def setup(self):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        self.self_attn = AttentionProjections(
+            c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, True, c.rms_norm_eps, dtype
+        )
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        self.mlp = MLP(c.intermediate_size, dtype)
+
+    def context_kv(self, c_btd, cos, sin):
+        """Context rows (already fc + hidden_norm) -> (k [B,T,K,H] after k_norm + RoPE, v)."""
+        return self.self_attn.key_value(c_btd, cos, sin)
+
+    def __call__(self, x_bqd, cos, sin, ctx_k_bskh, ctx_v_bskh, mask_bq_s):
+        h_bqd = self.input_layernorm(x_bqd)
+        q_bqnh = self.self_attn.query(h_bqd, cos, sin)
+        k_bqkh, v_bqkh = self.self_attn.key_value(h_bqd, cos, sin)
+        k_bskh = jnp.concatenate([ctx_k_bskh.astype(k_bqkh.dtype), k_bqkh], axis=1)
+        v_bskh = jnp.concatenate([ctx_v_bskh.astype(v_bqkh.dtype), v_bqkh], axis=1)
+        attn_bqnh = attention(q_bqnh, k_bskh, v_bskh, mask_bq_s)
+        x_bqd = x_bqd + self.self_attn.output(attn_bqnh)
+        return x_bqd + self.mlp(self.post_attention_layernorm(x_bqd))
+
+
+class Drafter(nn.Module):
+    """Params: fc{kernel [F,D]}, hidden_norm, layers_{i}{...}, norm. See module docstring."""
+
+    config: DrafterConfig
+
+    def setup(self):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype)
+        self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
+        self.layers = [DrafterLayer(c) for _ in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def context_kv(self, taps_btf: jax.Array, positions_bt: jax.Array) -> tuple[tuple, tuple]:
+        """taps [B,T,F] (raw target taps in target_layer_ids order), positions [B,T] ->
+        (ks, vs): tuples of L arrays [B,T,K,H]; k after k_norm and RoPE at `positions`."""
+        c_btd = self.hidden_norm(self.fc(taps_btf))
+        cos, sin = rope_tables(positions_bt, self.inv_freq, c_btd.dtype)
+        kvs = [layer.context_kv(c_btd, cos, sin) for layer in self.layers]
+        return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
+
+    def __call__(
+        self,
+        x_bqd: jax.Array,
+        ctx_k: tuple,
+        ctx_v: tuple,
+        context_lengths_b: jax.Array,
+        anchors_bn: jax.Array,
+        block_size: int,
+    ) -> jax.Array:
+        """x [B,Q=N*block_size,D] embedded block tokens; ctx_k/ctx_v: L arrays [B,S,K,H] (slot s
+        holds position s; slots >= context_lengths[b] are ignored); anchors [B,N]: block n's slot
+        j sits at anchors[b,n] + j and sees context slots < min(anchor, context_length).
+        -> final-normed hidden states [B,Q,D]."""
+        b, q, _ = x_bqd.shape
+        num_blocks = anchors_bn.shape[1]
+        if q != num_blocks * block_size:
+            raise ValueError(
+                f"drafter input has {q} tokens; expected {num_blocks} blocks x {block_size}"
+            )
+        positions_bq = (anchors_bn[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(
+            b, q
+        )
+        cos, sin = rope_tables(positions_bq, self.inv_freq, x_bqd.dtype)
+        num_context = ctx_k[0].shape[1]
+        masks = {}
+        for i, layer in enumerate(self.layers):
+            kind = (self.config.layer_is_causal(i), self.config.layer_window(i))
+            if kind not in masks:
+                masks[kind] = drafter_mask(
+                    context_lengths_b, anchors_bn, block_size, num_context, *kind
+                )
+            x_bqd = layer(x_bqd, cos, sin, ctx_k[i], ctx_v[i], masks[kind])
+        return self.norm(x_bqd)
+
+    def forward_from_taps(
+        self,
+        taps_btf: jax.Array,
+        x_bqd: jax.Array,
+        context_lengths_b: jax.Array,
+        anchors_bn: jax.Array,
+        block_size: int,
+    ) -> jax.Array:
+        """Whole-sequence form (training): context slot t at position t, then `__call__`."""
+        b, t, _ = taps_btf.shape
+        positions_bt = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+        ctx_k, ctx_v = self.context_kv(taps_btf, positions_bt)
+        return self(x_bqd, ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size)
+
+
+def init_drafter_params(config: DrafterConfig, rng: jax.Array) -> dict:
+    """Random drafter params (tests, training from scratch, eval_shape of full configs)."""
+    dtype = jnp.dtype(config.dtype)
+    taps = jnp.zeros((1, 1, config.num_taps * config.hidden_size), dtype)
+    x = jnp.zeros((1, config.block_size, config.hidden_size), dtype)
+    one = jnp.ones((1,), jnp.int32)
+
+    @jax.jit  # one compile instead of one per primitive
+    def init(rng):
+        return Drafter(config).init(
+            rng, taps, x, one, one[:, None], config.block_size, method="forward_from_taps"
+        )["params"]
+
+    return init(rng)
+
+
+def embed_block(
+    target_params, target_config: TargetConfig, drafter_config: DrafterConfig, tokens_bq
+) -> jax.Array:
+    """Block tokens [B,Q] -> [B,Q,D] with the target's frozen embedding, x input_embedding_scale,
+    in the drafter's dtype."""
+    x_bqd = Transformer(target_config).apply({"params": target_params}, tokens_bq, method="embed")
+    if drafter_config.input_embedding_scale is not None:
+        x_bqd = x_bqd * drafter_config.input_embedding_scale
+    return x_bqd.astype(jnp.dtype(drafter_config.dtype))
+
+
+def hidden_to_logits(
+    target_params, target_config: TargetConfig, drafter_config: DrafterConfig, hidden
+) -> jax.Array:
+    """Final-normed drafter hidden states [..., D] -> fp32 logits [..., V]: the target's frozen
+    lm_head (tied or not), then output_multiplier and softcapping s*tanh(z/s)."""
+    lead = hidden.shape[:-1]
+    hidden_td = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.dtype(target_config.dtype))
+    logits_tv = Transformer(target_config).apply(
+        {"params": target_params}, hidden_td, method="unembed"
+    )
+    logits_tv = logits_tv.astype(jnp.float32)
+    if drafter_config.output_multiplier is not None:
+        logits_tv = logits_tv * drafter_config.output_multiplier
+    cap = drafter_config.final_logit_softcapping
+    if cap:
+        logits_tv = cap * jnp.tanh(logits_tv / cap)
+    return logits_tv.reshape(*lead, logits_tv.shape[-1])
+
+
+def draft_logits(
+    drafter_params,
+    target_params,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    block_tokens_bq: jax.Array,
+    ctx_k: tuple,
+    ctx_v: tuple,
+    context_lengths_b: jax.Array,
+    anchors_bn: jax.Array,
+    block_size: int,
+) -> jax.Array:
+    """Embed the blocks, run the drafter, drop each block's anchor slot, apply the lm_head.
+    block_tokens [B, N*block_size] -> logits [B, N, block_size-1, V] (slot j predicts anchor+j)."""
+    x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
+    hidden_bqd = Drafter(drafter_config).apply(
+        {"params": drafter_params}, x_bqd, ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size
+    )
+    b, n = anchors_bn.shape
+    hidden_bnjd = hidden_bqd.reshape(b, n, block_size, -1)[:, :, 1:]
+    return hidden_to_logits(target_params, target_config, drafter_config, hidden_bnjd)
+
+
+def check_fits(
+    drafter_config: DrafterConfig, target_config: TargetConfig, drafter_params=None
+) -> None:
+    """Raises ConfigError naming the first mismatch between a drafter and its target. With
+    `drafter_params`, also checks that fc's input width matches taps x target hidden size."""
+    d, t = drafter_config, target_config
+    if d.hidden_size != t.hidden_size:
+        raise ConfigError(
+            f"drafter hidden_size={d.hidden_size} does not match the target's "
+            f"hidden_size={t.hidden_size}"
+        )
+    if d.vocab_size != t.vocab_size:
+        raise ConfigError(
+            f"drafter vocab_size={d.vocab_size} does not match the target's "
+            f"vocab_size={t.vocab_size}"
+        )
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise ConfigError(
+            f"drafter mask_token_id={d.mask_token_id} is not a row of the target embedding "
+            f"(vocab_size={t.vocab_size})"
+        )
+    bad = [l for l in d.target_layer_ids if not 0 <= l < t.num_layers]
+    if bad:
+        raise ConfigError(
+            f"drafter target_layer_ids {list(d.target_layer_ids)} include {bad}, outside "
+            f"[0, {t.num_layers - 1}] for a {t.num_layers}-layer target"
+        )
+    if drafter_params is not None:
+        width = drafter_params["fc"]["kernel"].shape[0]
+        if width != d.num_taps * t.hidden_size:
+            raise ConfigError(
+                f"drafter fc takes {width} inputs; {d.num_taps} taps x hidden_size "
+                f"{t.hidden_size} = {d.num_taps * t.hidden_size} expected"
+            )
