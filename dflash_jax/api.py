@@ -64,6 +64,16 @@ def stop_token_ids(target) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def load_pair(target_source: str, drafter_source: str, dtype: str = "float32"):
+    """(target, drafter or None for drafter_source == "none"), as the CLIs accept them."""
+    from dflash_jax.io import load_target
+    from dflash_jax.io.drafter_io import load_drafter
+
+    target = load_target(target_source, dtype=dtype)
+    drafter = None if drafter_source == "none" else load_drafter(drafter_source, target)
+    return target, drafter
+
+
 @dataclasses.dataclass
 class TimedRun:
     output: DecodeOutput

@@ -118,6 +118,7 @@ def run_turn(target, drafter, ids, cfg, warmed):
         "ar_tpot_s": tpot(ar, n_ar),
         "dflash_tpot_s": tpot(df, n_df),
         "steps": steps,
+        "ar_steps": int(ar.output.num_steps[0]),
         "tau_mean": float(np.mean(taus)) if taus else None,
         "taus": taus,
         "outputs_identical": bool(
@@ -131,6 +132,10 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
     ar_tpot = float(np.mean([t["ar_tpot_s"] for t in timed]))
     df_tpot = float(np.mean([t["dflash_tpot_s"] for t in timed]))
     all_taus = [x for t in turns for x in t["taus"]]
+    # Cost of one loop step (draft + verify + accept vs one AR token), prefill excluded.
+    stepped = [t for t in turns if t["steps"] and t["ar_steps"]]
+    df_step = np.mean([(t["dflash_s"] - t["prefill_s"]) / t["steps"] for t in stepped])
+    ar_step = np.mean([(t["ar_s"] - t["prefill_s"]) / t["ar_steps"] for t in stepped])
     hist = np.bincount(np.asarray(all_taus, int), minlength=block_size + 1)[: block_size + 1]
     return {
         "turns": len(turns),
@@ -140,6 +145,9 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
         "dflash_tokens_per_s": 1.0 / df_tpot,
         "speedup": ar_tpot / df_tpot,
         "outputs_identical": all(t["outputs_identical"] for t in turns),
+        "dflash_step_s": float(df_step),
+        "ar_step_s": float(ar_step),
+        "step_cost_ratio": float(df_step / ar_step),
         "mean_new_tokens": float(np.mean([t["dflash_tokens"] for t in turns])),
     }
 
@@ -183,10 +191,8 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from infer.generate import _load
-
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
-    target, drafter = _load(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+    target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
     if drafter is None:
         raise app.UsageError("--drafter=none: the benchmark compares DFlash with the target")
     block = FLAGS.block_size or drafter.config.block_size
@@ -242,7 +248,8 @@ def main(argv):
     print(
         f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f}, "
         f"AR {agg['ar_tokens_per_s']:.1f} tok/s, DFlash {agg['dflash_tokens_per_s']:.1f} tok/s, "
-        f"speedup {agg['speedup']:.2f}x, outputs identical: {agg['outputs_identical']}"
+        f"speedup {agg['speedup']:.2f}x, one DFlash step = {agg['step_cost_ratio']:.2f} AR steps, "
+        f"outputs identical: {agg['outputs_identical']}"
     )
 
 

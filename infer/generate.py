@@ -47,21 +47,12 @@ flags.DEFINE_bool("compare_ar", False, "Also run the target alone; report speedu
 flags.DEFINE_bool("json", False, "Print one JSON object instead of text and a summary.")
 
 
-def _load(target_name, drafter_name, dtype):
-    from dflash_jax.io import load_target
-    from dflash_jax.io.drafter_io import load_drafter
-
-    target = load_target(target_name, dtype=dtype)
-    drafter = None if drafter_name == "none" else load_drafter(drafter_name, target)
-    return target, drafter
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
-    target, drafter = _load(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+    target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
     block = FLAGS.block_size or (drafter.config.block_size if drafter else 1)
     cfg = DecodeConfig(
         max_new_tokens=FLAGS.max_new_tokens,

@@ -1,0 +1,132 @@
+"""GGUF (llama.cpp) targets: metadata -> HF-style config dict, tensors -> HF names and layout.
+
+Tensors are dequantised with the gguf package's numpy reader and renamed onto the HF names that
+`hf.convert_to_params` expects, so both formats share one conversion. llama.cpp permutes the rows
+of q/k for its interleaved RoPE; `_unpermute` undoes it (as transformers' own GGUF loader does).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from dflash_jax.io.hf import CheckpointError, StoredTensor
+
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_LEVEL = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> canonical HF name; unknown names pass through unchanged so the
+    conversion refuses them by name."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_TO_HF:
+        return f"layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}.weight"
+    return gguf_name
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation: [n_head*H, D] rows (pairs interleaved) ->
+    HF rotate-half order."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise CheckpointError(f"q/k rows {rows} are not divisible by 2*{n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _dequantized(tensor, n_head: int | None, file: str, shape: tuple[int, ...]) -> np.ndarray:
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if tuple(w.shape) != shape:
+        raise CheckpointError(
+            f"{file}: tensor {tensor.name!r} dequantised to {tuple(w.shape)}, expected {shape}"
+        )
+    w = w.astype(np.float32, copy=False)
+    return w if n_head is None else _unpermute(w, n_head)
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor], bool]:
+    """Returns (HF-style config dict for `TargetConfig.from_hf`, canonical HF name ->
+    StoredTensor in HF layout, whether the file embeds a tokenizer). Only the llama
+    architecture is supported."""
+    file = str(path)
+    reader = gguf.GGUFReader(file)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{file}: GGUF architecture {arch!r} is not supported (only llama)")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{file}: GGUF metadata llama.{key} is missing")
+        return value
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    rope_dims = int(meta("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise CheckpointError(
+            f"{file}: partial RoPE (rope.dimension_count={rope_dims}, head_dim={head_dim}) "
+            "is not supported"
+        )
+    names = [t.name for t in reader.tensors]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else int(meta("vocab_size"))
+    scaling_type = _field(reader, "llama.rope.scaling.type", "none")
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    config = {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": None
+        if scaling_type == "none"
+        else {"rope_type": scaling_type, "factor": _field(reader, "llama.rope.scaling.factor")},
+        "max_position_embeddings": int(meta("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
+    }
+    heads = {"attn_q": n_heads, "attn_k": n_kv}
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
+        m = _BLOCK.fullmatch(t.name)
+        n_head = heads.get(m.group(2)) if m else None
+        tensors[hf_name(t.name)] = StoredTensor(
+            t.name, file, shape, lambda t=t, n=n_head, s=shape: _dequantized(t, n, file, s)
+        )
+    return config, tensors, tokens is not None

@@ -1,0 +1,232 @@
+"""HF checkpoints: safetensors reading and the one table that turns HF-named tensors into the
+`Transformer` param tree. The GGUF reader maps its tensors onto the same HF names, so both formats
+share this conversion (and its checks).
+
+HF Linear weights are [out, in]; our kernels are [in, out] with heads split out:
+q_proj [D,N,H], k/v_proj [D,K,H], o_proj [N,H,D], gate/up [D,F], down [F,D], lm_head [D,V].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from dflash_jax.config import TargetConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: names the tensor, the file and the expectation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor in a checkpoint file, read lazily. `shape` is the HF-layout shape."""
+
+    name: str  # as spelled in the file
+    file: str
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+
+# safetensors dtype codes; numpy has no bfloat16, hence ml_dtypes and our own header reader
+# (safe_open(framework="numpy") refuses BF16, the dtype most targets ship in).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _memmap(file: str, offset: int, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    return np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def read_safetensors_header(file: str | Path) -> dict[str, StoredTensor]:
+    """Tensor name -> StoredTensor (memory-mapped on read) for one .safetensors file."""
+    file = str(file)
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        shape = tuple(int(d) for d in info["shape"])
+        offset = 8 + header_len + int(info["data_offsets"][0])
+        out[name] = StoredTensor(
+            name, file, shape, lambda f=file, o=offset, d=dtype, s=shape: _memmap(f, o, d, s)
+        )
+    return out
+
+
+def read_safetensors_dir(directory: str | Path) -> dict[str, StoredTensor]:
+    """All tensors of an HF directory: `model.safetensors.index.json` (sharded) or
+    `model.safetensors`."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (directory / "model.safetensors").is_file():
+        weight_map, files = {}, ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(found)}; convert them to safetensors)" if found else ""
+        raise FileNotFoundError(
+            f"{directory}: no model.safetensors or model.safetensors.index.json{hint}"
+        )
+    tensors: dict[str, StoredTensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{index}: shard {name} is missing from {directory}")
+        tensors.update(read_safetensors_header(path))
+    for name, file in weight_map.items():
+        if name not in tensors or Path(tensors[name].file).name != file:
+            raise CheckpointError(f"{index}: tensor {name!r} is not in its listed shard {file}")
+    return tensors
+
+
+def canonical_name(name: str) -> str:
+    """HF names with or without the `model.` prefix map to one spelling (without it)."""
+    return name.removeprefix("model.")
+
+
+# Buffers some older checkpoints carry; derived from the config, so never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def _split_heads_in(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[n*h, D] -> [D, n, h]"""
+    return lambda w: w.reshape(n, h, w.shape[1]).transpose(2, 0, 1)
+
+
+def _split_heads_out(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[D, n*h] -> [n, h, D]"""
+    return lambda w: w.reshape(w.shape[0], n, h).transpose(1, 2, 0)
+
+
+def _keep(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def param_layout(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], Any]]:
+    """Canonical HF name -> (param path, expected HF shape, HF->ours transform), every tensor
+    the `Transformer` needs (lm_head only when untied)."""
+    c = config
+    d, f, v, h = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    n, k = c.num_heads, c.num_kv_heads
+    layout = {
+        "embed_tokens.weight": (("embed_tokens", "embedding"), (v, d), _keep),
+        "norm.weight": (("norm", "scale"), (d,), _keep),
+    }
+    if not c.tie_word_embeddings:
+        layout["lm_head.weight"] = (("lm_head", "kernel"), (v, d), _t)
+    for i in range(c.num_layers):
+        hf, ours = f"layers.{i}.", f"layers_{i}"
+        q_in, kv_in, o_out = _split_heads_in(n, h), _split_heads_in(k, h), _split_heads_out(n, h)
+        per_layer = {
+            "input_layernorm.weight": (("input_layernorm", "scale"), (d,), _keep),
+            "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), (d,), _keep),
+            "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), (n * h, d), q_in),
+            "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), (k * h, d), kv_in),
+            "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), (k * h, d), kv_in),
+            "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), (d, n * h), o_out),
+            "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), (f, d), _t),
+            "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), (f, d), _t),
+            "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), (d, f), _t),
+        }
+        if c.use_qk_norm:
+            per_layer["self_attn.q_norm.weight"] = (("self_attn", "q_norm", "scale"), (h,), _keep)
+            per_layer["self_attn.k_norm.weight"] = (("self_attn", "k_norm", "scale"), (h,), _keep)
+        for name, (path, shape, fn) in per_layer.items():
+            layout[hf + name] = ((ours, *path), shape, fn)
+    return layout
+
+
+def convert_to_params(
+    tensors: Mapping[str, StoredTensor],
+    config: TargetConfig,
+    source: str,
+    cast: Callable[[np.ndarray], Any] = np.asarray,
+) -> dict:
+    """Checks names and shapes against `param_layout` and builds the nested param dict.
+
+    tensors: canonical HF name -> StoredTensor. Refuses missing, unknown and mis-shaped tensors
+    (naming tensor, file and expected shape); with tied embeddings an `lm_head.weight` present
+    in the file must equal the embedding. `cast` turns each converted numpy array into a leaf.
+    """
+    layout = param_layout(config)
+    tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    extra = sorted(set(tensors) - set(layout) - {"lm_head.weight"})
+    if extra:
+        t = tensors[extra[0]]
+        raise CheckpointError(
+            f"{t.file}: unknown tensor {t.name!r} with shape {t.shape} "
+            f"({len(extra)} unexpected in all: {', '.join(extra[:5])})"
+        )
+    missing = [n for n in layout if n not in tensors]
+    if missing:
+        hint = " (config has tie_word_embeddings=false)" if missing[0] == "lm_head.weight" else ""
+        raise CheckpointError(
+            f"{source}: missing tensor {missing[0]!r}{hint}, expected shape "
+            f"{layout[missing[0]][1]} ({len(missing)} missing in all)"
+        )
+    for name, (_, shape, _) in layout.items():
+        if tensors[name].shape != shape:
+            t = tensors[name]
+            raise CheckpointError(
+                f"{t.file}: tensor {t.name!r} has shape {t.shape}, expected {shape}"
+            )
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        head, embed = tensors["lm_head.weight"], tensors["embed_tokens.weight"]
+        if head.shape != embed.shape or not np.array_equal(head.read(), embed.read()):
+            raise CheckpointError(
+                f"{head.file}: config ties word embeddings but {head.name!r} differs from "
+                f"{embed.name!r}; set tie_word_embeddings=false to load an untied head"
+            )
+    params: dict = {}
+    for name, (path, _, fn) in layout.items():
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = cast(fn(tensors[name].read()))
+    return params
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def generation_eos_ids(directory: Path) -> tuple[int, ...]:
+    """Stop ids from `generation_config.json` (eos_token_id may be an int or a list)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = read_json(path).get("eos_token_id")
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
