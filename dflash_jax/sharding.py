@@ -44,7 +44,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|/)[a-z_]*norm/scale$", ("norm",)),
 )
 
-KV_CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def _path_str(path) -> str:
@@ -129,7 +129,7 @@ def param_shardings(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
 
 
 def cache_shardings(cache, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-    """NamedSharding pytree for a KV cache whose buffers are [B,S,K,H]."""
+    """NamedSharding pytree for a KV cache whose buffers are [B,K,S,H]."""
     return jax.tree_util.tree_map(
         lambda buf: NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, buf.shape, mesh, rules)),
         cache,

@@ -165,7 +165,7 @@ def _check_batched_blocks(pair, bs):
     )
     garbage = lambda c: tuple(
         jnp.where(
-            jnp.arange(slots)[None, :, None, None] < jnp.array(lengths)[:, None, None, None], x, 1e3
+            jnp.arange(slots)[None, None, :, None] < jnp.array(lengths)[:, None, None, None], x, 1e3
         )
         for x in c
     )
@@ -200,9 +200,9 @@ def test_context_kv_appends_equal_one_shot(pair):
     a_k, a_v = pair.context_kv(taps_btf[:, :cut], positions[:, :cut])
     b_k, b_v = pair.context_kv(taps_btf[:, cut:], positions[:, cut:])
     assert len(one_k) == pair.drafter.config.num_layers
-    assert one_k[0].shape == (1, CONTEXT, pair.drafter.config.num_kv_heads, 16)
+    assert one_k[0].shape == (1, pair.drafter.config.num_kv_heads, CONTEXT, 16)
     for one, a, b in zip(one_k + one_v, a_k + a_v, b_k + b_v, strict=True):
-        np.testing.assert_allclose(np.concatenate([a, b], axis=1), one, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.concatenate([a, b], axis=2), one, atol=1e-6, rtol=0)
     # positions matter: the same rows at shifted positions give different keys, not values
     shifted_k, shifted_v = pair.context_kv(taps_btf[:, cut:], positions[:, :-cut] + 1)
     assert not np.allclose(shifted_k[0], b_k[0], atol=1e-3)

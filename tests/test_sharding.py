@@ -132,7 +132,7 @@ def sharded_forward_max_diff() -> float:
     params = jax.jit(init_params, static_argnums=0)(TINY, jax.random.key(0))  # one compile
     b, t, s = 4, 3, 16
     cache = init_cache(TINY, b, s)
-    noise = jax.random.normal(jax.random.key(1), (2 * TINY.num_layers, b, s, 2, 16))
+    noise = jax.random.normal(jax.random.key(1), (2 * TINY.num_layers, b, 2, s, 16))
     cache = type(cache)(k=tuple(noise[: TINY.num_layers]), v=tuple(noise[TINY.num_layers :]))
     tokens = jax.random.randint(jax.random.key(2), (b, t), 0, TINY.vocab_size)
     lengths = jnp.array([12, 7, 9, 0], jnp.int32)

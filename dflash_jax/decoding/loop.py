@@ -52,7 +52,7 @@ class _State:
     num_steps: jax.Array  # [B]
     acc: jax.Array  # [B, max_steps]
     cache: KVCache
-    ctx_k: tuple | None = None  # L x [B, S, Kv, H] drafter context cache
+    ctx_k: tuple | None = None  # L x [B, Kv, S, H] drafter context cache
     ctx_v: tuple | None = None
     drf_len: jax.Array | None = None  # [B]
     pending: jax.Array | None = None  # [B, T, taps*D] taps not yet appended
@@ -199,7 +199,7 @@ def _speculative_jit(
     positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     ks, vs = drafter.apply(dparams, taps_bpf, positions_bp, method="context_kv")
     zero_b = jnp.zeros((b,), jnp.int32)
-    ctx_shape = (b, cache_len, dcfg.num_kv_heads, dcfg.head_dim)
+    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
     ctx_k = tuple(write_rows(jnp.zeros(ctx_shape, k.dtype), k, zero_b) for k in ks)
     ctx_v = tuple(write_rows(jnp.zeros(ctx_shape, v.dtype), v, zero_b) for v in vs)
     state = state.replace(

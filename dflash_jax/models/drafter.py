@@ -42,16 +42,16 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(c.intermediate_size, dtype)
 
     def context_kv(self, c_btd, cos, sin):
-        """Context rows (already fc + hidden_norm) -> (k [B,T,K,H] after k_norm + RoPE, v)."""
+        """Context rows (already fc + hidden_norm) -> (k [B,K,T,H] after k_norm + RoPE, v)."""
         return self.self_attn.key_value(c_btd, cos, sin)
 
-    def __call__(self, x_bqd, cos, sin, ctx_k_bskh, ctx_v_bskh, mask_bq_s):
+    def __call__(self, x_bqd, cos, sin, ctx_k_bksh, ctx_v_bksh, mask_bq_s):
         h_bqd = self.input_layernorm(x_bqd)
         q_bqnh = self.self_attn.query(h_bqd, cos, sin)
-        k_bqkh, v_bqkh = self.self_attn.key_value(h_bqd, cos, sin)
-        k_bskh = jnp.concatenate([ctx_k_bskh.astype(k_bqkh.dtype), k_bqkh], axis=1)
-        v_bskh = jnp.concatenate([ctx_v_bskh.astype(v_bqkh.dtype), v_bqkh], axis=1)
-        attn_bqnh = attention(q_bqnh, k_bskh, v_bskh, mask_bq_s)
+        k_bkqh, v_bkqh = self.self_attn.key_value(h_bqd, cos, sin)
+        k_bksh = jnp.concatenate([ctx_k_bksh.astype(k_bkqh.dtype), k_bkqh], axis=2)
+        v_bksh = jnp.concatenate([ctx_v_bksh.astype(v_bkqh.dtype), v_bkqh], axis=2)
+        attn_bqnh = attention(q_bqnh, k_bksh, v_bksh, mask_bq_s)
         x_bqd = x_bqd + self.self_attn.output(attn_bqnh)
         return x_bqd + self.mlp(self.post_attention_layernorm(x_bqd))
 
@@ -72,7 +72,8 @@ class Drafter(nn.Module):
 
     def context_kv(self, taps_btf: jax.Array, positions_bt: jax.Array) -> tuple[tuple, tuple]:
         """taps [B,T,F] (raw target taps in target_layer_ids order), positions [B,T] ->
-        (ks, vs): tuples of L arrays [B,T,K,H]; k after k_norm and RoPE at `positions`."""
+        (ks, vs): tuples of L arrays [B,K,T,H] (the cache layout); k after k_norm and RoPE at
+        `positions`."""
         c_btd = self.hidden_norm(self.fc(taps_btf))
         cos, sin = rope_tables(positions_bt, self.inv_freq, c_btd.dtype)
         kvs = [layer.context_kv(c_btd, cos, sin) for layer in self.layers]
@@ -87,7 +88,7 @@ class Drafter(nn.Module):
         anchors_bn: jax.Array,
         block_size: int,
     ) -> jax.Array:
-        """x [B,Q=N*block_size,D] embedded block tokens; ctx_k/ctx_v: L arrays [B,S,K,H] (slot s
+        """x [B,Q=N*block_size,D] embedded block tokens; ctx_k/ctx_v: L arrays [B,K,S,H] (slot s
         holds position s; slots >= context_lengths[b] are ignored); anchors [B,N]: block n's slot
         j sits at anchors[b,n] + j and sees context slots < min(anchor, context_length).
         -> final-normed hidden states [B,Q,D]."""
@@ -101,7 +102,7 @@ class Drafter(nn.Module):
             b, q
         )
         cos, sin = rope_tables(positions_bq, self.inv_freq, x_bqd.dtype)
-        num_context = ctx_k[0].shape[1]
+        num_context = ctx_k[0].shape[2]
         masks = {}
         for i, layer in enumerate(self.layers):
             kind = (self.config.layer_is_causal(i), self.config.layer_window(i))

@@ -117,10 +117,12 @@ class AttentionProjections(nn.Module):
         return apply_rope(q_btnh, cos, sin)
 
     def key_value(self, x_btd, cos, sin):
+        """-> (k, v), each kv-head-major [B,K,T,H] (the cache layout); k normed and rotated."""
         k_btkh = self.k_proj(x_btd)
         if self.qk_norm:
             k_btkh = self.k_norm(k_btkh)
-        return apply_rope(k_btkh, cos, sin), self.v_proj(x_btd)
+        k_btkh = apply_rope(k_btkh, cos, sin)
+        return jnp.swapaxes(k_btkh, 1, 2), jnp.swapaxes(self.v_proj(x_btd), 1, 2)
 
     def output(self, attn_btnh):
         return self.o_proj(attn_btnh)

@@ -22,14 +22,14 @@ from dflash_jax.ops.attention import attention, causal_cache_mask, causal_mask
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer key/value buffers, each [B,S,K,H]; lengths live with the caller."""
+    """Per-layer key/value buffers, each kv-head-major [B,K,S,H]; lengths live with the caller."""
 
     k: tuple
     v: tuple
 
     @classmethod
     def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
-        shape = (batch, max_len, num_kv_heads, head_dim)
+        shape = (batch, num_kv_heads, max_len, head_dim)
         # zeros, never jnp.empty (uninitialised since JAX 0.11).
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -38,15 +38,18 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
-def write_rows(buf_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
-    """Writes new[b, t] at buf[b, start[b] + t]; writes past the end are dropped, not clamped."""
-    b, t = new_btkh.shape[:2]
+def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Writes new[b, :, t] at buf[b, :, start[b] + t]; writes past the end are dropped, never
+    clamped (dynamic_update_slice would clamp and overwrite committed slots)."""
+    b, t = new_bkth.shape[0], new_bkth.shape[2]
     slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return buf_bskh.at[rows_bt, slots_bt].set(new_btkh.astype(buf_bskh.dtype), mode="drop")
+    # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
+    update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
+    return buf_bksh.at[rows_bt, :, slots_bt].set(update_btkh, mode="drop")
 
 
 class DecoderLayer(nn.Module):
@@ -71,14 +74,14 @@ class DecoderLayer(nn.Module):
     def __call__(self, x_btd, cos, sin, mask_bts, layer_cache=None, cache_lengths=None):
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
-        k_btkh, v_btkh = self.self_attn.key_value(h_btd, cos, sin)
+        k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
         if layer_cache is not None:
-            k_bskh = write_rows(layer_cache[0], k_btkh, cache_lengths)
-            v_bskh = write_rows(layer_cache[1], v_btkh, cache_lengths)
-            layer_cache = (k_bskh, v_bskh)
+            k_bksh = write_rows(layer_cache[0], k_bkth, cache_lengths)
+            v_bksh = write_rows(layer_cache[1], v_bkth, cache_lengths)
+            layer_cache = (k_bksh, v_bksh)
         else:
-            k_bskh, v_bskh = k_btkh, v_btkh
-        attn_btnh = attention(q_btnh, k_bskh, v_bskh, mask_bts)
+            k_bksh, v_bksh = k_bkth, v_bkth
+        attn_btnh = attention(q_btnh, k_bksh, v_bksh, mask_bts)
         x_btd = x_btd + self.self_attn.output(attn_btnh)
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, layer_cache

@@ -1,7 +1,8 @@
 """Masked multi-head attention with GQA: the XLA reference that defines every mask kind.
 
 Shapes (style.md letters): B batch, T queries, S keys, N query heads, K kv heads, G = N // K,
-H head dim. Masks are boolean [B, T, S] (True = visible), built by the helpers below, so one
+H head dim. Keys/values are kv-head-major [B,K,S,H] (the KV-cache layout): the batch dims of
+both attention matmuls then lead, so XLA never transposes a whole cache per step. Masks are boolean [B, T, S] (True = visible), built by the helpers below, so one
 attention function serves target prefill/verify, drafting and training.
 """
 
@@ -14,21 +15,21 @@ NEG_INF = -1e30
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool -> [B,T,N,H] in q's dtype.
+    """q [B,T,N,H], k/v [B,K,S,H], mask [B,T,S] bool -> [B,T,N,H] in q's dtype.
 
     Scores and softmax in fp32; scale H^-0.5. Fully masked rows give a uniform average
     (never NaN); callers ignore such rows.
     """
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = k.shape[1]
     g = n // kh
     q_btkgh = q.reshape(b, t, kh, g, h)
     scores_bkgts = jnp.einsum(
-        "btkgh,bskh->bkgts", q_btkgh, k, preferred_element_type=jnp.float32
+        "btkgh,bksh->bkgts", q_btkgh, k, preferred_element_type=jnp.float32
     ) * (h**-0.5)
     scores_bkgts = jnp.where(mask[:, None, None, :, :], scores_bkgts, NEG_INF)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts.astype(v.dtype), v)
+    out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts.astype(v.dtype), v)
     return out_btkgh.reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -1,0 +1,1 @@
+"""Named training configs: `python -m train.train_drafter --config=configs/<name>.py`."""

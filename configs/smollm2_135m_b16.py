@@ -1,0 +1,41 @@
+"""The default drafter for SmolLM2-135M-Instruct, sized for a 2-core CPU (fp32).
+
+3 Qwen3-style layers at the target's width (576, 9/3 heads, head_dim 64, FFN 1536), 5 taps at
+the reference rule's layers [1, 8, 14, 20, 27] of 30, block 16, 512-token rows, 32 anchors.
+
+Mask token: SmolLM2's 49152 embedding rows are all tokenizer entries, so there is no spare
+padding row as in Qwen3. We use id 16, `<empty_output>`, a StarCoder-era Jupyter marker that
+never occurs in chat text; rows 8..16 of the embedding are bit-identical, i.e. never updated by
+pretraining, so the row carries no meaning the drafter must unlearn. Its frozen row is the
+block's MASK input.
+"""
+
+from dflash_jax.training.trainer import default_config
+
+
+def get_config():
+    cfg = default_config()
+    cfg.target = "smollm2-135m-instruct"
+    cfg.data = "data/smollm2"
+    cfg.compute_dtype = "float32"  # bf16 is slower than fp32 on CPU
+    cfg.drafter.hidden_size = 576
+    cfg.drafter.intermediate_size = 1536
+    cfg.drafter.num_layers = 3
+    cfg.drafter.num_heads = 9
+    cfg.drafter.num_kv_heads = 3
+    cfg.drafter.head_dim = 64
+    cfg.drafter.mask_token_id = 16
+    cfg.drafter.target_layer_ids = (1, 8, 14, 20, 27)
+    cfg.block_size = 16
+    cfg.seq_len = 512
+    cfg.num_anchors = 32
+    cfg.ce_chunk_rows = 1024
+    cfg.batch_size = 4
+    cfg.num_epochs = 2  # CPU budget; override with --config.num_steps / num_epochs
+    cfg.data_threads = 1
+    cfg.num_eval_prompts = 4
+    cfg.eval_every = 200
+    cfg.eval_max_new_tokens = 128
+    cfg.log_every = 10
+    cfg.checkpoint_every = 100
+    return cfg

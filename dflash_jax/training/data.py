@@ -1,0 +1,184 @@
+"""Training records on disk and the grain pipeline that turns them into batches.
+
+A record is one conversation: `tokens` (prompt rendered with the chat template + the target's
+own response), `loss_mask` (1 on response tokens only), `source` (where the prompt came from)
+and `prompt` (its text, used to resume generation and to audit overlap). Shards are ArrayRecord
+files of JSON-encoded records, or `.jsonl` with the same JSON on each line.
+
+Pipeline (deterministic, checkpointable with the iterator state):
+  records -> hold out `num_eval` -> shuffle(seed, reshuffled each epoch) -> repeat(epochs)
+  -> pad/truncate to seq_len + sample anchors (rng from seed and the global element index, so
+  anchors differ every epoch) -> batch(drop_remainder=True).
+Rows are padded, not packed: packing would let a block see another conversation's context.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from dflash_jax.training.anchors import sample_anchors
+
+ARRAY_RECORD_SUFFIX = ".array_record"
+JSONL_SUFFIX = ".jsonl"
+FORMATS = {"arrayrecord": ARRAY_RECORD_SUFFIX, "jsonl": JSONL_SUFFIX}
+SHARD_PREFIX = "data-"  # a directory's shards; other jsonl files there (prompt lists) are not
+
+
+def encode_record(record: dict) -> bytes:
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_record(data: bytes | str) -> dict:
+    return json.loads(data)
+
+
+def write_shard(path: str | Path, records: Sequence[dict]) -> None:
+    """Writes a whole shard atomically (temporary file, then rename): a killed run leaves either
+    a complete shard or none. The format follows the suffix."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ARRAY_RECORD_SUFFIX:
+        writer = ArrayRecordWriter(str(tmp), "group_size:1")
+        for record in records:
+            writer.write(encode_record(record))
+        writer.close()
+    elif path.suffix == JSONL_SUFFIX:
+        with open(tmp, "wb") as f:
+            for record in records:
+                f.write(encode_record(record) + b"\n")
+    else:
+        raise ValueError(
+            f"{path}: unknown shard format; expected a {sorted(FORMATS.values())} file"
+        )
+    os.replace(tmp, path)
+
+
+def read_shard_bytes(path: str | Path) -> list[bytes]:
+    path = Path(path)
+    if path.suffix == ARRAY_RECORD_SUFFIX:
+        reader = ArrayRecordReader(str(path))
+        out = reader.read_all()
+        reader.close()
+        return list(out)
+    if path.suffix == JSONL_SUFFIX:
+        return [line for line in path.read_bytes().splitlines() if line.strip()]
+    raise ValueError(f"{path}: unknown shard format; expected a {sorted(FORMATS.values())} file")
+
+
+def read_shard(path: str | Path) -> list[dict]:
+    return [decode_record(b) for b in read_shard_bytes(path)]
+
+
+def expand_paths(patterns: str | Iterable[str]) -> list[str]:
+    """Comma-separated or listed globs/directories -> sorted shard files (a directory gives its
+    `data-*` shards)."""
+    if isinstance(patterns, str):
+        patterns = [p for p in patterns.split(",") if p]
+    files: set[str] = set()
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            for suffix in FORMATS.values():
+                files.update(glob.glob(os.path.join(pattern, f"{SHARD_PREFIX}*{suffix}")))
+        else:
+            files.update(glob.glob(pattern))
+    shards = sorted(f for f in files if Path(f).suffix in FORMATS.values())
+    if not shards:
+        raise FileNotFoundError(f"no {sorted(FORMATS.values())} shards match {list(patterns)}")
+    return shards
+
+
+def record_source(paths: Sequence[str]) -> Sequence[bytes]:
+    """A random-access source of encoded records over all shards (ArrayRecord read lazily,
+    jsonl held in memory)."""
+    suffixes = {Path(p).suffix for p in paths}
+    if suffixes == {ARRAY_RECORD_SUFFIX}:
+        return grain.sources.ArrayRecordDataSource(list(paths))
+    if suffixes == {JSONL_SUFFIX}:
+        return [line for p in paths for line in read_shard_bytes(p)]
+    raise ValueError(
+        f"shards must all be ArrayRecord or all jsonl, got suffixes {sorted(suffixes)}"
+    )
+
+
+class ParseRecord(grain.transforms.Map):
+    """bytes -> {"tokens": int32 [L], "loss_mask": int32 [L]}."""
+
+    def map(self, element: bytes) -> dict:
+        record = decode_record(element)
+        return {
+            "tokens": np.asarray(record["tokens"], np.int32),
+            "loss_mask": np.asarray(record["loss_mask"], np.int32),
+        }
+
+
+class PadAndSampleAnchors(grain.transforms.RandomMap):
+    """Truncates/pads a record to `seq_len` and samples its anchors.
+
+    -> tokens, loss_mask int32 [S]; length int32 []; anchors int32 [N]; anchor_valid bool [N].
+    """
+
+    def __init__(self, seq_len: int, num_anchors: int):
+        self.seq_len = seq_len
+        self.num_anchors = num_anchors
+
+    def random_map(self, element: dict, rng: np.random.Generator) -> dict:
+        length = min(len(element["tokens"]), self.seq_len)
+        tokens = np.zeros((self.seq_len,), np.int32)
+        loss_mask = np.zeros((self.seq_len,), np.int32)
+        tokens[:length] = element["tokens"][:length]
+        loss_mask[:length] = element["loss_mask"][:length]
+        anchors, valid = sample_anchors(loss_mask, length, self.num_anchors, rng)
+        return {
+            "tokens": tokens,
+            "loss_mask": loss_mask,
+            "length": np.int32(length),
+            "anchors": anchors,
+            "anchor_valid": valid,
+        }
+
+
+def split_holdout(
+    source: Sequence[bytes], num_eval: int, seed: int
+) -> tuple[grain.MapDataset, list[dict]]:
+    """A fixed random subset of `num_eval` records is held out (for evaluation prompts); the rest
+    is the training set. -> (train MapDataset of parsed records, held-out decoded records)."""
+    if len(source) <= num_eval:
+        raise ValueError(f"{len(source)} records cannot spare {num_eval} for evaluation")
+    ds = grain.MapDataset.source(source).shuffle(seed=seed)
+    held_out = [decode_record(ds[i]) for i in range(num_eval)]
+    return ds[num_eval:].map(ParseRecord()), held_out
+
+
+def batched_dataset(
+    train: grain.MapDataset,
+    *,
+    seq_len: int,
+    num_anchors: int,
+    batch_size: int,
+    num_epochs: int,
+    seed: int,
+) -> grain.MapDataset:
+    """Shuffled, repeated, padded, anchor-sampled and batched; len() is the number of steps."""
+    if len(train) < batch_size:
+        raise ValueError(f"{len(train)} training records do not fill one batch of {batch_size}")
+    return (
+        train.shuffle(seed=seed)
+        .repeat(num_epochs)
+        .random_map(PadAndSampleAnchors(seq_len, num_anchors), seed=seed)
+        .batch(batch_size, drop_remainder=True)
+    )
+
+
+def prompt_tokens(record: dict) -> list[int]:
+    """The prompt part of a record: every token before the first loss-masked one."""
+    mask = record["loss_mask"]
+    first = mask.index(1) if 1 in mask else len(mask)
+    return record["tokens"][:first]

@@ -1,0 +1,129 @@
+"""Prompt sources for drafter training data, and the guard that keeps evaluation prompts out.
+
+Sources: user files (jsonl `{"prompt": ...}` or txt, one prompt per line), prompts built from
+Python standard-library functions with docstrings (offline, HumanEval-like), and prompts the
+target writes itself from its own chat template (`self_prompts` in generate.py).
+HumanEval and MT-Bench are evaluation sets: `OverlapFilter` drops any prompt that equals one of
+them after normalisation or shares a long word n-gram with one.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+from dflash_jax.io.assets import load_humaneval_prompts, load_mtbench_questions
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str
+    source: str
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    """`.jsonl` lines with a "prompt" field, or any other file as one prompt per line."""
+    path = Path(path)
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        texts = []
+        for i, line in enumerate(lines):
+            record = json.loads(line)
+            if "prompt" not in record:
+                raise ValueError(f"{path}:{i + 1}: jsonl prompt records need a 'prompt' field")
+            texts.append(record["prompt"])
+    else:
+        texts = lines
+    return [Prompt(t.strip(), f"file:{path.name}") for t in texts if t.strip()]
+
+
+def _first_paragraph(doc: str) -> str:
+    paragraph = doc.strip().split("\n\n")[0]
+    return " ".join(paragraph.split())
+
+
+def _signature(node: ast.FunctionDef) -> str:
+    args = ast.unparse(node.args)
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    return f"{node.name}({args}){returns}"
+
+
+def stdlib_code_prompts(limit: int, min_doc_chars: int = 40) -> list[Prompt]:
+    """ "Write a Python function `sig` that ..." from public top-level functions of the Python
+    standard library whose docstring's first paragraph has at least `min_doc_chars` characters.
+    Deterministic (sorted files, source order); at most `limit` prompts."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts: list[Prompt] = []
+    skip_dirs = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            path = Path(dirpath) / name
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in tree.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                if not doc or len(_first_paragraph(doc)) < min_doc_chars:
+                    continue
+                summary = _first_paragraph(doc)
+                text = (
+                    f"Write a Python function `{_signature(node)}` that does the following.\n\n"
+                    f"{summary}"
+                )
+                prompts.append(Prompt(text, f"stdlib:{path.relative_to(root)}"))
+                if len(prompts) >= limit:
+                    return prompts
+    return prompts
+
+
+def normalize(text: str) -> str:
+    """Lower case, punctuation dropped, whitespace collapsed."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def _ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+class OverlapFilter:
+    """Flags prompts that match an evaluation text exactly after `normalize`, or share any word
+    n-gram of length `ngram` with one (the GPT-3 contamination test uses 13)."""
+
+    def __init__(self, eval_texts: Iterable[str], ngram: int = 13):
+        self.ngram = ngram
+        normalized = [normalize(t) for t in eval_texts]
+        self.exact = set(normalized)
+        self.grams = set().union(*(_ngrams(t.split(), ngram) for t in normalized))
+
+    @classmethod
+    def for_benchmarks(cls, ngram: int = 13) -> OverlapFilter:
+        """HumanEval prompts and every MT-Bench turn."""
+        texts = list(load_humaneval_prompts())
+        texts += [turn for q in load_mtbench_questions() for turn in q["turns"]]
+        return cls(texts, ngram)
+
+    def overlaps(self, text: str) -> bool:
+        norm = normalize(text)
+        return norm in self.exact or not self.grams.isdisjoint(_ngrams(norm.split(), self.ngram))
+
+
+def dedupe(prompts: Iterable[Prompt]) -> list[Prompt]:
+    """Drops empty prompts and exact duplicates (after `normalize`), keeping the first."""
+    seen: set[str] = set()
+    out = []
+    for p in prompts:
+        key = normalize(p.text)
+        if key and key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out

@@ -1,0 +1,295 @@
+"""Training: anchors, labels and the block mask on hand-built examples, loss weights, the chunked
+loss against a dense one, a tiny end-to-end run, exact resume after a kill, misfit refusal."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ConfigError, TargetConfig
+from dflash_jax.io.drafter_io import restore_drafter
+from dflash_jax.io.target_loader import LoadedTarget
+from dflash_jax.models.target import init_params
+from dflash_jax.ops.attention import drafter_mask
+from dflash_jax.training import data, trainer
+from dflash_jax.training.anchors import anchor_candidates, sample_anchors
+from dflash_jax.training.loss import (
+    block_diffusion_loss,
+    block_inputs,
+    block_labels,
+    default_gamma,
+    implied_acceptance,
+    position_weights,
+)
+
+TINY_TARGET = TargetConfig(
+    arch="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    eos_token_ids=(1,),
+)
+
+
+# --- anchors, labels, mask -----------------------------------------------------------------
+
+
+def test_anchor_candidates_need_two_loss_tokens_inside_the_length():
+    loss_mask = np.array([0, 0, 1, 1, 1, 0, 1, 1, 0])
+    assert anchor_candidates(loss_mask, 9).tolist() == [2, 3, 6]
+    assert anchor_candidates(loss_mask, 7).tolist() == [2, 3]  # p+1 = 7 is past the length
+
+
+def test_sample_anchors_sorted_subset_with_padding():
+    loss_mask = np.array([0, 0, 1, 1, 1, 0, 1, 1, 0])
+    anchors, valid = sample_anchors(loss_mask, 9, 5, np.random.default_rng(0))
+    assert anchors.tolist() == [2, 3, 6, 6, 6] and valid.tolist() == [1, 1, 1, 0, 0]
+    seen = set()
+    for seed in range(40):
+        anchors, valid = sample_anchors(loss_mask, 9, 2, np.random.default_rng(seed))
+        assert valid.all() and anchors[0] < anchors[1]
+        seen.add(tuple(anchors.tolist()))
+    assert seen == {(2, 3), (2, 6), (3, 6)}  # a random subset, not always the first ones
+    anchors, valid = sample_anchors(np.zeros(9), 9, 3, np.random.default_rng(0))
+    assert anchors.tolist() == [0, 0, 0] and not valid.any()
+
+
+def test_block_inputs_and_same_position_labels():
+    tokens = jnp.arange(10, 20)[None, :]  # token at position p is 10 + p
+    loss_mask = jnp.array([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]])
+    anchors = jnp.array([[2, 5, 5]])
+    anchor_valid = jnp.array([[True, True, False]])
+    blocks = block_inputs(tokens, anchors, 3, mask_token_id=99)
+    assert blocks.tolist() == [[12, 99, 99, 15, 99, 99, 15, 99, 99]]
+    labels, valid = block_labels(tokens, loss_mask, jnp.array([8]), anchors, anchor_valid, 3)
+    assert labels[0, 0].tolist() == [12, 13, 14] and labels[0, 1].tolist() == [15, 16, 17]
+    # slot 0 never; position 7 is outside the loss mask; the padding anchor never.
+    assert valid[0].tolist() == [[False, True, True], [False, True, False], [False] * 3]
+    _, valid = block_labels(tokens, loss_mask, jnp.array([6]), anchors, anchor_valid, 3)
+    assert valid[0, 1].tolist() == [False, False, False]  # positions 6, 7 past the length 6
+
+
+def test_block_mask_on_a_hand_built_example():
+    # 6 context slots, context length 5, two blocks of 2 at anchors 1 and 3.
+    mask = np.asarray(drafter_mask(jnp.array([5]), jnp.array([[1, 3]]), 2, 6))[0]
+    want = np.zeros((4, 10), bool)
+    want[0:2, 0:1] = True  # block 0 sees context < 1 (its anchor's own tap is not context)
+    want[2:4, 0:3] = True  # block 1 sees context < 3
+    want[0:2, 6:8] = True  # own block, both directions
+    want[2:4, 8:10] = True
+    np.testing.assert_array_equal(mask, want)
+
+
+# --- loss ------------------------------------------------------------------------------------
+
+
+def test_loss_weights_and_gamma():
+    w = position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    np.testing.assert_allclose(w[1:], np.exp(-np.arange(15) / 7.0), rtol=1e-6)
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    with pytest.raises(ConfigError, match="loss_gamma"):
+        default_gamma(12)
+
+
+def test_implied_acceptance():
+    assert implied_acceptance(np.ones(15)) == 16.0
+    assert implied_acceptance(np.array([0.5, 0.5, 0.0])) == pytest.approx(1.75)
+
+
+def test_chunked_loss_matches_dense_loss_and_gradient():
+    b, n, j, d, v = 2, 3, 4, 8, 50
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(k1, (b, n * j, d))
+    head = jax.random.normal(k2, (d, v))
+    labels = jax.random.randint(k3, (b, n, j), 0, v)
+    valid = jax.random.bernoulli(k4, 0.7, (b, n, j)).at[:, :, 0].set(False)
+    weights = jnp.asarray(position_weights(j, 2.0))
+
+    def chunked(h):
+        return block_diffusion_loss(h, labels, valid, weights, lambda x: x @ head, chunk_rows=5)
+
+    def dense(h):
+        logp = jax.nn.log_softmax(h.reshape(b, n, j, d) @ head, axis=-1)
+        ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        w = jnp.where(valid, weights[None, None, :], 0.0)
+        return jnp.sum(w * ce) / jnp.sum(w)
+
+    (loss, stats), grad = jax.value_and_grad(chunked, has_aux=True)(hidden)
+    np.testing.assert_allclose(loss, dense(hidden), rtol=1e-5)
+    np.testing.assert_allclose(grad, jax.grad(dense)(hidden), rtol=1e-4, atol=1e-6)
+    hits = (jnp.argmax(hidden.reshape(b, n, j, d) @ head, -1) == labels) & valid
+    np.testing.assert_array_equal(stats["correct"], hits.sum((0, 1))[1:])
+    np.testing.assert_array_equal(stats["count"], valid.sum((0, 1))[1:])
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+
+def _corpus(path, num_records=48, seed=0):
+    """A small repeating corpus: every record walks one fixed cycle of 8 tokens from a random
+    start, so the token at p+k is a function of the anchor token alone."""
+    rng = np.random.default_rng(seed)
+    cycle = rng.permutation(np.arange(2, 64))[:8]
+    records = []
+    for i in range(num_records):
+        start, prompt_len, length = int(rng.integers(8)), 4, int(rng.integers(20, 33))
+        tokens = [int(cycle[(start + t) % 8]) for t in range(length)]
+        records.append(
+            {
+                "tokens": tokens,
+                "loss_mask": [0] * prompt_len + [1] * (length - prompt_len),
+                "source": "test",
+                "prompt": f"p{i}",
+            }
+        )
+    data.write_shard(path, records)
+
+
+def _config(data_path, **overrides):
+    cfg = trainer.default_config()
+    cfg.target = "tiny"
+    cfg.data = str(data_path)
+    cfg.compute_dtype = "float32"
+    cfg.drafter.hidden_size = 32
+    cfg.drafter.intermediate_size = 64
+    cfg.drafter.num_layers = 2
+    cfg.drafter.num_heads = 4
+    cfg.drafter.num_kv_heads = 2
+    cfg.drafter.head_dim = 8
+    cfg.drafter.mask_token_id = 0
+    cfg.drafter.target_layer_ids = (1, 2)
+    cfg.block_size = 4
+    cfg.loss_gamma = 4.0
+    cfg.seq_len = 32
+    cfg.num_anchors = 6
+    cfg.ce_chunk_rows = 16
+    cfg.batch_size = 4
+    cfg.num_steps = 40
+    cfg.learning_rate = 1e-2
+    cfg.warmup_fraction = 0.1
+    cfg.data_threads = 1
+    cfg.num_eval_prompts = 2
+    cfg.eval_every = 0
+    cfg.eval_max_new_tokens = 12
+    cfg.log_every = 1
+    cfg.checkpoint_every = 20
+    cfg.max_checkpoints = 10
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    target = LoadedTarget(
+        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
+    )
+    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
+    return target
+
+
+def _losses(workdir):
+    lines = [json.loads(x) for x in (workdir / trainer.METRICS_FILE).read_text().splitlines()]
+    return {x["step"]: x["loss"] for x in lines if "loss" in x}
+
+
+def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", eval_every=40)
+    last = trainer.train(cfg, tmp_path / "run")
+    lines = [
+        json.loads(x) for x in (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
+    ]
+    logged = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in logged] == list(range(1, 41))
+    first, final = (
+        np.mean([x["loss"] for x in logged[:5]]),
+        np.mean([x["loss"] for x in logged[-5:]]),
+    )
+    assert final < 0.6 * first, (first, final)
+    acc_first = np.mean([x["accuracy"][0] for x in logged[:5]])
+    acc_final = np.mean([x["accuracy"][0] for x in logged[-5:]])
+    assert acc_final > acc_first + 0.2, (acc_first, acc_final)
+    assert last["tau_implied"] > 1.2
+    tau_eval = [x["tau_eval"] for x in lines if "tau_eval" in x]
+    assert len(tau_eval) == 1 and 1.0 <= tau_eval[0] <= cfg.block_size
+    exported = restore_drafter(tmp_path / "run" / "drafter")
+    assert exported.config.block_size == 4 and exported.config.mask_token_id == 0
+    checkpoints = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints == [20, 40]
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3)
+    trainer.train(cfg, tmp_path / "straight")
+
+    real = trainer.train_step
+    calls = iter(range(1, 100))
+
+    def dies_at_step_7(*args, **kwargs):
+        if next(calls) == 7:  # after the checkpoint at 4 and the log lines of 5 and 6
+            raise _Killed()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", dies_at_step_7)
+    with pytest.raises(_Killed):
+        trainer.train(cfg, tmp_path / "killed")
+    assert max(_losses(tmp_path / "killed")) == 6
+    monkeypatch.setattr(trainer, "train_step", real)
+    trainer.train(cfg, tmp_path / "killed")
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
+    assert list(resumed) == list(range(1, 13))
+    assert resumed == straight  # bit-identical, steps 5..12 included
+
+
+def test_misfit_drafter_is_refused(tmp_path):
+    cfg = _config(tmp_path / "unused.jsonl")
+    cfg.drafter.hidden_size = 48
+    with pytest.raises(ConfigError, match="hidden_size=48"):
+        trainer.drafter_config_for(cfg, TINY_TARGET)
+    cfg = _config(tmp_path / "unused.jsonl")
+    cfg.drafter.target_layer_ids = (1, 4)
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        trainer.drafter_config_for(cfg, TINY_TARGET)
+    cfg = _config(tmp_path / "unused.jsonl")
+    cfg.drafter.mask_token_id = 64
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        trainer.drafter_config_for(cfg, TINY_TARGET)
+
+
+@pytest.mark.parametrize("name", ["smollm2_135m_b16", "qwen3_4b_b16", "qwen3_8b_b16", "llama31_8b"])
+def test_named_configs_build_drafters_that_fit(name):
+    import importlib
+
+    cfg = importlib.import_module(f"configs.{name}").get_config()
+    targets = {
+        "smollm2_135m_b16": TargetConfig(
+            "llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True
+        ),
+        "qwen3_4b_b16": TargetConfig(
+            "qwen3", 151936, 2560, 9728, 36, 32, 8, 128, tie_word_embeddings=True
+        ),
+        "qwen3_8b_b16": TargetConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128),
+        "llama31_8b": TargetConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128),
+    }
+    drafter = trainer.drafter_config_for(cfg, targets[name])
+    assert drafter.block_size == cfg.block_size
+    assert math.isclose(
+        cfg.loss_gamma or default_gamma(cfg.block_size), {16: 7, 10: 5}[cfg.block_size]
+    )

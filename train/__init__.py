@@ -1,0 +1,2 @@
+"""absl entry points for training: `python -m train.generate_data`, then
+`python -m train.train_drafter`."""
