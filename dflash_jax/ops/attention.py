@@ -2,8 +2,9 @@
 
 Shapes (style.md letters): B batch, T queries, S keys, N query heads, K kv heads, G = N // K,
 H head dim. Keys/values are kv-head-major [B,K,S,H] (the KV-cache layout): the batch dims of
-both attention matmuls then lead, so XLA never transposes a whole cache per step. Masks are boolean [B, T, S] (True = visible), built by the helpers below, so one
-attention function serves target prefill/verify, drafting and training.
+both attention matmuls then lead, so XLA never transposes a whole cache per step. Masks are
+boolean [B,T,S] (True = visible), built by the helpers below, so one attention function serves
+target prefill/verify, drafting and training.
 """
 
 from __future__ import annotations
