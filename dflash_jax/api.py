@@ -84,23 +84,29 @@ class TimedRun:
 _COMPILED: dict = {}
 
 
+def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
+    """The checks `speculative_decode`/`autoregressive_decode` make, without running them:
+    raises ConfigError/ValueError naming the problem."""
+    if drafter is not None:
+        loop.check_decode_inputs(target.config, drafter.config, cfg)
+    loop.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
+
+
 def timed_decode(target, drafter, prompt, lengths, seed: int, cfg: DecodeConfig) -> TimedRun:
     """Runs `speculative_decode` (or `autoregressive_decode` when drafter is None) with
     compilation timed apart from execution. Compiled executables are cached per shape/config."""
     rng = jax.random.key(seed)
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
+    check_inputs(target, drafter, prompt, lengths, cfg)
     if drafter is None:
         fn, args = loop._autoregressive_jit, (target.params, prompt, lengths, rng)
         statics = dict(target_config=target.config, decode_config=cfg)
-        loop._check_prompt(prompt, lengths, target.config, cfg)
     else:
         fn = loop._speculative_jit
         args = (target.params, drafter.params, prompt, lengths, rng)
         statics = dict(
             target_config=target.config, drafter_config=drafter.config, decode_config=cfg
         )
-        loop.check_decode_inputs(target.config, drafter.config, cfg)
-        loop._check_prompt(prompt, lengths, target.config, cfg)
     key = (fn, prompt.shape, tuple(sorted((k, v) for k, v in statics.items())))
     compile_s = 0.0
     if key not in _COMPILED:

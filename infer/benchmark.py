@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
+from infer import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -34,15 +35,6 @@ flags.DEFINE_string(
     "assistant message) or 'jsonl:PATH' (one {\"prompt\": ...} object per line).",
 )
 flags.DEFINE_integer("num_prompts", 0, "Use the first N prompts (0 = all).")
-flags.DEFINE_integer("max_new_tokens", 256, "Most new tokens per turn.")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy (outputs must be identical); > 0 samples.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
-flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 disables it.")
-flags.DEFINE_integer("block_size", 0, "Draft block size; 0 = the drafter's trained size.")
-flags.DEFINE_integer("seed", 0, "PRNG seed.")
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Target (see infer.generate --help).")
-flags.DEFINE_string("drafter", "default", "Drafter (see infer.generate --help).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_string("output", None, "Write per-prompt and aggregate results here (JSON).")
 flags.DEFINE_string("plot", None, "Also write a PNG: tau histogram and per-prompt speedup.")
 flags.mark_flag_as_required("output")
@@ -192,18 +184,15 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
-    target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
-    if drafter is None:
-        raise app.UsageError("--drafter=none: the benchmark compares DFlash with the target")
-    block = FLAGS.block_size or drafter.config.block_size
-    cfg = DecodeConfig(
-        max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k,
-        top_p=FLAGS.top_p,
-        block_size=block,
-        stop_token_ids=api.stop_token_ids(target),
-    )
+    with common.usage_errors():
+        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        if drafter is None:
+            raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
+        cfg = common.decode_config(
+            FLAGS.block_size or drafter.config.block_size, api.stop_token_ids(target)
+        )
+        api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
+    block = cfg.block_size
     warmed, turns = set(), []
     for conv_id, user_turns in enumerate(tqdm(convs, desc=f"{FLAGS.dataset} (AR + DFlash)")):
         messages = []

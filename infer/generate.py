@@ -17,31 +17,10 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import DecodeConfig
+from infer import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", None, "The user prompt (required).")
-flags.DEFINE_string(
-    "target",
-    "smollm2-135m-instruct",
-    "Target model: 'smollm2-135m-instruct' (embedded, offline), an HF directory, a .gguf file "
-    "or a hub id such as Qwen/Qwen3-8B (needs a network).",
-)
-flags.DEFINE_string(
-    "drafter",
-    "default",
-    "Drafter: 'default' (the one shipped for SmolLM2), our Orbax directory, a z-lab HF "
-    "directory, a hub id such as z-lab/Qwen3-8B-DFlash-b16, or 'none' for the target alone.",
-)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
-flags.DEFINE_integer("max_new_tokens", 256, "Most tokens to generate (stop token included).")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (lossless rejection sampling).")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 disables it.")
-flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables it.")
-flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
-flags.DEFINE_integer(
-    "block_size", 0, "Tokens per draft block (anchor + drafts); 0 = the drafter's trained size."
-)
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the target's chat template.")
 flags.DEFINE_bool("compare_ar", False, "Also run the target alone; report speedup and identity.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of text and a summary.")
@@ -52,19 +31,14 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
-    target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
-    block = FLAGS.block_size or (drafter.config.block_size if drafter else 1)
-    cfg = DecodeConfig(
-        max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k,
-        top_p=FLAGS.top_p,
-        block_size=block,
-        stop_token_ids=api.stop_token_ids(target),
-    )
-    prompt, lengths = api.pad_prompts(
-        [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
-    )
+    with common.usage_errors():
+        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        block = FLAGS.block_size or (drafter.config.block_size if drafter else 1)
+        cfg = common.decode_config(block, api.stop_token_ids(target))
+        prompt, lengths = api.pad_prompts(
+            [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
+        )
+        api.check_inputs(target, drafter, prompt, lengths, cfg)
     run = api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg)
     n = int(run.output.lengths[0])
     tokens = np.asarray(run.output.tokens[0, :n]).tolist()

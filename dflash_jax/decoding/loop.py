@@ -269,7 +269,7 @@ def _speculative_jit(
     return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
 
 
-def _check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
+def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
     if prompt.ndim != 2:
         raise ValueError(f"prompt must be int32 [batch, length], got shape {prompt.shape}")
     if prompt_lengths.shape != prompt.shape[:1]:
@@ -318,7 +318,7 @@ def autoregressive_decode(
     prompt: int32 [B, P] right-padded; prompt_lengths: int32 [B]; rng: a PRNG key.
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
-    _check_prompt(prompt, prompt_lengths, target_config, decode_config)
+    check_prompt(prompt, prompt_lengths, target_config, decode_config)
     return _autoregressive_jit(
         target_params,
         prompt,
@@ -344,7 +344,7 @@ def speculative_decode(
     identical tokens). Same inputs and output as `autoregressive_decode`."""
     check_decode_inputs(target_config, drafter_config, decode_config)
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
-    _check_prompt(prompt, prompt_lengths, target_config, decode_config)
+    check_prompt(prompt, prompt_lengths, target_config, decode_config)
     return _speculative_jit(
         target_params,
         drafter_params,
