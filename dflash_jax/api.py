@@ -100,7 +100,7 @@ def timed_decode(target, drafter, prompt, lengths, seed: int, cfg: DecodeConfig)
     check_inputs(target, drafter, prompt, lengths, cfg)
     if drafter is None:
         fn, args = loop._autoregressive_jit, (target.params, prompt, lengths, rng)
-        statics = dict(target_config=target.config, decode_config=cfg)
+        statics = dict(target_config=target.config, decode_config=loop.autoregressive_config(cfg))
     else:
         fn = loop._speculative_jit
         args = (target.params, drafter.params, prompt, lengths, rng)

@@ -94,7 +94,7 @@ def test_greedy_speculative_equals_autoregressive(arch, block_size):
 
 def test_block_size_one_is_autoregressive():
     tcfg, tp, dcfg, dp = make_pair()
-    cfg = DecodeConfig(max_new_tokens=12, block_size=1)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=1)
     ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
     np.testing.assert_array_equal(sp.acceptance_lengths, ar.acceptance_lengths)
@@ -223,13 +223,14 @@ def test_top_k_top_p_restrict_the_support():
     np.testing.assert_array_equal(keep_p, [[True, True, True, False]])
 
 
-def test_sampled_tokens_stay_inside_top_k():
-    tcfg, tp, dcfg, dp = make_pair(vocab=32)
-    cfg = DecodeConfig(max_new_tokens=16, block_size=4, temperature=1.0, top_k=1)
-    # top_k=1 sampling is the argmax: it must reproduce greedy decoding exactly.
-    greedy = DecodeConfig(max_new_tokens=16, block_size=4)
-    _, sampled = run_both(tcfg, tp, dcfg, dp, cfg)
-    ar, _ = run_both(tcfg, tp, dcfg, dp, greedy)
+def test_top_k_one_sampling_is_greedy():
+    """top_k=1 sampling keeps only the argmax, so it must reproduce greedy decoding exactly
+    (drafts are sampled, verified by rejection sampling, and never differ from greedy)."""
+    tcfg, tp, dcfg, dp = make_pair()
+    sampled_cfg = DecodeConfig(max_new_tokens=24, block_size=8, temperature=1.0, top_k=1)
+    greedy_cfg = DecodeConfig(max_new_tokens=24, block_size=8)
+    _, sampled = run_both(tcfg, tp, dcfg, dp, sampled_cfg)
+    ar, _ = run_both(tcfg, tp, dcfg, dp, greedy_cfg)
     np.testing.assert_array_equal(sampled.tokens, ar.tokens)
 
 

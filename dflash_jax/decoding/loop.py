@@ -11,6 +11,7 @@ go through scatter with mode="drop" (dynamic_update_slice would clamp and clobbe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -294,6 +295,12 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
             )
 
 
+def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
+    """The block size means nothing without a drafter: fix it at 1 so one compiled AR loop
+    serves every block size."""
+    return dataclasses.replace(cfg, block_size=1)
+
+
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
     """Refuses a drafter that does not fit the target, or a block size it was not trained for."""
     check_fits(dcfg, tcfg)
@@ -319,6 +326,7 @@ def autoregressive_decode(
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
+    decode_config = autoregressive_config(decode_config)
     return _autoregressive_jit(
         target_params,
         prompt,
