@@ -135,3 +135,27 @@ def test_greedy_tokens_match_transformers_generate(target, torch_model):
         stop = ref.index(2) + 1 if 2 in ref else len(ref)
         assert ours[r, :stop].tolist() == ref[:stop], target.tokenizer.decode(ref)
         assert stop >= 8, "prompt too short a test of the decode loop"
+
+
+def test_shipped_drafter_fits_and_decoding_is_lossless(target):
+    """The drafter shipped as "default" loads against SmolLM2 and greedy DFlash decoding with
+    it reproduces the target's own greedy tokens on a real prompt (fp32)."""
+    from dflash_jax import api
+    from dflash_jax.config import DecodeConfig
+    from dflash_jax.decoding import autoregressive_decode, speculative_decode
+    from dflash_jax.io.drafter_io import load_drafter
+
+    drafter = load_drafter("default", target)
+    assert drafter.config.hidden_size == target.config.hidden_size
+    prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, PROMPTS[1])])
+    cfg = DecodeConfig(max_new_tokens=24, block_size=drafter.config.block_size)
+    key = jax.random.key(0)
+    sp = speculative_decode(
+        target.params, drafter.params, prompt, lengths, key, target_config=target.config,
+        drafter_config=drafter.config, decode_config=cfg,
+    )  # fmt: skip
+    ar = autoregressive_decode(
+        target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
+    )
+    np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+    assert int(sp.num_steps[0]) <= int(ar.num_steps[0])

@@ -17,7 +17,7 @@ from dflash.model import DFlashDraftModel
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
-from dflash_jax.io import CheckpointError
+from dflash_jax.io import CheckpointError, drafter_io
 from dflash_jax.io.drafter_io import read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.zlab import read_zlab, write_zlab
 from dflash_jax.models.drafter import init_drafter_params
@@ -153,7 +153,7 @@ def test_convert_round_trip(zlab_dir, tmp_path):
     flags.FLAGS.unparse_flags()
 
 
-def test_corrupt_or_missing_checkpoints_raise_clear_errors(zlab_dir, tmp_path):
+def test_corrupt_or_missing_checkpoints_raise_clear_errors(zlab_dir, tmp_path, monkeypatch):
     config, params = read_zlab(zlab_dir)
     save_drafter(tmp_path / "ckpt", config, params)
     for f in (tmp_path / "ckpt" / "params").rglob("*"):
@@ -175,7 +175,8 @@ def test_corrupt_or_missing_checkpoints_raise_clear_errors(zlab_dir, tmp_path):
     with pytest.raises(CheckpointError, match=str(truncated / "model.safetensors")):
         read_zlab(truncated)
 
-    with pytest.raises(CheckpointError, match="default drafter is not shipped yet"):
+    monkeypatch.setattr(drafter_io, "DEFAULT_DRAFTER", tmp_path / "no-such-default")
+    with pytest.raises(CheckpointError, match="default drafter is missing"):
         read_drafter("default")
     with pytest.raises(CheckpointError, match="'nobody/no-such-drafter'"):
         read_drafter("nobody/no-such-drafter")

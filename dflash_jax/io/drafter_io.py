@@ -94,8 +94,8 @@ def read_drafter(source: str | Path, dtype: str = "float32") -> LoadedDrafter:
     if source == "default":
         if not DEFAULT_DRAFTER.is_dir():
             raise CheckpointError(
-                f"the default drafter is not shipped yet: {DEFAULT_DRAFTER} does not exist; "
-                "pass a drafter directory or hub id instead"
+                f"the default drafter is missing: {DEFAULT_DRAFTER} does not exist (reinstall "
+                "dflash-jax from its repository); pass a drafter directory or hub id instead"
             )
         path = DEFAULT_DRAFTER
     elif Path(source).exists():
