@@ -146,6 +146,7 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
 
 def plot(path: str, result: dict, turns: list[dict], block_size: int):
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -166,6 +167,7 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
     ax2.axhline(
         agg["speedup"], color="#228833", ls="--", label=f"ratio of means {agg['speedup']:.2f}x"
     )
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax2.set_xlabel("prompt (sorted)")
     ax2.set_ylabel("TPOT_AR / TPOT_DFlash")
     ax2.set_title("per-prompt speedup")
