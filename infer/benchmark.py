@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 from tqdm import tqdm
 
 from dflash_jax import api
@@ -185,6 +185,7 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    common.quiet_library_logs()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
         target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
@@ -235,12 +236,11 @@ def main(argv):
     if FLAGS.plot:
         plot(FLAGS.plot, result, turns, block)
     agg = result["aggregate"]
-    logging.info("wrote %s", FLAGS.output)
     print(
         f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f}, "
         f"AR {agg['ar_tokens_per_s']:.1f} tok/s, DFlash {agg['dflash_tokens_per_s']:.1f} tok/s, "
         f"speedup {agg['speedup']:.2f}x, one DFlash step = {agg['step_cost_ratio']:.2f} AR steps, "
-        f"outputs identical: {agg['outputs_identical']}"
+        f"outputs identical: {agg['outputs_identical']} (written to {FLAGS.output})"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from dflash_jax.config import ConfigError, DecodeConfig
 
@@ -41,6 +41,13 @@ flags.DEFINE_integer(
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 
 FLAGS = flags.FLAGS
+
+
+def quiet_library_logs() -> None:
+    """Libraries (orbax, grain) log every step at INFO: show warnings only, unless the user
+    passed --verbosity."""
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def decode_config(block_size: int, stop_token_ids: tuple[int, ...]) -> DecodeConfig:

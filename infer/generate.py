@@ -29,6 +29,7 @@ flags.DEFINE_bool("json", False, "Print one JSON object instead of text and a su
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    common.quiet_library_logs()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
     with common.usage_errors():
