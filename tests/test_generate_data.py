@@ -165,7 +165,8 @@ def test_shard_round_trip(tmp_path):
         data.write_shard(tmp_path / name, records)
         assert data.read_shard(tmp_path / name) == records
         source = data.record_source([str(tmp_path / name)])
-        parsed = data.ParseRecord().map(source[1])
+        parsed = data.ParseRecord(source).map(1)
+        assert parsed["index"] == 1
         np.testing.assert_array_equal(parsed["tokens"], [5, 6])
         np.testing.assert_array_equal(parsed["loss_mask"], [0, 1])
     with pytest.raises(ValueError, match="all be ArrayRecord or all jsonl"):

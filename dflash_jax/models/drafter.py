@@ -165,13 +165,41 @@ def hidden_to_logits(
     logits_tv = Transformer(target_config).apply(
         {"params": target_params}, hidden_td, method="unembed"
     )
-    logits_tv = logits_tv.astype(jnp.float32)
+    logits_tv = _finish_logits(drafter_config, logits_tv)
+    return logits_tv.reshape(*lead, logits_tv.shape[-1])
+
+
+def _finish_logits(drafter_config: DrafterConfig, logits: jax.Array) -> jax.Array:
+    """fp32, then output_multiplier and softcapping s*tanh(z/s)."""
+    logits = logits.astype(jnp.float32)
     if drafter_config.output_multiplier is not None:
-        logits_tv = logits_tv * drafter_config.output_multiplier
+        logits = logits * drafter_config.output_multiplier
     cap = drafter_config.final_logit_softcapping
     if cap:
-        logits_tv = cap * jnp.tanh(logits_tv / cap)
-    return logits_tv.reshape(*lead, logits_tv.shape[-1])
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def unembedding_rows(target_params, target_config: TargetConfig, ids_u: jax.Array) -> jax.Array:
+    """The frozen lm_head's rows for vocabulary ids [U] -> [U, D] (the tied embedding, or the
+    transposed lm_head kernel)."""
+    if target_config.tie_word_embeddings:
+        return jnp.take(target_params["embed_tokens"]["embedding"], ids_u, axis=0)
+    return jnp.take(target_params["lm_head"]["kernel"], ids_u, axis=1).T
+
+
+def hidden_to_subset_logits(
+    target_params,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    hidden_td: jax.Array,
+    rows_ud: jax.Array,
+) -> jax.Array:
+    """`hidden_to_logits` restricted to the vocabulary rows `rows_ud` (from `unembedding_rows`):
+    [T, D] -> fp32 [T, U], equal to the full logits' columns for those ids."""
+    dtype = jnp.dtype(target_config.dtype)
+    logits_tu = jnp.einsum("td,ud->tu", hidden_td.astype(dtype), rows_ud.astype(dtype))
+    return _finish_logits(drafter_config, logits_tu)
 
 
 def draft_logits(

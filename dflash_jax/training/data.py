@@ -109,13 +109,19 @@ def record_source(paths: Sequence[str]) -> Sequence[bytes]:
 
 
 class ParseRecord(grain.transforms.Map):
-    """bytes -> {"tokens": int32 [L], "loss_mask": int32 [L]}."""
+    """Source index -> {"tokens": int32 [L], "loss_mask": int32 [L], "index": int32 []}; the
+    index finds the record's cached taps."""
 
-    def map(self, element: bytes) -> dict:
-        record = decode_record(element)
+    def __init__(self, source: Sequence[bytes]):
+        self.source = source
+
+    def map(self, element) -> dict:
+        index = int(element)
+        record = decode_record(self.source[index])
         return {
             "tokens": np.asarray(record["tokens"], np.int32),
             "loss_mask": np.asarray(record["loss_mask"], np.int32),
+            "index": np.int32(index),
         }
 
 
@@ -137,12 +143,24 @@ class PadAndSampleAnchors(grain.transforms.RandomMap):
         loss_mask[:length] = element["loss_mask"][:length]
         anchors, valid = sample_anchors(loss_mask, length, self.num_anchors, rng)
         return {
+            "index": element["index"],
             "tokens": tokens,
             "loss_mask": loss_mask,
             "length": np.int32(length),
             "anchors": anchors,
             "anchor_valid": valid,
         }
+
+
+class AttachTaps(grain.transforms.Map):
+    """Adds the cached taps [seq_len, F] of the element's record (by its source `index`) from a
+    `tap_cache.TapCache`."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def map(self, element: dict) -> dict:
+        return {**element, "taps": self.cache.row(int(element["index"]))}
 
 
 def split_holdout(
@@ -152,9 +170,9 @@ def split_holdout(
     is the training set. -> (train MapDataset of parsed records, held-out decoded records)."""
     if len(source) <= num_eval:
         raise ValueError(f"{len(source)} records cannot spare {num_eval} for evaluation")
-    ds = grain.MapDataset.source(source).shuffle(seed=seed)
-    held_out = [decode_record(ds[i]) for i in range(num_eval)]
-    return ds[num_eval:].map(ParseRecord()), held_out
+    ds = grain.MapDataset.range(len(source)).shuffle(seed=seed)
+    held_out = [decode_record(source[ds[i]]) for i in range(num_eval)]
+    return ds[num_eval:].map(ParseRecord(source)), held_out
 
 
 def batched_dataset(
@@ -165,16 +183,20 @@ def batched_dataset(
     batch_size: int,
     num_epochs: int,
     seed: int,
+    tap_cache=None,
 ) -> grain.MapDataset:
-    """Shuffled, repeated, padded, anchor-sampled and batched; len() is the number of steps."""
+    """Shuffled, repeated, padded, anchor-sampled (with cached taps attached when `tap_cache` is
+    a TapCache) and batched; len() is the number of steps."""
     if len(train) < batch_size:
         raise ValueError(f"{len(train)} training records do not fill one batch of {batch_size}")
-    return (
+    ds = (
         train.shuffle(seed=seed)
         .repeat(num_epochs)
         .random_map(PadAndSampleAnchors(seq_len, num_anchors), seed=seed)
-        .batch(batch_size, drop_remainder=True)
     )
+    if tap_cache is not None:
+        ds = ds.map(AttachTaps(tap_cache))
+    return ds.batch(batch_size, drop_remainder=True)
 
 
 def prompt_tokens(record: dict) -> list[int]:

@@ -75,6 +75,47 @@ def block_labels(
     return labels_bnj, valid_bnj
 
 
+NEG_INF = -1e9  # finite, so a masked candidate never turns a logsumexp gradient into NaN
+
+
+def sampled_vocabulary(
+    labels_bnj: jax.Array,
+    valid_bnj: jax.Array,
+    vocab_size: int,
+    num_negatives: int,
+    rng: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A sampled softmax's candidate set, for a CE that never builds [rows, V] logits.
+
+    Candidates are every distinct valid label of the batch (the positives P) plus `num_negatives`
+    ids drawn uniformly from the whole vocabulary with replacement; a negative that falls in P is
+    masked. Each negative's logit gets + log(V / M): sum_i exp(z_{s_i} + log(V/M)) over negatives
+    not in P is an unbiased estimate of sum_{j not in P} exp(z_j), so the candidates' logsumexp
+    estimates the full one and the CE is a consistent estimate of the full-vocabulary CE.
+
+    -> (ids [U] int32, bias [U] fp32, labels remapped to candidate positions [B,N,J]), with
+    U = B*N*J + M static (unused positive slots are padding with bias NEG_INF).
+    """
+    flat_y = labels_bnj.reshape(-1)
+    flat_ok = valid_bnj.reshape(-1)
+    r = flat_y.shape[0]
+    size = min(r, vocab_size)
+    # Sorted distinct valid labels; invalid rows and padding become the sentinel vocab_size.
+    pos_p = jnp.unique(jnp.where(flat_ok, flat_y, vocab_size), size=size, fill_value=vocab_size)
+    neg_m = jax.random.randint(rng, (num_negatives,), 0, vocab_size, dtype=jnp.int32)
+    hit = jnp.take(pos_p, jnp.clip(jnp.searchsorted(pos_p, neg_m), 0, size - 1)) == neg_m
+    ids_u = jnp.concatenate([jnp.minimum(pos_p, vocab_size - 1), neg_m]).astype(jnp.int32)
+    correction = float(np.log(vocab_size / num_negatives))
+    bias_u = jnp.concatenate(
+        [
+            jnp.where(pos_p < vocab_size, 0.0, NEG_INF),
+            jnp.where(hit, NEG_INF, correction),
+        ]
+    ).astype(jnp.float32)
+    remapped = jnp.clip(jnp.searchsorted(pos_p, flat_y), 0, size - 1).astype(jnp.int32)
+    return ids_u, bias_u, jnp.where(flat_ok, remapped, 0).reshape(labels_bnj.shape)
+
+
 def chunked_cross_entropy(
     hidden_rd: jax.Array,
     labels_r: jax.Array,

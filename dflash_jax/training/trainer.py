@@ -4,14 +4,16 @@ train_step: frozen target forward (no grad) -> taps -> drafter over all N anchor
 sequence at once under the block mask -> chunked CE through the frozen lm_head with decayed
 position weights -> AdamW on the drafter params only.
 
-Taps are computed online, inside the step, rather than cached by generate_data. Measured for
-SmolLM2-135M on our shared 2-core CPU (fp32, batch 4 x 512 tokens, 3 layers, 32 anchors, in one
-session): step with online taps 52.8 s, the tap forward alone 23.5 s, step with cached taps
-33.4 s, reading a cached batch 0.04 s. Caching saves ~40% of a step but only pays back from the
-second epoch (generate_data must run the same forward once), costs 11.2 KiB/token of disk
-(5.6 in bf16; 22 GB fp32 per 2M tokens) and 126 MB per 3072-token Qwen3-8B sample
-(dflash-spec §7.6). A CPU budget buys about one epoch, so online is as fast there, and it is the
-only option that scales to the accelerator recipe.
+Taps are computed online, inside the step, by default (`taps="online"`), or read from a cache
+built once by `tap_cache` (`taps="cached"`). Which is cheaper depends on how many epochs a budget
+buys. Measured for SmolLM2-135M on our 2-core CPU while a data-generation job shared it (fp32,
+batch 4 x 384 tokens, 3 layers, 32 anchors, block 16; `train_step` timed over 3 steps
+each after compilation): online taps with the full-vocabulary CE 23.7-27.1 s/step; cached taps
+13.9-14.3 s; cached taps with a 4096-negative sampled softmax (`vocab_negatives`) 8.1-8.3 s.
+Building the cache ran at 133 tokens/s under the same load (one target forward per token, as one
+epoch of online taps costs). So caching pays from the second epoch, and with the sampled softmax
+a CPU run is ~3x faster per step. On accelerators, where caching costs 40 KiB/token for Qwen3-8B
+(dflash-spec §7.6) and the full CE is cheap, the paper's online recipe is the default.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from dflash_jax.models.drafter import (
     check_fits,
     embed_block,
     hidden_to_logits,
+    hidden_to_subset_logits,
     init_drafter_params,
+    unembedding_rows,
 )
 from dflash_jax.models.target import Transformer
-from dflash_jax.training import checkpoint, data
+from dflash_jax.training import checkpoint, data, tap_cache
 from dflash_jax.training.loss import (
     block_diffusion_loss,
     block_inputs,
@@ -51,6 +55,7 @@ from dflash_jax.training.loss import (
     default_gamma,
     implied_acceptance,
     position_weights,
+    sampled_vocabulary,
 )
 
 METRICS_FILE = "metrics.jsonl"
@@ -77,6 +82,17 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.num_anchors = 512
     cfg.loss_gamma = 0.0  # 0: the published value for block_size (7 for 16)
     cfg.ce_chunk_rows = 2048
+    # 0: CE over the full vocabulary (the paper). M > 0: a sampled softmax over the batch's
+    # distinct labels plus M uniform negatives with log(V/M) correction (loss.sampled_vocabulary),
+    # ~V/(rows+M) times cheaper lm_head work; the logged accuracy is then over those candidates.
+    cfg.vocab_negatives = 0
+    # Taps: "online" (a frozen target forward inside every step) or "cached" (computed once into
+    # <workdir>/tap_cache, then read; pays from the second epoch, see tap_cache.py).
+    cfg.taps = "online"
+    # Start the drafter's final norm at the target's final-norm scale: both feed the same frozen
+    # lm_head, so draft logits start at the target's scale instead of a flat distribution.
+    cfg.init_norm_from_target = False
+    cfg.tap_cache_dtype = "bfloat16"
     cfg.batch_size = 8
     cfg.num_epochs = 6
     cfg.num_steps = 0  # 0: num_epochs over the training records
@@ -180,24 +196,29 @@ def drafter_loss(
     drafter_config: DrafterConfig,
     weights_j: jax.Array,
     ce_chunk_rows: int,
+    vocab_negatives: int = 0,
+    vocab_rng: jax.Array | None = None,
 ):
-    """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N].
-    -> (loss, {"correct", "count"} per slot k = 1..J-1)."""
+    """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
+    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1)."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
     block_size = drafter_config.block_size
-    positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-    # Layers after the last tap cannot change the taps: skip them (their params go unused).
-    tap_config = dataclasses.replace(
-        target_config, num_layers=max(drafter_config.target_layer_ids) + 1
-    )
-    _, taps_bsf, _ = Transformer(tap_config).apply(
-        {"params": target_params},
-        tokens_bs,
-        positions_bs,
-        tap_layers=drafter_config.target_layer_ids,
-        logit_indices=jnp.zeros((b, 1), jnp.int32),
-    )
+    if "taps" in batch:  # cached by tap_cache
+        taps_bsf = batch["taps"]
+    else:
+        positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+        # Layers after the last tap cannot change the taps: skip them (their params go unused).
+        tap_config = dataclasses.replace(
+            target_config, num_layers=max(drafter_config.target_layer_ids) + 1
+        )
+        _, taps_bsf, _ = Transformer(tap_config).apply(
+            {"params": target_params},
+            tokens_bs,
+            positions_bs,
+            tap_layers=drafter_config.target_layer_ids,
+            logit_indices=jnp.zeros((b, 1), jnp.int32),
+        )
     taps_bsf = jax.lax.stop_gradient(taps_bsf)
     anchors_bn = batch["anchors"]
     block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)
@@ -219,7 +240,22 @@ def drafter_loss(
         batch["anchor_valid"],
         block_size,
     )
-    logits_fn = lambda h_cd: hidden_to_logits(target_params, target_config, drafter_config, h_cd)
+    if vocab_negatives:
+        ids_u, bias_u, labels_bnj = sampled_vocabulary(
+            labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng
+        )
+        rows_ud = jax.lax.stop_gradient(unembedding_rows(target_params, target_config, ids_u))
+
+        def logits_fn(h_cd):
+            return (
+                hidden_to_subset_logits(target_params, target_config, drafter_config, h_cd, rows_ud)
+                + bias_u
+            )
+    else:
+
+        def logits_fn(h_cd):
+            return hidden_to_logits(target_params, target_config, drafter_config, h_cd)
+
     return block_diffusion_loss(
         hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows
     )
@@ -227,7 +263,14 @@ def drafter_loss(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("target_config", "drafter_config", "optimizer", "loss_gamma", "ce_chunk_rows"),
+    static_argnames=(
+        "target_config",
+        "drafter_config",
+        "optimizer",
+        "loss_gamma",
+        "ce_chunk_rows",
+        "vocab_negatives",
+    ),
     donate_argnums=0,
 )
 def train_step(
@@ -240,10 +283,13 @@ def train_step(
     optimizer: OptimizerConfig,
     loss_gamma: float,
     ce_chunk_rows: int,
+    vocab_negatives: int = 0,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
-    drafter params receive gradients, the target params are a plain input."""
+    drafter params receive gradients, the target params are a plain input. Sampled negatives
+    come from a key folded from the step, so a resumed run draws the same ones."""
     weights_j = jnp.asarray(position_weights(drafter_config.block_size, loss_gamma))
+    vocab_rng = jax.random.fold_in(jax.random.key(0x5EED), state["step"])
 
     def loss_fn(params):
         return drafter_loss(
@@ -254,6 +300,8 @@ def train_step(
             drafter_config=drafter_config,
             weights_j=weights_j,
             ce_chunk_rows=ce_chunk_rows,
+            vocab_negatives=vocab_negatives,
+            vocab_rng=vocab_rng,
         )
 
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -347,6 +395,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     epoch_steps = len(train_records) // cfg.batch_size
     num_steps = cfg.num_steps or cfg.num_epochs * epoch_steps
     num_epochs = math.ceil(num_steps * cfg.batch_size / len(train_records))
+    if cfg.taps not in ("online", "cached"):
+        raise ValueError(f"config.taps must be 'online' or 'cached', got {cfg.taps!r}")
+    cache = None
+    if cfg.taps == "cached":
+        cache = tap_cache.build_tap_cache(
+            workdir / "tap_cache",
+            source,
+            target,
+            drafter_config.target_layer_ids,
+            cfg.seq_len,
+            dtype=cfg.tap_cache_dtype,
+        )
     dataset = data.batched_dataset(
         train_records,
         seq_len=cfg.seq_len,
@@ -354,6 +414,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         batch_size=cfg.batch_size,
         num_epochs=num_epochs,
         seed=cfg.seed,
+        tap_cache=cache,
     )
     read_options = grain.ReadOptions(num_threads=cfg.data_threads, prefetch_buffer_size=8)
     data_iter = iter(dataset.to_iter_dataset(read_options))
@@ -370,6 +431,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     optimizer = OptimizerConfig.from_config(cfg, num_steps)
     schedule = optimizer.schedule()
     params = init_drafter_params(drafter_config, jax.random.key(cfg.seed))
+    if cfg.init_norm_from_target:
+        scale = target.params["norm"]["scale"]
+        # A copy: the train state is donated, the target must keep its own buffer.
+        own = jnp.array(scale, params["norm"]["scale"].dtype, copy=True)
+        params = {**params, "norm": {"scale": own}}
     state = {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
@@ -389,6 +455,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         "optimizer": optimizer,
         "loss_gamma": float(loss_gamma),
         "ce_chunk_rows": cfg.ce_chunk_rows,
+        "vocab_negatives": cfg.vocab_negatives,
     }
     eval_prompts = [data.prompt_tokens(r) for r in held_out]
     tokens_per_step = cfg.batch_size * cfg.seq_len

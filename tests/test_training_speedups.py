@@ -1,0 +1,178 @@
+"""The two CPU-budget options of the trainer: the sampled-softmax vocabulary (an estimate of the
+full-vocabulary CE) and the on-disk tap cache (exactly the online taps, resumable, refused when
+corrupt)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_training import TINY_TARGET, _config, _corpus, _losses
+
+from dflash_jax.io.drafter_io import restore_drafter
+from dflash_jax.io.target_loader import LoadedTarget
+from dflash_jax.models.target import Transformer, init_params
+from dflash_jax.training import data, tap_cache, trainer
+from dflash_jax.training.loss import NEG_INF, sampled_vocabulary
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    target = LoadedTarget(
+        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
+    )
+    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
+    return target
+
+
+def test_sampled_vocabulary_candidates_and_remapped_labels():
+    labels = jnp.asarray([[[7, 3, 3, 9], [0, 39, 3, 5]]])
+    valid = jnp.asarray([[[False, True, True, True], [False, True, False, True]]])
+    ids, bias, remapped = sampled_vocabulary(labels, valid, 40, 64, jax.random.key(0))
+    ids, bias, remapped = np.asarray(ids), np.asarray(bias), np.asarray(remapped)
+    positives = ids[:8][bias[:8] == 0]
+    np.testing.assert_array_equal(positives, [3, 5, 9, 39])  # distinct valid labels, sorted
+    ok = np.asarray(valid)
+    np.testing.assert_array_equal(ids[remapped[ok]], np.asarray(labels)[ok])
+    negatives, neg_bias = ids[8:], bias[8:]
+    in_positives = np.isin(negatives, positives)
+    assert in_positives.any()  # 64 draws from 40 ids: collisions happen and are masked
+    np.testing.assert_array_equal(neg_bias[in_positives], NEG_INF)
+    np.testing.assert_allclose(neg_bias[~in_positives], np.log(40 / 64), rtol=1e-6)
+
+
+def test_sampled_softmax_partition_is_unbiased():
+    """E[exp(logsumexp of the candidates)] equals the full softmax's partition function."""
+    v, m = 50, 8
+    z = jax.random.normal(jax.random.key(1), (v,)) * 2.0
+    labels = jnp.asarray([[[0, 4, 17, 4]]])
+    valid = jnp.asarray([[[False, True, True, True]]])
+
+    def partition(key):
+        ids, bias, _ = sampled_vocabulary(labels, valid, v, m, key)
+        return jnp.exp(jax.nn.logsumexp(z[ids] + bias))
+
+    estimates = jax.vmap(partition)(jax.random.split(jax.random.key(2), 20000))
+    full = float(jnp.exp(jax.nn.logsumexp(z)))
+    stderr = float(jnp.std(estimates)) / np.sqrt(estimates.shape[0])
+    assert abs(float(jnp.mean(estimates)) - full) < 4 * stderr, (float(jnp.mean(estimates)), full)
+    # Without the log(V/M) correction the estimate is far off: the test can fail.
+    assert float(jnp.mean(estimates)) > 1.5 * float(jnp.exp(jax.nn.logsumexp(z[:m])))
+
+
+def _online_taps(target, tokens, tap_layers):
+    t = len(tokens)
+    _, taps, _ = Transformer(TINY_TARGET).apply(
+        {"params": target.params},
+        jnp.asarray([tokens]),
+        jnp.arange(t)[None],
+        tap_layers=tap_layers,
+        logit_indices=jnp.zeros((1, 1), jnp.int32),
+    )
+    return np.asarray(taps[0])
+
+
+def test_tap_cache_equals_online_taps_resumes_and_refuses_corruption(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl", num_records=12)
+    source = data.record_source([str(tmp_path / "data.jsonl")])
+    layers = (1, 2)
+    build = lambda: tap_cache.build_tap_cache(  # noqa: E731
+        tmp_path / "cache",
+        source,
+        tiny_target,
+        layers,
+        24,
+        dtype="float32",
+        batch_tokens=96,
+        bucket=8,
+    )
+    cache = build()
+    for i in range(len(source)):
+        tokens = data.decode_record(source[i])["tokens"][:24]
+        row = cache.row(i)
+        assert row.shape == (24, 2 * TINY_TARGET.hidden_size)
+        np.testing.assert_allclose(
+            row[: len(tokens)], _online_taps(tiny_target, tokens, layers), atol=2e-5
+        )
+        assert not row[len(tokens) :].any()
+    reference = np.stack([cache.row(i) for i in range(len(source))])
+
+    # A build killed after its first batch: the rest is garbage, `done` says 1 batch.
+    meta_path = tmp_path / "cache" / tap_cache.INDEX_FILE
+    meta = json.loads(meta_path.read_text())
+    meta.update(done=1, complete=False)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="incomplete"):
+        tap_cache.TapCache(tmp_path / "cache")
+    store = np.memmap(tmp_path / "cache" / tap_cache.DATA_FILE, np.float32, "r+")
+    store[:] = np.nan
+    rows = 96 // (-(-int(cache.lengths.max()) // 8) * 8)  # the build's first batch
+    first_batch = np.argsort(-cache.lengths, kind="stable")[:rows]
+    for r in first_batch:  # what the killed run had written
+        n = cache.lengths[r] * cache.features
+        start = cache.offsets[r] * cache.features
+        store[start : start + n] = reference[r, : cache.lengths[r]].reshape(-1)
+    store.flush()
+    del store
+    resumed = build()
+    np.testing.assert_array_equal(np.stack([resumed.row(i) for i in range(len(source))]), reference)
+
+    with open(tmp_path / "cache" / tap_cache.DATA_FILE, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="corrupt"):
+        tap_cache.TapCache(tmp_path / "cache")
+    # Other tap layers are another cache: rebuilt, never read as this one.
+    other = tap_cache.build_tap_cache(
+        tmp_path / "cache", source, tiny_target, (0, 3), 24, dtype="float32"
+    )
+    assert other.fingerprint != cache.fingerprint
+    np.testing.assert_allclose(
+        other.row(0)[: cache.lengths[0]],
+        _online_taps(tiny_target, data.decode_record(source[0])["tokens"][:24], (0, 3)),
+        atol=2e-5,
+    )
+
+
+def test_cached_taps_train_like_online_and_sampled_vocab_learns(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl")
+    online = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=6)
+    trainer.train(online, tmp_path / "online")
+    cached = _config(
+        tmp_path / "data.jsonl",
+        num_steps=6,
+        checkpoint_every=6,
+        taps="cached",
+        tap_cache_dtype="float32",
+    )
+    trainer.train(cached, tmp_path / "cached")
+    a, b = _losses(tmp_path / "online"), _losses(tmp_path / "cached")
+    assert list(a) == list(b) == list(range(1, 7))
+    np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=1e-4)
+
+    sampled = _config(tmp_path / "data.jsonl", num_steps=40, vocab_negatives=16)
+    trainer.train(sampled, tmp_path / "sampled")
+    losses = list(_losses(tmp_path / "sampled").values())
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+
+
+def test_bad_taps_setting_is_refused(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl")
+    with pytest.raises(ValueError, match="online' or 'cached"):
+        trainer.train(_config(tmp_path / "data.jsonl", taps="disk"), tmp_path / "run")
+
+
+def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl")
+    scale = jnp.linspace(0.5, 2.0, TINY_TARGET.hidden_size)
+    tiny_target.params["norm"]["scale"] = scale
+    cfg = _config(
+        tmp_path / "data.jsonl",
+        num_steps=1,
+        checkpoint_every=1,
+        learning_rate=0.0,
+        init_norm_from_target=True,
+    )
+    trainer.train(cfg, tmp_path / "run")
+    exported = restore_drafter(tmp_path / "run" / "drafter")
+    np.testing.assert_allclose(exported.params["norm"]["scale"], scale)
