@@ -176,3 +176,16 @@ def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
     trainer.train(cfg, tmp_path / "run")
     exported = restore_drafter(tmp_path / "run" / "drafter")
     np.testing.assert_allclose(exported.params["norm"]["scale"], scale)
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    from train import plot_metrics
+
+    records = [
+        {"step": s, "loss": 5.0 / s, "tau_implied": 1 + s / 10, "accuracy": [0.5, 0.25]}
+        for s in (1, 2, 3)
+    ] + [{"step": 3, "tau_eval": 1.2}]
+    plot_metrics.plot(records, tmp_path / "m.png", "run")
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no training lines"):
+        plot_metrics.plot(records[-1:], tmp_path / "n.png", "run")
