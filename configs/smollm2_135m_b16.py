@@ -6,7 +6,7 @@ the reference rule's layers [1, 8, 14, 20, 27] of 30, block 16, 384-token rows (
 
 CPU budget choices (measured in dflash_jax/training/trainer.py's docstring): taps cached on disk
 after one target pass, and a sampled softmax with 4096 uniform negatives instead of the full
-49152-way CE, together ~3x cheaper per step; the final norm starts at the target's.
+49152-way CE, together ~3x cheaper per step.
 
 Mask token: SmolLM2's 49152 embedding rows are all tokenizer entries, so there is no spare
 padding row as in Qwen3. We use id 16, `<empty_output>`, a StarCoder-era Jupyter marker that
@@ -37,10 +37,9 @@ def get_config():
     cfg.ce_chunk_rows = 1024
     cfg.vocab_negatives = 4096
     cfg.taps = "cached"
-    cfg.init_norm_from_target = True
     cfg.batch_size = 4
     cfg.num_epochs = 3  # CPU budget; override with --config.num_steps / num_epochs
-    cfg.learning_rate = 1.5e-3
+    cfg.learning_rate = 1e-3
     cfg.data_threads = 1
     cfg.num_eval_prompts = 4
     cfg.eval_every = 250

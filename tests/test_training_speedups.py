@@ -160,6 +160,10 @@ def test_bad_taps_setting_is_refused(tmp_path, tiny_target):
     _corpus(tmp_path / "data.jsonl")
     with pytest.raises(ValueError, match="online' or 'cached"):
         trainer.train(_config(tmp_path / "data.jsonl", taps="disk"), tmp_path / "run")
+    with pytest.raises(ValueError, match="tap_cache_dtype"):
+        trainer.train(_config(tmp_path / "data.jsonl", tap_cache_dtype="int8"), tmp_path / "run")
+    with pytest.raises(ValueError, match="vocab_negatives"):
+        trainer.train(_config(tmp_path / "data.jsonl", vocab_negatives=-1), tmp_path / "run")
 
 
 def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
@@ -179,13 +183,13 @@ def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
 
 
 def test_plot_metrics_writes_a_png(tmp_path):
-    from train import plot_metrics
+    from dflash_jax.training.plots import plot
 
     records = [
         {"step": s, "loss": 5.0 / s, "tau_implied": 1 + s / 10, "accuracy": [0.5, 0.25]}
         for s in (1, 2, 3)
     ] + [{"step": 3, "tau_eval": 1.2}]
-    plot_metrics.plot(records, tmp_path / "m.png", "run")
+    plot(records, tmp_path / "m.png", "run")
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no training lines"):
-        plot_metrics.plot(records[-1:], tmp_path / "n.png", "run")
+        plot(records[-1:], tmp_path / "n.png", "run")

@@ -7,51 +7,15 @@ per-position accuracy of the last logged window.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from absl import app, flags
 
+from dflash_jax.training.plots import plot, read_metrics
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Training run directory (holds metrics.jsonl).", required=True)
 flags.DEFINE_string("output", None, "PNG to write (default: <workdir>/metrics.png).")
-
-
-def plot(records: list[dict], output: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "tau_eval" in r]
-    if not train:
-        raise ValueError("no training lines in the metrics file")
-    fig, (ax_loss, ax_tau, ax_acc) = plt.subplots(1, 3, figsize=(15, 4))
-    steps = [r["step"] for r in train]
-    ax_loss.plot(steps, [r["loss"] for r in train])
-    ax_loss.set(xlabel="step", ylabel="weighted CE", title="training loss")
-    ax_tau.plot(steps, [r["tau_implied"] for r in train], label="implied by accuracy")
-    if evals:
-        ax_tau.plot(
-            [r["step"] for r in evals],
-            [r["tau_eval"] for r in evals],
-            "o-",
-            label="measured (held-out decode)",
-        )
-    ax_tau.set(xlabel="step", ylabel="τ (tokens per verify)", title="acceptance length")
-    ax_tau.legend()
-    last = train[-1]
-    ax_acc.bar(range(1, len(last["accuracy"]) + 1), last["accuracy"])
-    ax_acc.set(
-        xlabel="block position k",
-        ylabel="top-1 accuracy",
-        title=f"per-position accuracy at step {last['step']}",
-    )
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
 
 
 def main(argv):
@@ -60,7 +24,7 @@ def main(argv):
     path = workdir / "metrics.jsonl"
     if not path.exists():
         raise app.UsageError(f"{path} does not exist; is --workdir a training run?")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(path)
     output = Path(FLAGS.output or workdir / "metrics.png")
     plot(records, output, f"{workdir.name}: {records[-1]['step']} steps")
     print(f"wrote {output}")
