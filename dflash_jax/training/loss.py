@@ -94,7 +94,7 @@ def sampled_vocabulary(
     estimates the full one and the CE is a consistent estimate of the full-vocabulary CE.
 
     -> (ids [U] int32, bias [U] fp32, labels remapped to candidate positions [B,N,J]), with
-    U = B*N*J + M static (unused positive slots are padding with bias NEG_INF).
+    U = min(B*N*J, V) + M static (unused positive slots are padding with bias NEG_INF).
     """
     flat_y = labels_bnj.reshape(-1)
     flat_ok = valid_bnj.reshape(-1)
