@@ -12,11 +12,12 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode
-from dflash_jax.io.assets import load_humaneval_prompts, load_mtbench_questions
+from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.target import init_params
 from dflash_jax.training import data
-from dflash_jax.training.generate import ChatFormat, generate_records
+from dflash_jax.training.generate import ChatFormat, generate_records, mixture
+from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
     Prompt,
@@ -184,3 +185,37 @@ def test_prompt_sources(tmp_path):
     assert [p.text for p in read_prompt_file(tmp_path / "p.txt")] == ["alpha", "beta"]
     kept = dedupe([Prompt("Hello!", "a"), Prompt("hello", "b"), Prompt(" ", "c"), Prompt("x", "d")])
     assert [p.source for p in kept] == ["a", "d"]
+
+
+def test_templated_math_and_chat_prompts_and_the_mixture(tmp_path, target, chat):
+    math = math_prompts(300, seed=1)
+    assert len(math) == 300 and len({p.text for p in math}) == 300
+    assert math == math_prompts(300, seed=1) and math != math_prompts(300, seed=2)
+    assert all(p.source == "math:template" and "?" in p.text for p in math)
+    talk = chat_prompts(200, seed=0)
+    assert len({p.text for p in talk}) == 200 and all(p.source == "chat:template" for p in talk)
+    fenced = stdlib_code_prompts(3, fenced=True)
+    assert all(
+        p.text.startswith("Write a solution") and "```python\ndef " in p.text for p in fenced
+    )
+    # The dev set is an evaluation set: its prompts never reach training data.
+    dev = load_dev_prompts()
+    assert len(dev) == 24 and {r["category"] for r in dev} == {"code", "math", "chat"}
+    overlap = OverlapFilter.for_benchmarks()
+    assert all(overlap.overlaps(r["prompt"]) for r in dev)
+    assert not any(overlap.overlaps(p.text) for p in math[:50] + talk[:50])
+
+    prompts = math[:3] + talk[:2] + [Prompt("def f(): pass", "stdlib:x.py")]
+    generate_records(
+        target, chat, prompts, tmp_path, fmt="jsonl", batch_size=2, max_new_tokens=6,
+        min_loss_tokens=1,
+    )  # fmt: skip
+    mix = mixture(tmp_path)
+    records = [r for path in data.expand_paths(str(tmp_path)) for r in data.read_shard(path)]
+    assert set(mix["sources"]) == {"math", "chat", "stdlib"}
+    assert (
+        mix["total"]["records"]
+        == len(records)
+        == sum(k["records"] for k in mix["sources"].values())
+    )
+    assert mix["total"]["tokens"] == sum(sum(r["loss_mask"]) for r in records)

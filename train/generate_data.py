@@ -1,11 +1,13 @@
 """Generates drafter training data: prompts answered by the target itself.
 
-    python -m train.generate_data --target=smollm2-135m-instruct --code_prompts=2000 \\
-        --self_prompts=2000 --output=data/smollm2 [--prompts=my_prompts.jsonl]
+    python -m train.generate_data --target=smollm2-135m-instruct --code_prompts=1200 \\
+        --math_prompts=1200 --chat_prompts=1000 --self_prompts=600 --output=data/smollm2
 
-Prompts come from files, the Python standard library (offline code prompts) and the target's
-own chat template (self prompts); HumanEval / MT-Bench look-alikes are dropped and listed in
-`<output>/overlap_dropped.jsonl`. Rerunning the same command resumes.
+Prompts come from files, the Python standard library (offline code prompts), templated math
+word problems and chat instructions, and the target's own chat template (self prompts);
+HumanEval / MT-Bench / dev-set look-alikes are dropped and listed in
+`<output>/overlap_dropped.jsonl`. Rerunning the same command resumes; a `mixture.json` in the
+output directory counts records and response tokens per source.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from dflash_jax.io.target_loader import load_target
-from dflash_jax.training.generate import ChatFormat, generate_records, self_prompts
+from dflash_jax.training.generate import ChatFormat, generate_records, mixture, self_prompts
+from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
     Prompt,
@@ -35,6 +38,17 @@ flags.DEFINE_multi_string(
     "prompts", [], "Prompt files: .jsonl with a 'prompt' field, or text with one prompt a line."
 )
 flags.DEFINE_integer("code_prompts", 0, "Prompts built from Python stdlib functions' docstrings.")
+flags.DEFINE_integer(
+    "fenced_code_prompts",
+    0,
+    "Stdlib functions shown as a fenced signature + docstring behind the HumanEval instruction.",
+)
+flags.DEFINE_integer(
+    "math_prompts", 0, "Templated grade-school math word problems (random names and quantities)."
+)
+flags.DEFINE_integer(
+    "chat_prompts", 0, "General-chat instructions: instruction templates x topic lists."
+)
 flags.DEFINE_integer(
     "self_prompts",
     0,
@@ -89,11 +103,20 @@ def main(argv):
     prompts = [p for path in FLAGS.prompts for p in read_prompt_file(path)]
     if FLAGS.code_prompts:
         prompts += stdlib_code_prompts(FLAGS.code_prompts)
+    if FLAGS.fenced_code_prompts:
+        prompts += stdlib_code_prompts(FLAGS.fenced_code_prompts, fenced=True)
+    if FLAGS.math_prompts:
+        prompts += math_prompts(FLAGS.math_prompts, seed=FLAGS.seed)
+    if FLAGS.chat_prompts:
+        prompts += chat_prompts(FLAGS.chat_prompts, seed=FLAGS.seed)
     if FLAGS.self_prompts:
         prompts += _self_prompts(target, chat, output)
     prompts = dedupe(prompts)
     if not prompts:
-        raise app.UsageError("no prompts: give --prompts, --code_prompts or --self_prompts")
+        raise app.UsageError(
+            "no prompts: give --prompts, --code_prompts, --math_prompts, --chat_prompts or "
+            "--self_prompts"
+        )
 
     overlap = OverlapFilter.for_benchmarks(FLAGS.overlap_ngram)
     dropped = [p for p in prompts if overlap.overlaps(p.text)]
@@ -125,7 +148,9 @@ def main(argv):
     )
     counts["overlap_dropped"] = len(dropped)
     logging.info("done: %s", counts)
-    print(json.dumps(counts))
+    mix = mixture(output)
+    (output / "mixture.json").write_text(json.dumps(mix, indent=1))
+    print(json.dumps({"this_run": counts, "mixture": mix}))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,16 @@ from dflash_jax.decoding.sampling import (
     row_keys,
     sample,
 )
-from dflash_jax.models.drafter import Drafter, check_fits, draft_logits
-from dflash_jax.models.target import KVCache, Transformer, init_cache, write_rows
+from dflash_jax.models.drafter import Drafter, check_fits, embed_block, finish_logits
+from dflash_jax.models.target import (
+    KVCache,
+    Transformer,
+    apply_head,
+    init_cache,
+    unembedding_matrix,
+    write_rows,
+)
+from dflash_jax.ops.reductions import argmax_last
 
 
 @flax.struct.dataclass
@@ -69,13 +77,15 @@ def _step_key(rng, step):
     return jax.random.fold_in(rng, step)
 
 
-def _prefill(target_params, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers):
+def _prefill(
+    target_params, head_dv, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers
+):
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. Returns (state without drafter fields, prompt taps or None)."""
     b, p = prompt_bp.shape
     cache = init_cache(tcfg, b, cache_len)
     positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits_b1v, taps_bpf, cache = Transformer(tcfg).apply(
+    hidden_b1d, taps_bpf, cache = Transformer(tcfg).apply(
         {"params": target_params},
         prompt_bp,
         positions_bp,
@@ -83,8 +93,10 @@ def _prefill(target_params, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_l
         jnp.zeros((b,), jnp.int32),
         tap_layers,
         (prompt_lengths_b - 1)[:, None],
+        method="hidden",
     )
-    first_b = pick(logits_b1v[:, 0], _step_key(rng, _max_steps(cfg)), cfg)
+    logits_bv = apply_head(head_dv, hidden_b1d[:, 0])
+    first_b = pick(logits_bv, _step_key(rng, _max_steps(cfg)), cfg)
     width = cfg.max_new_tokens + cfg.block_size + 1
     gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
     done_b = (
@@ -103,6 +115,73 @@ def _prefill(target_params, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_l
         cache=cache,
     )
     return state, taps_bpf
+
+
+# The phases of one speculative step, each a pure function (the loop body chains them;
+# `decoding.breakdown` times each one apart at real shapes).
+
+
+def append_context(drafter_params, dcfg, ctx_k, ctx_v, drf_len_b, pending_btf, n_pending_b):
+    """Appends the context K/V of the pending taps [B,T,F] at each row's drf_len (rows past
+    n_pending are written too, then masked and overwritten later).
+    -> (ctx_k, ctx_v, drf_len + n_pending)."""
+    t = pending_btf.shape[1]
+    positions_bt = drf_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    ks, vs = Drafter(dcfg).apply(
+        {"params": drafter_params}, pending_btf, positions_bt, method="context_kv"
+    )
+    ctx_k = tuple(write_rows(c, k, drf_len_b) for c, k in zip(ctx_k, ks, strict=True))
+    ctx_v = tuple(write_rows(c, v, drf_len_b) for c, v in zip(ctx_v, vs, strict=True))
+    return ctx_k, ctx_v, drf_len_b + n_pending_b
+
+
+def draft_hidden(
+    drafter_params, target_params, tcfg, dcfg, anchor_b1, ctx_k, ctx_v, drf_len_b, start_b, bs
+):
+    """The drafter over [anchor, MASK x (bs-1)] at positions start.., non-causally over the
+    context cache (block K/V are not cached). -> final-normed hidden of the bs-1 draft slots
+    [B,bs-1,D]."""
+    b = anchor_b1.shape[0]
+    mask_bg = jnp.full((b, bs - 1), dcfg.mask_token_id, jnp.int32)
+    x_btd = embed_block(target_params, tcfg, dcfg, jnp.concatenate([anchor_b1, mask_bg], 1))
+    hidden_btd = Drafter(dcfg).apply(
+        {"params": drafter_params}, x_btd, ctx_k, ctx_v, drf_len_b, start_b[:, None], bs
+    )
+    return hidden_btd[:, 1:]
+
+
+def draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, key):
+    """The target's frozen head on the draft slots, then argmax or a sample per slot.
+    -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
+    logits_bgv = finish_logits(dcfg, apply_head(head_dv, hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
+    if cfg.greedy:
+        return argmax_last(logits_bgv), None
+    draft_logp_bgv = process_logits(logits_bgv, cfg)
+    return sample(row_keys(key, hidden_bgd.shape[0]), draft_logp_bgv), draft_logp_bgv
+
+
+def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache):
+    """The target on [anchor, drafts] at positions start.., writing its K/V at start.
+    -> (final-normed hidden [B,T,D], taps [B,T,F], cache)."""
+    positions_bt = start_b[:, None] + jnp.arange(verify_bt.shape[1], dtype=jnp.int32)[None, :]
+    return Transformer(tcfg).apply(
+        {"params": target_params},
+        verify_bt,
+        positions_bt,
+        cache,
+        start_b,
+        dcfg.target_layer_ids,
+        method="hidden",
+    )
+
+
+def verify_accept(head_dv, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
+    """The target's head on the verified block, then the longest valid prefix plus one target
+    token. -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
+    tlogits_btv = apply_head(head_dv, hidden_btd)
+    if cfg.greedy:
+        return accept_greedy(drafts_bg, tlogits_btv)
+    return accept_rejection(drafts_bg, draft_logp_bgv, tlogits_btv, key, cfg)
 
 
 def _commit(state: _State, new_bt, produced_b, cfg: DecodeConfig) -> tuple[_State, jax.Array]:
@@ -159,20 +238,57 @@ def _autoregressive_jit(
 ):
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
-    state, _ = _prefill(target_params, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
+    head_dv = unembedding_matrix(target_params, tcfg)
+    state, _ = _prefill(
+        target_params, head_dv, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ()
+    )
     model = Transformer(tcfg)
 
     def body(s: _State) -> _State:
-        last_b = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
+        last_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
         start_b = prompt_lengths + s.n_gen - 1
-        logits_b1v, _, cache = model.apply(
-            {"params": target_params}, last_b, start_b[:, None], s.cache, start_b
+        hidden_b1d, _, cache = model.apply(
+            {"params": target_params}, last_b1, start_b[:, None], s.cache, start_b, method="hidden"
         )
-        next_b = pick(logits_b1v[:, 0], _step_key(rng, s.step), cfg)
+        next_b = pick(apply_head(head_dv, hidden_b1d[:, 0]), _step_key(rng, s.step), cfg)
         s, _ = _commit(s.replace(cache=cache), next_b[:, None], jnp.ones_like(start_b), cfg)
         return s
 
     return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
+
+
+def _init_speculative(
+    target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+) -> _State:
+    """Prefill, then the prompt's drafter context K/V (block-independent: all appended now)."""
+    bs = cfg.block_size
+    b, p = prompt.shape
+    cache_len = p + cfg.max_new_tokens + 2 * bs
+    state, taps_bpf = _prefill(
+        target_params,
+        head_dv,
+        tcfg,
+        cfg,
+        prompt,
+        prompt_lengths,
+        rng,
+        cache_len,
+        dcfg.target_layer_ids,
+    )
+    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
+    dtype = jnp.dtype(dcfg.dtype)
+    empty = tuple(jnp.zeros(ctx_shape, dtype) for _ in range(dcfg.num_layers))
+    zero_b = jnp.zeros((b,), jnp.int32)
+    ctx_k, ctx_v, drf_len_b = append_context(
+        drafter_params, dcfg, empty, empty, zero_b, taps_bpf, prompt_lengths
+    )
+    return state.replace(
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        drf_len=drf_len_b,
+        pending=jnp.zeros((b, bs, taps_bpf.shape[-1]), taps_bpf.dtype),
+        n_pending=zero_b,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("target_config", "drafter_config", "decode_config"))
@@ -189,78 +305,32 @@ def _speculative_jit(
 ):
     tcfg, dcfg, cfg = target_config, drafter_config, decode_config
     bs = cfg.block_size
-    b, p = prompt.shape
-    cache_len = p + cfg.max_new_tokens + 2 * bs
-    state, taps_bpf = _prefill(
-        target_params, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, dcfg.target_layer_ids
+    head_dv = unembedding_matrix(target_params, tcfg)
+    state = _init_speculative(
+        target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
     )
-    drafter = Drafter(dcfg)
-    dparams = {"params": drafter_params}
-    # The prompt's context K/V are block-independent: append them all at prefill.
-    positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    ks, vs = drafter.apply(dparams, taps_bpf, positions_bp, method="context_kv")
-    zero_b = jnp.zeros((b,), jnp.int32)
-    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
-    ctx_k = tuple(write_rows(jnp.zeros(ctx_shape, k.dtype), k, zero_b) for k in ks)
-    ctx_v = tuple(write_rows(jnp.zeros(ctx_shape, v.dtype), v, zero_b) for v in vs)
-    state = state.replace(
-        ctx_k=ctx_k,
-        ctx_v=ctx_v,
-        drf_len=prompt_lengths,
-        pending=jnp.zeros((b, bs, taps_bpf.shape[-1]), taps_bpf.dtype),
-        n_pending=zero_b,
-    )
-    target = Transformer(tcfg)
-    offsets_t = jnp.arange(bs, dtype=jnp.int32)
 
     def body(s: _State) -> _State:
-        key = _step_key(rng, s.step)
-        k_draft, k_accept = jax.random.split(key)
+        k_draft, k_accept = jax.random.split(_step_key(rng, s.step))
         # 1. Append the pending context rows (taps of last step's committed tokens).
-        ks, vs = drafter.apply(
-            dparams, s.pending, s.drf_len[:, None] + offsets_t, method="context_kv"
+        ctx_k, ctx_v, drf_len_b = append_context(
+            drafter_params, dcfg, s.ctx_k, s.ctx_v, s.drf_len, s.pending, s.n_pending
         )
-        ctx_k = tuple(write_rows(c, k, s.drf_len) for c, k in zip(s.ctx_k, ks, strict=True))
-        ctx_v = tuple(write_rows(c, v, s.drf_len) for c, v in zip(s.ctx_v, vs, strict=True))
-        drf_len_b = s.drf_len + s.n_pending
-        # 2. Draft [anchor, MASK x (T-1)] non-causally over the context; block K/V not cached.
+        # 2. Draft [anchor, MASK x (bs-1)] non-causally over the context.
         start_b = prompt_lengths + s.n_gen - 1
         anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
-        block_bt = jnp.concatenate(
-            [anchor_b1, jnp.full((b, bs - 1), dcfg.mask_token_id, jnp.int32)], axis=1
-        )
-        logits_bgv = draft_logits(
-            drafter_params,
-            target_params,
-            tcfg,
-            dcfg,
-            block_bt,
-            ctx_k,
-            ctx_v,
-            drf_len_b,
-            start_b[:, None],
-            bs,
-        )[:, 0]
-        if cfg.greedy:
-            drafts_bg = jnp.argmax(logits_bgv, axis=-1).astype(jnp.int32)
-        else:
-            draft_logp_bgv = process_logits(logits_bgv, cfg)
-            drafts_bg = sample(row_keys(k_draft, b), draft_logp_bgv)
+        hidden_bgd = draft_hidden(
+            drafter_params, target_params, tcfg, dcfg, anchor_b1, ctx_k, ctx_v, drf_len_b,
+            start_b, bs,
+        )  # fmt: skip
+        drafts_bg, draft_logp_bgv = draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, k_draft)
         # 3. Verify the block with the target, writing its K/V at start.
         verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
-        tlogits_btv, taps_btf, cache = target.apply(
-            {"params": target_params},
-            verify_bt,
-            start_b[:, None] + offsets_t,
-            s.cache,
-            start_b,
-            dcfg.target_layer_ids,
+        vhidden_btd, taps_btf, cache = verify_hidden(
+            target_params, tcfg, dcfg, verify_bt, start_b, s.cache
         )
         # 4. Accept the longest valid prefix plus one target token.
-        if cfg.greedy:
-            a_b, new_bt = accept_greedy(drafts_bg, tlogits_btv)
-        else:
-            a_b, new_bt = accept_rejection(drafts_bg, draft_logp_bgv, tlogits_btv, k_accept, cfg)
+        a_b, new_bt = verify_accept(head_dv, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
         # 5. Commit; the target cache length is implied by n_gen (rollback = lower length).
         s, produced_b = _commit(s.replace(cache=cache), new_bt, a_b + 1, cfg)
         return s.replace(

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig
+from dflash_jax.ops.reductions import argmax_last
 
 
 def process_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
@@ -45,7 +46,7 @@ def sample(keys_b: jax.Array, logp_bxv: jax.Array) -> jax.Array:
 def pick(logits_bv: jax.Array, key: jax.Array, cfg: DecodeConfig) -> jax.Array:
     """Greedy argmax (temperature 0) or one sample per row of the processed distribution."""
     if cfg.greedy:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        return argmax_last(logits_bv)
     return sample(row_keys(key, logits_bv.shape[0]), process_logits(logits_bv, cfg))
 
 
@@ -53,7 +54,7 @@ def accept_greedy(drafts_bg: jax.Array, target_logits_bgv: jax.Array):
     """Greedy verification. drafts [B,G]; target logits [B,G+1,V] (row i predicts the token
     after block slot i). Returns (accepted count a [B], committed tokens [B,G+1]): the first a
     drafts, then the target's own token (the bonus) at index a."""
-    choice_bt = jnp.argmax(target_logits_bgv, axis=-1).astype(jnp.int32)
+    choice_bt = argmax_last(target_logits_bgv)
     match_bg = drafts_bg == choice_bt[:, :-1]
     a_b = jnp.sum(jnp.cumprod(match_bg.astype(jnp.int32), axis=-1), axis=-1)
     return a_b, _commit_tokens(drafts_bg, a_b, jnp.take_along_axis(choice_bt, a_b[:, None], 1))

@@ -55,6 +55,17 @@ def load_humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
+DEV_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "eval" / "dev_mixed.jsonl"
+
+
+def load_dev_prompts() -> list[dict]:
+    """The held-out dev set shipped with dflash-jax: 24 hand-written prompts, 8 each of code,
+    grade-school math and general chat (dicts with `prompt` and `category`). Never trained on:
+    `OverlapFilter.for_benchmarks` keeps look-alikes out of training data."""
+    with open(DEV_PROMPTS, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def load_mtbench_questions() -> list[dict]:
     """The 80 MT-Bench questions: dicts with `question_id`, `category` and `turns` (2 strings)."""
     with open(mtbench_questions_path(), encoding="utf-8") as f:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.target import Transformer
-from dflash_jax.ops.attention import attention, drafter_mask
+from dflash_jax.ops.attention import block_attention, block_mask, context_mask
 
 
 class DrafterLayer(nn.Module):
@@ -45,13 +45,19 @@ class DrafterLayer(nn.Module):
         """Context rows (already fc + hidden_norm) -> (k [B,K,T,H] after k_norm + RoPE, v)."""
         return self.self_attn.key_value(c_btd, cos, sin)
 
-    def __call__(self, x_bqd, cos, sin, ctx_k_bksh, ctx_v_bksh, mask_bq_s):
+    def __call__(self, x_bqd, cos, sin, ctx_k_bksh, ctx_v_bksh, ctx_mask_bqs, blk_mask_jj):
         h_bqd = self.input_layernorm(x_bqd)
         q_bqnh = self.self_attn.query(h_bqd, cos, sin)
         k_bkqh, v_bkqh = self.self_attn.key_value(h_bqd, cos, sin)
-        k_bksh = jnp.concatenate([ctx_k_bksh.astype(k_bkqh.dtype), k_bkqh], axis=2)
-        v_bksh = jnp.concatenate([ctx_v_bksh.astype(v_bkqh.dtype), v_bkqh], axis=2)
-        attn_bqnh = attention(q_bqnh, k_bksh, v_bksh, mask_bq_s)
+        attn_bqnh = block_attention(
+            q_bqnh,
+            ctx_k_bksh.astype(k_bkqh.dtype),
+            ctx_v_bksh.astype(v_bkqh.dtype),
+            k_bkqh,
+            v_bkqh,
+            ctx_mask_bqs,
+            blk_mask_jj,
+        )
         x_bqd = x_bqd + self.self_attn.output(attn_bqnh)
         return x_bqd + self.mlp(self.post_attention_layernorm(x_bqd))
 
@@ -103,14 +109,18 @@ class Drafter(nn.Module):
         )
         cos, sin = rope_tables(positions_bq, self.inv_freq, x_bqd.dtype)
         num_context = ctx_k[0].shape[2]
-        masks = {}
+        ctx_masks, blk_masks = {}, {}
         for i, layer in enumerate(self.layers):
-            kind = (self.config.layer_is_causal(i), self.config.layer_window(i))
-            if kind not in masks:
-                masks[kind] = drafter_mask(
-                    context_lengths_b, anchors_bn, block_size, num_context, *kind
+            causal, window = self.config.layer_is_causal(i), self.config.layer_window(i)
+            if window not in ctx_masks:
+                ctx_masks[window] = context_mask(
+                    context_lengths_b, anchors_bn, block_size, num_context, window
                 )
-            x_bqd = layer(x_bqd, cos, sin, ctx_k[i], ctx_v[i], masks[kind])
+            if (causal, window) not in blk_masks:
+                blk_masks[causal, window] = block_mask(block_size, causal, window)
+            x_bqd = layer(
+                x_bqd, cos, sin, ctx_k[i], ctx_v[i], ctx_masks[window], blk_masks[causal, window]
+            )
         return self.norm(x_bqd)
 
     def forward_from_taps(
@@ -165,11 +175,11 @@ def hidden_to_logits(
     logits_tv = Transformer(target_config).apply(
         {"params": target_params}, hidden_td, method="unembed"
     )
-    logits_tv = _finish_logits(drafter_config, logits_tv)
+    logits_tv = finish_logits(drafter_config, logits_tv)
     return logits_tv.reshape(*lead, logits_tv.shape[-1])
 
 
-def _finish_logits(drafter_config: DrafterConfig, logits: jax.Array) -> jax.Array:
+def finish_logits(drafter_config: DrafterConfig, logits: jax.Array) -> jax.Array:
     """fp32, then output_multiplier and softcapping s*tanh(z/s)."""
     logits = logits.astype(jnp.float32)
     if drafter_config.output_multiplier is not None:
@@ -199,7 +209,7 @@ def hidden_to_subset_logits(
     [T, D] -> fp32 [T, U], equal to the full logits' columns for those ids."""
     dtype = jnp.dtype(target_config.dtype)
     logits_tu = jnp.einsum("td,ud->tu", hidden_td.astype(dtype), rows_ud.astype(dtype))
-    return _finish_logits(drafter_config, logits_tu)
+    return finish_logits(drafter_config, logits_tu)
 
 
 def draft_logits(

@@ -125,6 +125,22 @@ class Transformer(nn.Module):
         logits: [B,T,V], or [B,M,V] at `logit_indices` [B,M] (e.g. each row's last prompt token).
         taps: [B,T,len(tap_layers)*D] in tap_layers order (None when no taps are asked for).
         """
+        hidden, taps_btf, new_cache = self.hidden(
+            tokens_bt, positions_bt, cache, cache_lengths, tap_layers, logit_indices
+        )
+        return self.unembed(hidden), taps_btf, new_cache
+
+    def hidden(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        cache: KVCache | None = None,
+        cache_lengths: jax.Array | None = None,
+        tap_layers: tuple[int, ...] = (),
+        logit_indices: jax.Array | None = None,
+    ):
+        """`__call__` without the lm_head: (final-normed hidden [B,T or M,D], taps, cache). The
+        decode loop applies the head itself (`unembedding_matrix`)."""
         c = self.config
         for l in tap_layers:
             if not 0 <= l < c.num_layers:
@@ -148,9 +164,29 @@ class Transformer(nn.Module):
         taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
         if logit_indices is not None:
             x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)
-        logits = self.unembed(self.norm(x_btd))
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return logits, taps_btf, new_cache
+        return self.norm(x_btd), taps_btf, new_cache
+
+
+def unembedding_matrix(params, config: TargetConfig) -> jax.Array:
+    """The frozen lm_head as a [D,V] matrix, for `hidden @ matrix` in the decode loops.
+
+    A tied head is the embedding [V,D] transposed. On CPU the transpose is materialised once
+    per decode call (outside the loop): XLA:CPU's GEMM on the stored [V,D] layout was ~12%
+    slower per step (SmolLM2, 1 and 16 rows); the barrier keeps XLA from folding the copy
+    back into the dot. Other backends contract either layout at full speed, so no copy.
+    """
+    if not config.tie_word_embeddings:
+        return params["lm_head"]["kernel"]
+    head_dv = params["embed_tokens"]["embedding"].T
+    if jax.default_backend() == "cpu":
+        head_dv = jax.lax.optimization_barrier(head_dv)
+    return head_dv
+
+
+def apply_head(head_dv: jax.Array, hidden: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., D] @ head [D,V] -> logits [..., V] in the hidden's dtype."""
+    return jnp.einsum("...d,dv->...v", hidden, head_dv.astype(hidden.dtype))
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -1,7 +1,8 @@
 """Orbax checkpoints of a training run: the train state (step, drafter params, optimizer state)
 and the grain iterator position, saved together so a resumed run replays the exact data order.
 
-Layout: `<workdir>/checkpoints/<step>/{state,data_iter}`. The exported drafter (what
+Layout: `<workdir>/checkpoints/<step>/{state,data_iter}`; damaged ones are moved to
+`<workdir>/checkpoints_unreadable/<step>` when a resume finds them. The exported drafter (what
 `load_drafter` reads) lives beside it in `<workdir>/drafter`.
 """
 
@@ -12,12 +13,17 @@ from pathlib import Path
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.io.drafter_io import save_drafter
+from dflash_jax.io.hf import CheckpointError
+from dflash_jax.models.drafter import init_drafter_params
 
 CHECKPOINT_DIR = "checkpoints"
+UNREADABLE_DIR = "checkpoints_unreadable"
 DRAFTER_DIR = "drafter"
 
 
@@ -39,23 +45,64 @@ def save_checkpoint(
     )
 
 
+def abstract_state(drafter_config: DrafterConfig, optimizer) -> dict:
+    """Shapes and dtypes of the train state {"step", "params", "opt_state"}, for restoring."""
+
+    def init():
+        params = init_drafter_params(drafter_config, jax.random.key(0))
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": optimizer.build().init(params),
+        }
+
+    return jax.eval_shape(init)
+
+
 def restore_latest(
-    manager: ocp.CheckpointManager, state: dict, data_iter: grain.DatasetIterator
+    manager: ocp.CheckpointManager, abstract: dict, data_iter: grain.DatasetIterator
 ) -> dict | None:
-    """Restores the newest checkpoint into `state`'s structure and moves `data_iter` to the saved
-    position. -> the restored state, or None when the run has no checkpoint yet."""
-    step = manager.latest_step()
-    if step is None:
-        return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract),
-            data_iter=grain.checkpoint.CheckpointRestore(data_iter),
-        ),
-    )
-    return restored.state
+    """Restores the newest readable checkpoint into `abstract`'s structure and moves `data_iter`
+    to its saved position. An unreadable checkpoint (truncated, corrupt) is moved aside to
+    `<workdir>/checkpoints_unreadable/<step>` with a warning, and the previous one is tried.
+    -> the state, or None when the run has no checkpoint yet. Raises CheckpointError
+    when checkpoints exist but none is readable (rather than silently starting over)."""
+    directory = Path(manager.directory)
+    tried = []
+    while (step := manager.latest_step()) is not None:
+        try:
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract),
+                    data_iter=grain.checkpoint.CheckpointRestore(data_iter),
+                ),
+            )
+            if tried:
+                logging.warning(
+                    "resumed from step %d instead (checkpoints %s unreadable)", step, tried
+                )
+            return restored.state
+        except Exception as e:  # orbax/tensorstore raise many types for damaged files
+            aside = directory.parent / UNREADABLE_DIR / str(step)
+            logging.warning(
+                "checkpoint %s is unreadable (%s: %s); moved to %s, trying the previous one",
+                directory / str(step),
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+                aside,
+            )
+            tried.append(step)
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(aside, ignore_errors=True)
+            shutil.move(str(directory / str(step)), str(aside))
+            manager.reload()
+    if tried:
+        raise CheckpointError(
+            f"no readable checkpoint in {directory}: steps {tried} are damaged (moved to "
+            f"{directory.parent / UNREADABLE_DIR}); delete the workdir to start over"
+        )
+    return None
 
 
 def export_drafter(workdir: str | Path, config: DrafterConfig, params: dict) -> Path:

@@ -26,7 +26,7 @@ from absl import logging
 
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode
-from dflash_jax.training.data import FORMATS, SHARD_PREFIX, write_shard
+from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, dedupe
 
 SENTINEL = "\u2063SENTINEL\u2063"
@@ -242,3 +242,25 @@ def generate_records(
         shard_index += 1
     bar.close()
     return counts
+
+
+def source_kind(source: str) -> str:
+    """`stdlib:json/x.py` -> `stdlib`; `math:template` -> `math`; `self` -> `self`."""
+    return source.split(":", 1)[0]
+
+
+def mixture(out_dir: str | Path) -> dict:
+    """Records and response (loss) tokens per prompt source over every shard in `out_dir`."""
+    out_dir = Path(out_dir)
+    kinds: dict[str, dict[str, int]] = {}
+    for suffix in FORMATS.values():
+        for shard in sorted(out_dir.glob(f"{SHARD_PREFIX}*{suffix}")):
+            for record in read_shard(shard):
+                k = kinds.setdefault(source_kind(record["source"]), {"records": 0, "tokens": 0})
+                k["records"] += 1
+                k["tokens"] += int(sum(record["loss_mask"]))
+    total = {
+        "records": sum(k["records"] for k in kinds.values()),
+        "tokens": sum(k["tokens"] for k in kinds.values()),
+    }
+    return {"sources": dict(sorted(kinds.items())), "total": total}

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError
+from dflash_jax.ops.reductions import argmax_last
 
 # Paper Eq. 4: gamma per block size.
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -140,7 +141,7 @@ def chunked_cross_entropy(
         logits_cv = logits_fn(h_cd)
         lse_c = jax.nn.logsumexp(logits_cv, axis=-1)
         gold_c = jnp.take_along_axis(logits_cv, y_c[:, None], axis=-1)[:, 0]
-        return lse_c - gold_c, jnp.argmax(logits_cv, axis=-1) == y_c
+        return lse_c - gold_c, argmax_last(logits_cv) == y_c
 
     ce_kc, correct_kc = jax.lax.map(one_chunk, (h_kcd, y_kc))
     return ce_kc.reshape(-1)[:r], correct_kc.reshape(-1)[:r]

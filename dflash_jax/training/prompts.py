@@ -1,10 +1,11 @@
 """Prompt sources for drafter training data, and the guard that keeps evaluation prompts out.
 
 Sources: user files (jsonl `{"prompt": ...}` or txt, one prompt per line), prompts built from
-Python standard-library functions with docstrings (offline, HumanEval-like), and prompts the
-target writes itself from its own chat template (`self_prompts` in generate.py).
-HumanEval and MT-Bench are evaluation sets: `OverlapFilter` drops any prompt that equals one of
-them after normalisation or shares a long word n-gram with one.
+Python standard-library functions with docstrings (offline, HumanEval-like), templated math and
+chat prompts (`prompt_templates.py`), and prompts the target writes itself from its own chat
+template (`self_prompts` in generate.py).
+HumanEval, MT-Bench and our dev set are evaluation sets: `OverlapFilter` drops any prompt that
+equals one of them after normalisation or shares a long word n-gram with one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash_jax.io.assets import load_humaneval_prompts, load_mtbench_questions
+from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +55,11 @@ def _signature(node: ast.FunctionDef) -> str:
     return f"{node.name}({args}){returns}"
 
 
-def stdlib_code_prompts(limit: int, min_doc_chars: int = 40) -> list[Prompt]:
-    """ "Write a Python function `sig` that ..." from public top-level functions of the Python
-    standard library whose docstring's first paragraph has at least `min_doc_chars` characters.
-    Deterministic (sorted files, source order); at most `limit` prompts."""
+def _stdlib_functions(min_doc_chars: int):
+    """(function node, docstring, path relative to the stdlib) for public top-level functions of
+    the Python standard library whose docstring's first paragraph has at least `min_doc_chars`
+    characters; deterministic (sorted files, source order)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts: list[Prompt] = []
     skip_dirs = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
@@ -73,16 +73,37 @@ def stdlib_code_prompts(limit: int, min_doc_chars: int = 40) -> list[Prompt]:
                 if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                     continue
                 doc = ast.get_docstring(node)
-                if not doc or len(_first_paragraph(doc)) < min_doc_chars:
-                    continue
-                summary = _first_paragraph(doc)
-                text = (
-                    f"Write a Python function `{_signature(node)}` that does the following.\n\n"
-                    f"{summary}"
-                )
-                prompts.append(Prompt(text, f"stdlib:{path.relative_to(root)}"))
-                if len(prompts) >= limit:
-                    return prompts
+                if doc and len(_first_paragraph(doc)) >= min_doc_chars:
+                    yield node, doc, path.relative_to(root)
+
+
+FENCED_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n"
+    "```python\n{code}\n```"
+)
+
+
+def stdlib_code_prompts(limit: int, min_doc_chars: int = 40, fenced: bool = False) -> list[Prompt]:
+    """Code prompts from Python standard-library functions (at most `limit`).
+
+    Default: "Write a Python function `sig` that does the following. <first docstring
+    paragraph>". `fenced=True` instead shows the signature and whole docstring in a python fence
+    behind the instruction the HumanEval benchmark uses (the stdlib function, not a HumanEval
+    task: `OverlapFilter` still applies)."""
+    prompts: list[Prompt] = []
+    for node, doc, rel in _stdlib_functions(min_doc_chars):
+        if fenced:
+            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+            code = f'def {_signature(node)}:\n    """{body.lstrip()}\n    """'
+            prompts.append(Prompt(FENCED_TEMPLATE.format(code=code), f"stdlib-fenced:{rel}"))
+        else:
+            text = (
+                f"Write a Python function `{_signature(node)}` that does the following.\n\n"
+                f"{_first_paragraph(doc)}"
+            )
+            prompts.append(Prompt(text, f"stdlib:{rel}"))
+        if len(prompts) >= limit:
+            break
     return prompts
 
 
@@ -107,9 +128,10 @@ class OverlapFilter:
 
     @classmethod
     def for_benchmarks(cls, ngram: int = 13) -> OverlapFilter:
-        """HumanEval prompts and every MT-Bench turn."""
+        """HumanEval prompts, every MT-Bench turn and the shipped dev set."""
         texts = list(load_humaneval_prompts())
         texts += [turn for q in load_mtbench_questions() for turn in q["turns"]]
+        texts += [r["prompt"] for r in load_dev_prompts()]
         return cls(texts, ngram)
 
     def overlaps(self, text: str) -> bool:

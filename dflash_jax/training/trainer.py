@@ -1,8 +1,7 @@
-"""Drafter training: the jitted train step and the resumable loop around it (design.md §4.2).
+"""Drafter training: configuration and the resumable loop (design.md §4.2).
 
-train_step: frozen target forward (no grad) -> taps -> drafter over all N anchor blocks of each
-sequence at once under the block mask -> chunked CE through the frozen lm_head with decayed
-position weights -> AdamW on the drafter params only.
+The step itself (loss, AdamW update) is in `step.py`, the starting params in `init.py`, the
+real-acceptance evaluation in `evaluation.py`, checkpoints in `checkpoint.py`.
 
 Taps are computed online, inside the step, by default (`taps="online"`), or read from a cache
 built once by `tap_cache` (`taps="cached"`). Which is cheaper depends on how many epochs a budget
@@ -18,8 +17,6 @@ a CPU run is ~3x faster per step. On accelerators, where caching costs 40 KiB/to
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import math
 import time
@@ -30,35 +27,24 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import tqdm
 from absl import logging
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig, default_target_layer_ids
-from dflash_jax.decoding import speculative_decode
+from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.io.target_loader import load_target
-from dflash_jax.models.drafter import (
-    Drafter,
-    check_fits,
-    embed_block,
-    hidden_to_logits,
-    hidden_to_subset_logits,
-    init_drafter_params,
-    unembedding_rows,
-)
-from dflash_jax.models.target import Transformer
+from dflash_jax.models.drafter import check_fits
 from dflash_jax.training import checkpoint, data, tap_cache
-from dflash_jax.training.loss import (
-    block_diffusion_loss,
-    block_inputs,
-    block_labels,
-    default_gamma,
-    implied_acceptance,
-    position_weights,
-    sampled_vocabulary,
-)
+from dflash_jax.training.evaluation import EVAL_SOURCES, eval_prompts, evaluate_acceptance
+from dflash_jax.training.init import initial_params
+from dflash_jax.training.loss import default_gamma, implied_acceptance
+from dflash_jax.training.step import OptimizerConfig, train_step
 
 METRICS_FILE = "metrics.jsonl"
+NONFINITE_MODES = ("stop", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step produced a non-finite loss or gradient (config.nonfinite = "stop")."""
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -94,6 +80,15 @@ def default_config() -> ml_collections.ConfigDict:
     # lm_head). Off by default: in a SmolLM2 CPU run with it (and lr 1.5e-3) the loss was still
     # 7.4 at step 100, where the same run without it (lr 1e-3) reached 7.1 at step 50.
     cfg.init_norm_from_target = False
+    # Start the drafter from the target's top layers, with fc/hidden_norm set so that the context
+    # K/V begin as the target's own (training/init.py).
+    cfg.init_from_target = False
+    # Warm start: params only from an exported drafter directory (e.g. a previous run's
+    # <workdir>/drafter or the shipped default) when the workdir has no checkpoint yet.
+    cfg.init_from = ""
+    # A step with a non-finite loss or gradient: "stop" the run naming the step (its checkpoints
+    # stay intact) or "skip" it (params unchanged) and count it in the metrics.
+    cfg.nonfinite = "stop"
     cfg.batch_size = 8
     cfg.num_epochs = 6
     cfg.num_steps = 0  # 0: num_epochs over the training records
@@ -106,7 +101,9 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.grad_clip = 1.0
     cfg.seed = 0
     cfg.data_threads = 4
-    cfg.num_eval_prompts = 8  # records held out; their prompts measure the real tau
+    cfg.num_eval_prompts = 8  # records held out of training
+    cfg.eval_prompts = "held_out"  # or "dev": the shipped dev set (24 mixed prompts)
+    cfg.eval_block_size = 0  # 0: the trained block size
     cfg.eval_every = 1000
     cfg.eval_max_new_tokens = 256
     cfg.log_every = 50
@@ -142,207 +139,6 @@ def drafter_config_for(cfg: ml_collections.ConfigDict, target: TargetConfig) -> 
     return config
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """Hashable optimizer settings, so the jitted step is cached across `train` calls."""
-
-    learning_rate: float
-    warmup_steps: int
-    num_steps: int
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    grad_clip: float
-
-    @classmethod
-    def from_config(cls, cfg: ml_collections.ConfigDict, num_steps: int) -> OptimizerConfig:
-        return cls(
-            learning_rate=cfg.learning_rate,
-            warmup_steps=int(round(cfg.warmup_fraction * num_steps)),
-            num_steps=num_steps,
-            b1=cfg.adam_b1,
-            b2=cfg.adam_b2,
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
-        )
-
-    def schedule(self) -> optax.Schedule:
-        """Linear warm-up from 0, then cosine to 0 at num_steps."""
-        return optax.warmup_cosine_decay_schedule(
-            0.0,
-            self.learning_rate,
-            self.warmup_steps,
-            max(self.num_steps, self.warmup_steps + 1),
-            end_value=0.0,
-        )
-
-    def build(self) -> optax.GradientTransformation:
-        """Global-norm clipping, then AdamW on the schedule."""
-        return optax.chain(
-            optax.clip_by_global_norm(self.grad_clip),
-            optax.adamw(
-                self.schedule(), self.b1, self.b2, self.eps, weight_decay=self.weight_decay
-            ),
-        )
-
-
-def drafter_loss(
-    params,
-    target_params,
-    batch: dict,
-    *,
-    target_config: TargetConfig,
-    drafter_config: DrafterConfig,
-    weights_j: jax.Array,
-    ce_chunk_rows: int,
-    vocab_negatives: int = 0,
-    vocab_rng: jax.Array | None = None,
-):
-    """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
-    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1)."""
-    tokens_bs = batch["tokens"]
-    b, s = tokens_bs.shape
-    block_size = drafter_config.block_size
-    if "taps" in batch:  # cached by tap_cache
-        taps_bsf = batch["taps"]
-    else:
-        positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        # Layers after the last tap cannot change the taps: skip them (their params go unused).
-        tap_config = dataclasses.replace(
-            target_config, num_layers=max(drafter_config.target_layer_ids) + 1
-        )
-        _, taps_bsf, _ = Transformer(tap_config).apply(
-            {"params": target_params},
-            tokens_bs,
-            positions_bs,
-            tap_layers=drafter_config.target_layer_ids,
-            logit_indices=jnp.zeros((b, 1), jnp.int32),
-        )
-    taps_bsf = jax.lax.stop_gradient(taps_bsf)
-    anchors_bn = batch["anchors"]
-    block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)
-    x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
-    hidden_bqd = Drafter(drafter_config).apply(
-        {"params": params},
-        taps_bsf.astype(x_bqd.dtype),
-        x_bqd,
-        batch["length"],
-        anchors_bn,
-        block_size,
-        method="forward_from_taps",
-    )
-    labels_bnj, valid_bnj = block_labels(
-        tokens_bs,
-        batch["loss_mask"],
-        batch["length"],
-        anchors_bn,
-        batch["anchor_valid"],
-        block_size,
-    )
-    if vocab_negatives:
-        ids_u, bias_u, labels_bnj = sampled_vocabulary(
-            labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng
-        )
-        rows_ud = jax.lax.stop_gradient(unembedding_rows(target_params, target_config, ids_u))
-
-        def logits_fn(h_cd):
-            return (
-                hidden_to_subset_logits(target_params, target_config, drafter_config, h_cd, rows_ud)
-                + bias_u
-            )
-    else:
-
-        def logits_fn(h_cd):
-            return hidden_to_logits(target_params, target_config, drafter_config, h_cd)
-
-    return block_diffusion_loss(
-        hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "target_config",
-        "drafter_config",
-        "optimizer",
-        "loss_gamma",
-        "ce_chunk_rows",
-        "vocab_negatives",
-    ),
-    donate_argnums=0,
-)
-def train_step(
-    state: dict,
-    target_params,
-    batch: dict,
-    *,
-    target_config: TargetConfig,
-    drafter_config: DrafterConfig,
-    optimizer: OptimizerConfig,
-    loss_gamma: float,
-    ce_chunk_rows: int,
-    vocab_negatives: int = 0,
-):
-    """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
-    drafter params receive gradients, the target params are a plain input. Sampled negatives
-    come from a key folded from the step, so a resumed run draws the same ones."""
-    weights_j = jnp.asarray(position_weights(drafter_config.block_size, loss_gamma))
-    vocab_rng = jax.random.fold_in(jax.random.key(0x5EED), state["step"])
-
-    def loss_fn(params):
-        return drafter_loss(
-            params,
-            target_params,
-            batch,
-            target_config=target_config,
-            drafter_config=drafter_config,
-            weights_j=weights_j,
-            ce_chunk_rows=ce_chunk_rows,
-            vocab_negatives=vocab_negatives,
-            vocab_rng=vocab_rng,
-        )
-
-    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.build().update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **stats}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
-
-
-def evaluate_acceptance(
-    target, drafter_config: DrafterConfig, params, prompts: list[list[int]], max_new_tokens: int
-) -> float:
-    """Greedy `speculative_decode` on held-out prompts -> mean tau (tokens per verify step,
-    bonus included), averaged per prompt then over prompts."""
-    width = max(len(p) for p in prompts)
-    prompt_bp = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        prompt_bp[i, : len(p)] = p
-    lengths_b = np.asarray([len(p) for p in prompts], np.int32)
-    decode_config = DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        block_size=drafter_config.block_size,
-        stop_token_ids=target.config.eos_token_ids,
-    )
-    out = speculative_decode(
-        target.params,
-        params,
-        prompt_bp,
-        lengths_b,
-        jax.random.key(0),
-        target_config=target.config,
-        drafter_config=drafter_config,
-        decode_config=decode_config,
-    )
-    acc = np.asarray(out.acceptance_lengths)
-    steps = np.asarray(out.num_steps)
-    ran = steps > 0
-    return float(np.mean(acc[ran].sum(axis=1) / steps[ran])) if ran.any() else float("nan")
-
-
 class MetricsLog:
     """Appends one JSON object per log line to `<workdir>/metrics.jsonl`. On resume, lines past
     the restored step (logged by the killed run after its last checkpoint) are dropped first."""
@@ -363,28 +159,32 @@ class MetricsLog:
 
 
 def summarize(
-    window: list[dict], step: int, seconds: float, timed_steps: int, tokens_per_step: int, lr: float
+    window: list[dict], step: int, seconds: float, timed_steps: int, blocks_per_step: int, lr: float
 ) -> dict:
     """Host-side summary of the steps since the last log line; throughput over the `timed_steps`
-    that `seconds` covers (None when there are none, e.g. only the compiling step)."""
+    that `seconds` covers (None when there are none, e.g. only the compiling step). Steps whose
+    update was skipped (non-finite) are counted, not averaged."""
     host = jax.device_get(window)
-    correct = np.sum([m["correct"] for m in host], axis=0)
-    count = np.sum([m["count"] for m in host], axis=0)
+    good = [m for m in host if m["finite"]] or host
+    correct = np.sum([m["correct"] for m in good], axis=0)
+    count = np.sum([m["count"] for m in good], axis=0)
     acc_k = correct / np.maximum(count, 1.0)
     return {
         "step": step,
-        "loss": float(np.mean([m["loss"] for m in host])),
-        "grad_norm": float(np.mean([m["grad_norm"] for m in host])),
+        "blocks": step * blocks_per_step,
+        "loss": float(np.mean([m["loss"] for m in good])),
+        "grad_norm": float(np.mean([m["grad_norm"] for m in good])),
         "accuracy": [round(float(a), 5) for a in acc_k],
         "tau_implied": implied_acceptance(acc_k),
         "learning_rate": lr,
-        "tokens_per_s": timed_steps * tokens_per_step / seconds if timed_steps else None,
+        "skipped_steps": int(sum(not m["finite"] for m in host)),
+        "blocks_per_s": timed_steps * blocks_per_step / seconds if timed_steps else None,
         "step_time_s": seconds / timed_steps if timed_steps else None,
     }
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
-    """Trains (or resumes) the run in `workdir`; -> the last logged metrics."""
+def check_config(cfg: ml_collections.ConfigDict) -> None:
+    """Refuses settings the trainer cannot honour, before anything is loaded."""
     if cfg.taps not in ("online", "cached"):
         raise ValueError(f"config.taps must be 'online' or 'cached', got {cfg.taps!r}")
     if cfg.tap_cache_dtype not in tap_cache.DTYPES:
@@ -394,6 +194,23 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         )
     if cfg.vocab_negatives < 0:
         raise ValueError(f"config.vocab_negatives must be >= 0, got {cfg.vocab_negatives}")
+    if cfg.nonfinite not in NONFINITE_MODES:
+        raise ValueError(
+            f"config.nonfinite must be one of {NONFINITE_MODES}, got {cfg.nonfinite!r}"
+        )
+    if cfg.eval_prompts not in EVAL_SOURCES:
+        raise ValueError(
+            f"config.eval_prompts must be one of {EVAL_SOURCES}, got {cfg.eval_prompts!r}"
+        )
+    if cfg.init_from and cfg.init_from_target:
+        raise ValueError("config.init_from and config.init_from_target exclude each other")
+    if cfg.init_from and not Path(cfg.init_from).is_dir():
+        raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
+    """Trains (or resumes) the run in `workdir`; -> the last logged metrics."""
+    check_config(cfg)
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target, dtype=cfg.compute_dtype)
@@ -438,24 +255,20 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
 
     optimizer = OptimizerConfig.from_config(cfg, num_steps)
     schedule = optimizer.schedule()
-    params = init_drafter_params(drafter_config, jax.random.key(cfg.seed))
-    if cfg.init_norm_from_target:
-        scale = target.params["norm"]["scale"]
-        # A copy: the train state is donated, the target must keep its own buffer.
-        own = jnp.array(scale, params["norm"]["scale"].dtype, copy=True)
-        params = {**params, "norm": {"scale": own}}
-    state = {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "opt_state": optimizer.build().init(params),
-    }
     manager = checkpoint.checkpoint_manager(workdir, cfg.max_checkpoints)
-    restored = checkpoint.restore_latest(manager, state, data_iter)
+    abstract = checkpoint.abstract_state(drafter_config, optimizer)
+    restored = checkpoint.restore_latest(manager, abstract, data_iter)
     if restored is not None:
         state = restored
+        logging.info("resumed from step %d in %s", int(state["step"]), workdir)
+    else:
+        params = initial_params(cfg, drafter_config, target)
+        state = {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": optimizer.build().init(params),
+        }
     start = int(state["step"])
-    if start:
-        logging.info("resumed from step %d in %s", start, workdir)
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
     step_settings = {
         "target_config": target.config,
@@ -465,8 +278,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         "ce_chunk_rows": cfg.ce_chunk_rows,
         "vocab_negatives": cfg.vocab_negatives,
     }
-    eval_prompts = [data.prompt_tokens(r) for r in held_out]
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
+    blocks_per_step = cfg.batch_size * cfg.num_anchors
 
     last: dict = {}
     window: list[dict] = []
@@ -476,28 +289,45 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         state, metrics = train_step(state, target.params, next(data_iter), **step_settings)
         window.append(metrics)
         bar.update(1)
+        if not bool(metrics["finite"]):
+            loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            if cfg.nonfinite == "stop":
+                bar.close()
+                raise NonFiniteError(
+                    f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
+                    f"stops without saving (checkpoints up to step "
+                    f"{manager.latest_step() or 0} are intact). Set config.nonfinite='skip' "
+                    "to skip such steps, or lower the learning rate, then rerun to resume."
+                )
+            logging.warning("step %d: non-finite loss %s / grad norm %s, skipped", step, loss, norm)
         final = step == num_steps
         if step == start + 1:
             # The first step compiles: keep it out of the throughput.
-            jax.block_until_ready(metrics)
             timed_steps, t0 = -1, time.perf_counter()
         timed_steps += 1
         if step % cfg.log_every == 0 or final:
             jax.block_until_ready(metrics)
             seconds = time.perf_counter() - t0
             last = summarize(
-                window, step, seconds, timed_steps, tokens_per_step, float(schedule(step - 1))
+                window, step, seconds, timed_steps, blocks_per_step, float(schedule(step - 1))
             )
             metrics_log.write(last)
             logging.info("step %d: %s", step, last)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_implied']:.2f}")
             window = []
-        if cfg.eval_every and eval_prompts and (step % cfg.eval_every == 0 or final):
+        if prompts and (step % cfg.eval_every == 0 or final):
             tau = evaluate_acceptance(
-                target, drafter_config, state["params"], eval_prompts, cfg.eval_max_new_tokens
+                target,
+                drafter_config,
+                state["params"],
+                prompts,
+                cfg.eval_max_new_tokens,
+                cfg.eval_block_size or None,
             )
-            metrics_log.write({"step": step, "tau_eval": tau})
-            logging.info("step %d: speculative decoding tau on held-out prompts %.3f", step, tau)
+            metrics_log.write({"step": step, "blocks": step * blocks_per_step, "tau_eval": tau})
+            logging.info(
+                "step %d: speculative decoding tau on %s prompts %.3f", step, cfg.eval_prompts, tau
+            )
         if step % cfg.checkpoint_every == 0 or final:
             checkpoint.save_checkpoint(manager, step, state, data_iter)
             checkpoint.export_drafter(workdir, drafter_config, state["params"])

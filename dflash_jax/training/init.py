@@ -1,0 +1,128 @@
+"""A training run's starting drafter params: random, initialised from the target, or warm-started
+from an exported drafter (`config.init_from`).
+
+From the target (`config.init_from_target`), for a drafter of L layers over an N-layer target:
+  * drafter layer i <- target layer N - L + i (attention, MLP and norms; q/k norms from the
+    target where it has them, else ones);
+  * `fc` picks one tap unchanged (identity block, zeros elsewhere) and `hidden_norm` takes the
+    input norm of target layer N - L, so the context rows are exactly the normalised input that
+    layer sees when the picked tap is its input (tap N - L - 1): drafter layer 0's context K/V
+    then start as the target layer's own. Without that tap the latest one below it is used
+    (the residual stream changes slowly from layer to layer), and the log says so;
+  * the final `norm` <- the target's final norm (both feed the same frozen lm_head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from dflash_jax.config import ConfigError, DrafterConfig
+from dflash_jax.models.drafter import init_drafter_params
+
+LAYER_KEYS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+
+
+def _copy(x, dtype) -> jax.Array:
+    # Always a fresh buffer: the train state is donated, the target keeps its own.
+    return jnp.array(x, dtype=dtype, copy=True)
+
+
+def _check_same_shapes(target_config, drafter_config: DrafterConfig) -> None:
+    pairs = {
+        "hidden_size": (drafter_config.hidden_size, target_config.hidden_size),
+        "intermediate_size": (drafter_config.intermediate_size, target_config.intermediate_size),
+        "num_heads": (drafter_config.num_heads, target_config.num_heads),
+        "num_kv_heads": (drafter_config.num_kv_heads, target_config.num_kv_heads),
+        "head_dim": (drafter_config.head_dim, target_config.head_dim),
+    }
+    bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if bad:
+        detail = ", ".join(f"{k} {d} vs the target's {t}" for k, (d, t) in bad.items())
+        raise ConfigError(
+            f"init_from_target needs drafter layers shaped like the target's: {detail}"
+        )
+    if drafter_config.num_layers > target_config.num_layers:
+        raise ConfigError(
+            f"init_from_target: a {drafter_config.num_layers}-layer drafter cannot copy the top "
+            f"layers of a {target_config.num_layers}-layer target"
+        )
+
+
+def context_tap_for(drafter_config: DrafterConfig, num_target_layers: int) -> int:
+    """Index into target_layer_ids of the tap that `fc` passes through: the input of the first
+    copied layer (tap N - L - 1) if it is tapped, else the latest tap below it, else the first."""
+    wanted = num_target_layers - drafter_config.num_layers - 1
+    taps = list(drafter_config.target_layer_ids)
+    below = [i for i, layer in enumerate(taps) if layer <= wanted]
+    return max(below, key=lambda i: taps[i]) if below else 0
+
+
+def params_from_target(
+    params: dict, drafter_config: DrafterConfig, target_config, target_params: dict
+) -> dict:
+    """`params` (a random drafter init, for its structure) with the target's weights copied in
+    as the module docstring describes."""
+    _check_same_shapes(target_config, drafter_config)
+    dtype = jnp.dtype(drafter_config.dtype)
+    n, num = target_config.num_layers, drafter_config.num_layers
+    out = dict(params)
+    for i in range(num):
+        source = target_params[f"layers_{n - num + i}"]
+        layer = dict(params[f"layers_{i}"])
+        for key in LAYER_KEYS:
+            copied = jax.tree.map(lambda x: _copy(x, dtype), source[key])
+            if key == "self_attn":
+                # q/k norms: the target's (Qwen3) or the fresh ones (Llama has none).
+                copied = {**params[f"layers_{i}"]["self_attn"], **copied}
+            layer[key] = copied
+        out[f"layers_{i}"] = layer
+    tap = context_tap_for(drafter_config, n)
+    d = drafter_config.hidden_size
+    fc = np.zeros((drafter_config.num_taps * d, d), np.float32)
+    fc[tap * d : (tap + 1) * d] = np.eye(d, dtype=np.float32)
+    out["fc"] = {"kernel": jnp.asarray(fc, dtype)}
+    first = target_params[f"layers_{n - num}"]
+    out["hidden_norm"] = {"scale": _copy(first["input_layernorm"]["scale"], dtype)}
+    out["norm"] = {"scale": _copy(target_params["norm"]["scale"], dtype)}
+    layer_id = drafter_config.target_layer_ids[tap]
+    if layer_id != n - num - 1:
+        logging.info(
+            "init_from_target: tap %d feeds the context (layer %d's input is not tapped)",
+            layer_id,
+            n - num,
+        )
+    return out
+
+
+def warm_start_params(path: str, drafter_config: DrafterConfig) -> dict:
+    """Params of an exported drafter (`<workdir>/drafter` or any Orbax drafter directory), which
+    must have the run's shapes; the optimizer state starts fresh."""
+    from dflash_jax.io.drafter_io import read_drafter
+
+    loaded = read_drafter(path, drafter_config.dtype)
+    expected = jax.eval_shape(lambda: init_drafter_params(drafter_config, jax.random.key(0)))
+    want = jax.tree.map(lambda x: x.shape, expected)
+    got = jax.tree.map(lambda x: x.shape, loaded.params)
+    if want != got:
+        raise ConfigError(
+            f"init_from={path}: its params do not have this run's shapes "
+            f"(drafter {loaded.config} vs {drafter_config})"
+        )
+    return jax.tree.map(lambda x: _copy(x, jnp.dtype(drafter_config.dtype)), loaded.params)
+
+
+def initial_params(cfg, drafter_config: DrafterConfig, target) -> dict:
+    """The params a fresh run starts from (a resumed run restores its checkpoint instead)."""
+    if cfg.init_from:
+        logging.info("warm start from the drafter in %s", cfg.init_from)
+        return warm_start_params(cfg.init_from, drafter_config)
+    params = init_drafter_params(drafter_config, jax.random.key(cfg.seed))
+    if cfg.init_from_target:
+        return params_from_target(params, drafter_config, target.config, target.params)
+    if cfg.init_norm_from_target:
+        dtype = params["norm"]["scale"].dtype
+        params = {**params, "norm": {"scale": _copy(target.params["norm"]["scale"], dtype)}}
+    return params

@@ -1,0 +1,215 @@
+"""One drafter training step: the loss over a batch of anchor blocks and the jitted AdamW update.
+
+drafter_loss: frozen target forward (no grad, or cached taps) -> taps -> drafter over all N
+anchor blocks of each sequence at once under the block mask -> chunked CE through the frozen
+lm_head (full vocabulary or a sampled softmax) with decayed position weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.models.drafter import (
+    Drafter,
+    embed_block,
+    hidden_to_logits,
+    hidden_to_subset_logits,
+    unembedding_rows,
+)
+from dflash_jax.models.target import Transformer
+from dflash_jax.training.loss import (
+    block_diffusion_loss,
+    block_inputs,
+    block_labels,
+    position_weights,
+    sampled_vocabulary,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Hashable optimizer settings, so the jitted step is cached across `train` calls."""
+
+    learning_rate: float
+    warmup_steps: int
+    num_steps: int
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+
+    @classmethod
+    def from_config(cls, cfg: ml_collections.ConfigDict, num_steps: int) -> OptimizerConfig:
+        return cls(
+            learning_rate=cfg.learning_rate,
+            warmup_steps=int(round(cfg.warmup_fraction * num_steps)),
+            num_steps=num_steps,
+            b1=cfg.adam_b1,
+            b2=cfg.adam_b2,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
+
+    def schedule(self) -> optax.Schedule:
+        """Linear warm-up from 0, then cosine to 0 at num_steps."""
+        return optax.warmup_cosine_decay_schedule(
+            0.0,
+            self.learning_rate,
+            self.warmup_steps,
+            max(self.num_steps, self.warmup_steps + 1),
+            end_value=0.0,
+        )
+
+    def build(self) -> optax.GradientTransformation:
+        """Global-norm clipping, then AdamW on the schedule."""
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip),
+            optax.adamw(
+                self.schedule(), self.b1, self.b2, self.eps, weight_decay=self.weight_decay
+            ),
+        )
+
+
+def drafter_loss(
+    params,
+    target_params,
+    batch: dict,
+    *,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    weights_j: jax.Array,
+    ce_chunk_rows: int,
+    vocab_negatives: int = 0,
+    vocab_rng: jax.Array | None = None,
+):
+    """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
+    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1)."""
+    tokens_bs = batch["tokens"]
+    b, s = tokens_bs.shape
+    block_size = drafter_config.block_size
+    if "taps" in batch:  # cached by tap_cache
+        taps_bsf = batch["taps"]
+    else:
+        positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+        # Layers after the last tap cannot change the taps: skip them (their params go unused).
+        tap_config = dataclasses.replace(
+            target_config, num_layers=max(drafter_config.target_layer_ids) + 1
+        )
+        _, taps_bsf, _ = Transformer(tap_config).apply(
+            {"params": target_params},
+            tokens_bs,
+            positions_bs,
+            tap_layers=drafter_config.target_layer_ids,
+            logit_indices=jnp.zeros((b, 1), jnp.int32),
+        )
+    taps_bsf = jax.lax.stop_gradient(taps_bsf)
+    anchors_bn = batch["anchors"]
+    block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)
+    x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
+    hidden_bqd = Drafter(drafter_config).apply(
+        {"params": params},
+        taps_bsf.astype(x_bqd.dtype),
+        x_bqd,
+        batch["length"],
+        anchors_bn,
+        block_size,
+        method="forward_from_taps",
+    )
+    labels_bnj, valid_bnj = block_labels(
+        tokens_bs,
+        batch["loss_mask"],
+        batch["length"],
+        anchors_bn,
+        batch["anchor_valid"],
+        block_size,
+    )
+    if vocab_negatives:
+        ids_u, bias_u, labels_bnj = sampled_vocabulary(
+            labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng
+        )
+        rows_ud = jax.lax.stop_gradient(unembedding_rows(target_params, target_config, ids_u))
+
+        def logits_fn(h_cd):
+            return (
+                hidden_to_subset_logits(target_params, target_config, drafter_config, h_cd, rows_ud)
+                + bias_u
+            )
+    else:
+
+        def logits_fn(h_cd):
+            return hidden_to_logits(target_params, target_config, drafter_config, h_cd)
+
+    return block_diffusion_loss(
+        hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "target_config",
+        "drafter_config",
+        "optimizer",
+        "loss_gamma",
+        "ce_chunk_rows",
+        "vocab_negatives",
+    ),
+    donate_argnums=0,
+)
+def train_step(
+    state: dict,
+    target_params,
+    batch: dict,
+    *,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    optimizer: OptimizerConfig,
+    loss_gamma: float,
+    ce_chunk_rows: int,
+    vocab_negatives: int = 0,
+):
+    """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
+    drafter params receive gradients, the target params are a plain input. Sampled negatives
+    come from a key folded from the step, so a resumed run draws the same ones.
+
+    A step whose loss or gradient is not finite leaves params and optimizer state as they
+    were (the step counter still advances, with the data) and reports `finite = False`; the
+    training loop then stops or counts a skipped step (`config.nonfinite`).
+    """
+    weights_j = jnp.asarray(position_weights(drafter_config.block_size, loss_gamma))
+    vocab_rng = jax.random.fold_in(jax.random.key(0x5EED), state["step"])
+
+    def loss_fn(params):
+        return drafter_loss(
+            params,
+            target_params,
+            batch,
+            target_config=target_config,
+            drafter_config=drafter_config,
+            weights_j=weights_j,
+            ce_chunk_rows=ce_chunk_rows,
+            vocab_negatives=vocab_negatives,
+            vocab_rng=vocab_rng,
+        )
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.build().update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
+    return {
+        "step": state["step"] + 1,
+        "params": keep(params, state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
+    }, metrics

@@ -1,0 +1,205 @@
+"""Training options: initialisation from the target, warm start from an exported drafter,
+non-finite steps (stop or skip), and resuming past an unreadable checkpoint."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_training import TINY_TARGET, _config, _corpus, _losses
+
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.io.drafter_io import restore_drafter
+from dflash_jax.io.target_loader import LoadedTarget
+from dflash_jax.models.drafter import Drafter, init_drafter_params
+from dflash_jax.models.target import Transformer, init_cache, init_params
+from dflash_jax.training import trainer
+from dflash_jax.training.init import context_tap_for, params_from_target, warm_start_params
+
+QWEN_TARGET = TargetConfig(
+    arch="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+
+
+def _drafter(num_layers, taps):
+    return DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        mask_token_id=0,
+        target_layer_ids=taps,
+        num_target_layers=4,
+        block_size=4,
+        rope_theta=10000.0,
+    )
+
+
+def _perturbed_norms(params, key):
+    """Random norm scales (init gives ones), so a norm copied from the wrong place shows."""
+    leaves, tree = jax.tree.flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    out = [
+        1.0 + 0.3 * jax.random.normal(k, x.shape) if "scale" in jax.tree_util.keystr(p) else x
+        for (p, x), k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(tree, out)
+
+
+def test_init_from_target_starts_with_the_targets_own_context_kv():
+    target_params = _perturbed_norms(init_params(QWEN_TARGET, jax.random.key(0)), jax.random.key(1))
+    dcfg = _drafter(2, (1, 2))  # copies target layers 2 and 3; tap 1 is layer 2's input
+    assert context_tap_for(dcfg, 4) == 0
+    params = params_from_target(
+        init_drafter_params(dcfg, jax.random.key(2)), dcfg, QWEN_TARGET, target_params
+    )
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 64)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    _, taps, cache = Transformer(QWEN_TARGET).apply(
+        {"params": target_params},
+        tokens,
+        positions,
+        init_cache(QWEN_TARGET, 2, 12),
+        jnp.zeros((2,), jnp.int32),
+        (1, 2),
+    )
+    ks, vs = Drafter(dcfg).apply({"params": params}, taps, positions, method="context_kv")
+    np.testing.assert_allclose(ks[0], cache.k[2][:, :, :9], atol=1e-5)
+    np.testing.assert_allclose(vs[0], cache.v[2][:, :, :9], atol=1e-5)
+    # The layers themselves are the target's top layers, the final norm its final norm.
+    for i in (0, 1):
+        got, want = params[f"layers_{i}"], target_params[f"layers_{2 + i}"]
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    np.testing.assert_array_equal(params["norm"]["scale"], target_params["norm"]["scale"])
+
+
+def test_init_from_target_refuses_other_shapes():
+    wide = DrafterConfig(**{**_drafter(2, (1, 2)).__dict__, "intermediate_size": 48})
+    with pytest.raises(ConfigError, match="intermediate_size 48"):
+        params_from_target(
+            init_drafter_params(wide, jax.random.key(0)),
+            wide,
+            QWEN_TARGET,
+            init_params(QWEN_TARGET, jax.random.key(0)),
+        )
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    target = LoadedTarget(
+        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
+    )
+    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
+    return target
+
+
+def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
+    trainer.train(cfg, tmp_path / "first")
+    exported = restore_drafter(tmp_path / "first" / "drafter")
+    dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
+    start = warm_start_params(str(tmp_path / "first" / "drafter"), dcfg)
+    jax.tree.map(np.testing.assert_array_equal, start, exported.params)
+    # A warm-started run begins where the export ended: its first loss is the exported
+    # drafter's, below a fresh run's first loss.
+    warm = _config(tmp_path / "data.jsonl", num_steps=2, init_from=str(tmp_path / "first/drafter"))
+    trainer.train(warm, tmp_path / "warm")
+    fresh = _losses(tmp_path / "first")
+    assert _losses(tmp_path / "warm")[1] < fresh[1]
+    other = trainer.drafter_config_for(_config(tmp_path / "x", block_size=8), TINY_TARGET)
+    with pytest.raises(ConfigError, match="do not have this run's shapes"):
+        warm_start_params(str(tmp_path / "first" / "drafter"), DrafterConfig(
+            **{**other.__dict__, "num_layers": 3, "layer_types": ()}
+        ))  # fmt: skip
+
+
+def _nan_at_call(monkeypatch, call: int):
+    """Poisons the target embedding in the train step's `call`-th invocation: that batch's
+    inputs, and so its loss and gradients, are NaN."""
+    real = trainer.train_step
+    calls = iter(range(1, 1000))
+
+    def poisoned(state, target_params, batch, **kw):
+        if next(calls) == call:
+            emb = target_params["embed_tokens"]["embedding"]
+            target_params = {**target_params, "embed_tokens": {"embedding": emb * jnp.nan}}
+        return real(state, target_params, batch, **kw)
+
+    monkeypatch.setattr(trainer, "train_step", poisoned)
+
+
+def test_nonfinite_step_stops_the_run_naming_it(tmp_path, tiny_target, monkeypatch):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=2)
+    _nan_at_call(monkeypatch, 5)
+    with pytest.raises(trainer.NonFiniteError, match="step 5: non-finite.*up to step 4"):
+        trainer.train(cfg, tmp_path / "run")
+    checkpoints = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints == [2, 4]
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: tiny_target)
+    trainer.train(cfg, tmp_path / "run")  # resumes from 4 and finishes
+    assert max(_losses(tmp_path / "run")) == 8
+
+
+def test_nonfinite_step_can_be_skipped_and_counted(tmp_path, tiny_target, monkeypatch):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", num_steps=6, log_every=3, nonfinite="skip")
+    _nan_at_call(monkeypatch, 2)
+    trainer.train(cfg, tmp_path / "run")
+    lines = [
+        json.loads(x) for x in (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
+    ]
+    logged = [x for x in lines if "loss" in x]
+    assert [x["skipped_steps"] for x in logged] == [1, 0]
+    assert all(np.isfinite(x["loss"]) for x in logged)
+    params = restore_drafter(tmp_path / "run" / "drafter").params
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+def test_resume_skips_an_unreadable_checkpoint(tmp_path, tiny_target, caplog):
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=2, learning_rate=3e-3)
+    trainer.train(cfg, tmp_path / "straight")
+    run = tmp_path / "run"
+    trainer.train(cfg, run)
+    # As if the run had been killed after step 4's checkpoint, then that one was truncated.
+    shutil.rmtree(run / "checkpoints" / "6")
+    for path in (run / "checkpoints" / "4").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING):
+        trainer.train(cfg, run)
+    assert "unreadable" in caplog.text
+    assert (run / "checkpoints_unreadable" / "4").is_dir()
+    # Resumed from step 2: steps 3..6 replay the same data and give the same losses.
+    assert _losses(run) == _losses(tmp_path / "straight")
+    assert max(int(p.name) for p in (run / "checkpoints").iterdir()) == 6
+
+
+def test_bad_option_values_are_refused(tmp_path):
+    for key, value, message in (
+        ("nonfinite", "ignore", "nonfinite"),
+        ("eval_prompts", "test", "eval_prompts"),
+        ("init_from", str(tmp_path / "missing"), "no such drafter directory"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            trainer.train(_config(tmp_path / "d.jsonl", **{key: value}), tmp_path / "run")
+    assert not Path(tmp_path / "run" / "checkpoints").exists()
