@@ -4,12 +4,14 @@ call `speculative_decode` directly."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 import jax
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import loop
 from dflash_jax.decoding.loop import DecodeOutput
@@ -55,6 +57,20 @@ def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.n
     return prompt, np.array([len(t) for t in token_lists], np.int32)
 
 
+# The decode block size `generate` and `infer.generate` use when none is given, on a CPU, where
+# every verified token costs compute (README, "Choosing the block size"); on accelerators the
+# drafter's trained size.
+CPU_DEFAULT_BLOCK_SIZE = 16
+
+
+def default_block_size(target, drafter) -> int:
+    """The block size to decode with when the user gives none (see CPU_DEFAULT_BLOCK_SIZE)."""
+    trained = drafter.config.block_size
+    if jax.default_backend() == "cpu":
+        return min(trained, CPU_DEFAULT_BLOCK_SIZE)
+    return trained
+
+
 def stop_token_ids(target) -> tuple[int, ...]:
     """The target's end-of-sequence ids (config, generation config and tokenizer)."""
     ids = list(target.config.eos_token_ids)
@@ -64,13 +80,21 @@ def stop_token_ids(target) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def load_pair(target_source: str, drafter_source: str, dtype: str = "float32"):
-    """(target, drafter or None for drafter_source == "none"), as the CLIs accept them."""
+def load_pair(
+    target_source: str,
+    drafter_source: str,
+    dtype: str = "float32",
+    target_cache: bool = True,
+    mesh=None,
+):
+    """(target, drafter or None for drafter_source == "none"), as the CLIs accept them;
+    `target_cache` as in `load_target(cache=...)`. With a `mesh`, both are placed on it shard
+    by shard, and `timed_decode` runs on it."""
     from dflash_jax.io import load_target
     from dflash_jax.io.drafter_io import load_drafter
 
-    target = load_target(target_source, dtype=dtype)
-    drafter = None if drafter_source == "none" else load_drafter(drafter_source, target)
+    target = load_target(target_source, dtype=dtype, cache=target_cache, mesh=mesh)
+    drafter = None if drafter_source == "none" else load_drafter(drafter_source, target, mesh=mesh)
     return target, drafter
 
 
@@ -84,6 +108,45 @@ class TimedRun:
 _COMPILED: dict = {}
 
 
+class TokenStream:
+    """Collects the tokens a `DecodeConfig(stream=True)` decode sends, per row; with a tokenizer
+    and `on_text(row, text)`, also reports each row's newly decoded text as it grows (decoding the
+    whole row each time, so multi-token characters come out whole).
+
+        with dj.api.streaming(TokenStream(tok, lambda row, text: print(text, end=""))):
+            out = dj.speculative_decode(..., decode_config=DecodeConfig(..., stream=True))
+    """
+
+    def __init__(self, tokenizer=None, on_text=None):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.rows: dict[int, list[int]] = {}
+        self._text: dict[int, str] = {}
+
+    def __call__(self, tokens_bt: np.ndarray, counts_b: np.ndarray) -> None:
+        for row, (tokens, count) in enumerate(zip(tokens_bt, counts_b, strict=True)):
+            if count <= 0:
+                continue
+            self.rows.setdefault(row, []).extend(int(t) for t in tokens[:count])
+            if self.on_text is not None and self.tokenizer is not None:
+                text = self.tokenizer.decode(self.rows[row], skip_special_tokens=True)
+                old = self._text.get(row, "")
+                # A partial multi-byte character decodes to U+FFFD: wait for the rest.
+                if text.startswith(old) and not text.endswith("\ufffd") and text != old:
+                    self.on_text(row, text[len(old) :])
+                    self._text[row] = text
+
+
+@contextlib.contextmanager
+def streaming(handler):
+    """Routes streamed tokens (decodes with `DecodeConfig(stream=True)`) to `handler` while the
+    block runs (see `loop.set_stream_handler`)."""
+    loop.set_stream_handler(handler)
+    try:
+        yield handler
+    finally:
+        loop.set_stream_handler(None)
+
+
 def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
     """The checks `speculative_decode`/`autoregressive_decode` make, without running them:
     raises ConfigError/ValueError naming the problem."""
@@ -92,9 +155,23 @@ def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
     loop.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
 
 
-def timed_decode(target, drafter, prompt, lengths, seed: int, cfg: DecodeConfig) -> TimedRun:
+def timed_decode(
+    target,
+    drafter,
+    prompt,
+    lengths,
+    seed: int,
+    cfg: DecodeConfig,
+    *,
+    step_costs=None,
+    forced_kind: int = -1,
+    mesh=None,
+) -> TimedRun:
     """Runs `speculative_decode` (or `autoregressive_decode` when drafter is None) with
-    compilation timed apart from execution. Compiled executables are cached per shape/config."""
+    compilation timed apart from execution. Compiled executables are cached per shape/config.
+    Adaptive mode: `step_costs` as in `speculative_decode`; `forced_kind` >= 0 runs that step
+    kind at every step (calibration). `mesh`: where to run; by default the target's (loaded
+    with one), else the one set by `jax.set_mesh`, else one device."""
     rng = jax.random.key(seed)
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
     check_inputs(target, drafter, prompt, lengths, cfg)
@@ -103,10 +180,17 @@ def timed_decode(target, drafter, prompt, lengths, seed: int, cfg: DecodeConfig)
         statics = dict(target_config=target.config, decode_config=loop.autoregressive_config(cfg))
     else:
         fn = loop._speculative_jit
-        args = (target.params, drafter.params, prompt, lengths, rng)
+        costs = loop.step_cost_array(cfg, step_costs)
+        args = (target.params, drafter.params, prompt, lengths, rng, costs, np.int32(forced_kind))
         statics = dict(
             target_config=target.config, drafter_config=drafter.config, decode_config=cfg
         )
+    if mesh is None:
+        mesh = getattr(target, "mesh", None)
+    if mesh is None:
+        mesh = sharding.current_mesh()
+    if mesh is not None:
+        fn, args, statics = loop.on_mesh(fn, mesh, args, statics)
     key = (fn, prompt.shape, tuple(sorted((k, v) for k, v in statics.items())))
     compile_s = 0.0
     if key not in _COMPILED:
@@ -136,7 +220,7 @@ def generate(
     if isinstance(prompts, str):
         prompts = [prompts]
     if block_size is None:
-        block_size = drafter.config.block_size if drafter is not None else 1
+        block_size = default_block_size(target, drafter) if drafter is not None else 1
     cfg = DecodeConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,

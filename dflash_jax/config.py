@@ -15,10 +15,18 @@ import numpy as np
 
 SUPPORTED_TARGET_ARCHS = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
+# "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used, with the reason in the message."""
+
+
+def check_attention_impl(impl: str) -> None:
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
 
 
 def _freeze(value: Any) -> Any:
@@ -106,8 +114,10 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    attention_impl: str = "auto"  # a run setting: never read from or written to config.json
 
     def __post_init__(self):
+        check_attention_impl(self.attention_impl)
         if self.arch not in SUPPORTED_TARGET_ARCHS:
             raise ConfigError(
                 f"target architecture {self.arch!r} is not supported "
@@ -223,8 +233,10 @@ class DrafterConfig:
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     dtype: str = "float32"
+    attention_impl: str = "auto"  # a run setting: never read from or written to config.json
 
     def __post_init__(self):
+        check_attention_impl(self.attention_impl)
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
@@ -374,10 +386,35 @@ class DecodeConfig:
     top_p: float = 1.0
     block_size: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    # Adaptive draft length (decoding/adaptive.py): each loop step picks one of `step_kinds`
+    # block sizes (1 = a plain target step, no drafting) by expected tokens per unit of cost.
+    adaptive: bool = False
+    step_kinds: tuple[int, ...] = ()  # () with adaptive: 1, 4, 8 and block_size (those <= it)
+    adaptive_rate: float = 0.2  # weight of the newest step in the acceptance estimates
+    adaptive_prior: float = 0.5  # initial per-position acceptance estimate
+    probe_every: int = 16  # after this many plain steps in a row, draft once to re-measure
+    # Send committed tokens to the host handler (`decoding.loop.set_stream_handler`) each step.
+    stream: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        kinds = self.step_kinds
+        if self.adaptive and not kinds:
+            kinds = tuple(sorted({1, *(b for b in (4, 8) if b < self.block_size), self.block_size}))
+        if kinds and (min(kinds) < 1 or max(kinds) != self.block_size or len(set(kinds)) < 2):
+            raise ConfigError(
+                f"step_kinds={kinds} must be distinct block sizes >= 1 (at least two), the "
+                f"largest equal to block_size={self.block_size}"
+            )
+        object.__setattr__(self, "step_kinds", tuple(sorted(kinds)) if self.adaptive else ())
+        if not 0.0 < self.adaptive_rate <= 1.0 or not 0.0 <= self.adaptive_prior <= 1.0:
+            raise ConfigError(
+                f"adaptive_rate={self.adaptive_rate} must be in (0, 1] and "
+                f"adaptive_prior={self.adaptive_prior} in [0, 1]"
+            )
+        if self.probe_every < 1:
+            raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

@@ -51,22 +51,27 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def _param_axes(name: str, shape) -> tuple[str, ...]:
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, name):
+            if len(axes) != len(shape):
+                raise ValueError(f"param {name} has shape {tuple(shape)} but its rule gives {axes}")
+            return axes
+    raise ValueError(f"param {name} (shape {tuple(shape)}) matches no sharding rule")
+
+
 def param_logical_axes(params):
     """Same-structure pytree of logical-axis tuples; raises naming any param without a rule or
     whose rank does not match its rule."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _param_axes(_path_str(path), np.shape(leaf)), params
+    )
 
-    def axes_of(path, leaf):
-        name = _path_str(path)
-        for pattern, axes in PARAM_AXES:
-            if re.search(pattern, name):
-                if len(axes) != np.ndim(leaf):
-                    raise ValueError(
-                        f"param {name} has shape {np.shape(leaf)} but its rule gives {axes}"
-                    )
-                return axes
-        raise ValueError(f"param {name} (shape {np.shape(leaf)}) matches no sharding rule")
 
-    return jax.tree_util.tree_map_with_path(axes_of, params)
+def param_sharding(path: Sequence[str], shape, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedSharding of the one param at `path` (e.g. ("layers_0", "mlp", "up_proj", "kernel"))
+    with `shape`: what `param_shardings` gives it in a whole tree."""
+    return logical_sharding(_param_axes("/".join(path), shape), shape, mesh, rules)
 
 
 def logical_to_spec(
@@ -139,3 +144,181 @@ def cache_shardings(cache, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
 def batch_sharding(mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> NamedSharding:
     """Shards the leading (batch) dim of token/length arrays over the batch mesh axes."""
     return NamedSharding(mesh, PartitionSpec(dict(rules)["batch"]))
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """ "data=2,tensor=4" -> {"data": 2, "tensor": 4}: mesh axes (of MESH_AXES) and their sizes;
+    an axis left out has size 1, except `data`, which `make_mesh` fills with the devices left."""
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"mesh {spec!r}: expected axis=size pairs such as data=2,tensor=4")
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh {spec!r}: unknown axis {name!r} (axes: {', '.join(MESH_AXES)})")
+        if name in sizes:
+            raise ValueError(f"mesh {spec!r}: axis {name!r} is given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"mesh {spec!r}: {name}={value.strip()!r} is not a positive integer")
+        sizes[name] = size
+    return sizes
+
+
+def mesh_from_spec(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    """The mesh a `--mesh` flag or `config.mesh` describes ("" = none: one device, no sharding)
+    over `devices` (default: all of every process's). With several processes a mesh over the
+    default devices must use them all (each process runs its part)."""
+    if not spec.strip():
+        return None
+    sizes = parse_mesh(spec)
+    everyone = devices is None
+    devices = list(jax.devices() if everyone else devices)
+    fsdp, tensor = sizes.get("fsdp", 1), sizes.get("tensor", 1)
+    data = sizes.get("data")
+    if data is None:
+        if len(devices) % (fsdp * tensor):
+            raise ValueError(
+                f"mesh {spec!r}: fsdp x tensor = {fsdp * tensor} does not divide the "
+                f"{len(devices)} devices; give data= explicitly"
+            )
+        data = len(devices) // (fsdp * tensor)
+    size = data * fsdp * tensor
+    if size > len(devices):
+        raise ValueError(
+            f"mesh {spec!r} (data={data} x fsdp={fsdp} x tensor={tensor}) needs {size} devices, "
+            f"{len(devices)} available"
+        )
+    if everyone and jax.process_count() > 1 and size != len(devices):
+        raise ValueError(
+            f"mesh {spec!r} has {size} devices but the {jax.process_count()} processes hold "
+            f"{len(devices)}: a multi-process mesh must use them all"
+        )
+    return make_mesh(data, fsdp, tensor, devices)
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh set by `with jax.set_mesh(mesh):`, or None."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
+def logical_sharding(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules=LOGICAL_AXIS_RULES
+) -> NamedSharding:
+    """NamedSharding of an array of `shape` whose dims have logical `axes`."""
+    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shardings(tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings for a pytree of batch-major arrays: the leading dim is `batch`, the rest
+    (tokens, anchors, taps) stay whole; scalars are replicated."""
+    return jax.tree.map(
+        lambda x: logical_sharding(
+            ("batch",) + (None,) * (np.ndim(x) - 1) if np.ndim(x) else (), np.shape(x), mesh, rules
+        ),
+        tree,
+    )
+
+
+def state_shardings(state, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings for a train state (params, optimizer moments, counters): every array is
+    placed like the param whose path ends its own path (`.../mu/layers_0/mlp/up_proj/kernel`);
+    scalars (step, Adam's count) are replicated."""
+
+    def one(path, leaf):
+        if np.ndim(leaf) == 0:
+            return replicated(mesh)
+        name = _path_str(path)
+        for pattern, axes in PARAM_AXES:
+            if re.search(pattern, name) and len(axes) == np.ndim(leaf):
+                return logical_sharding(axes, np.shape(leaf), mesh, rules)
+        raise ValueError(f"state leaf {name} (shape {np.shape(leaf)}) matches no sharding rule")
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def with_shardings(abstract, shardings):
+    """ShapeDtypeStructs carrying `shardings`: what Orbax restores into (resharding on read)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+
+
+def put_host_array(shape, dtype, sharding: NamedSharding, read) -> jax.Array:
+    """Places one array shard by shard. `read()` gives the whole array on the host, lazily (a
+    memory-mapped or transposed view, read only where sliced); each device of this process gets
+    its slice, cast to `dtype`. The full array never lands on one device."""
+    source = []
+
+    def shard(index):
+        if not source:
+            source.append(read())
+            if tuple(np.shape(source[0])) != tuple(shape):
+                raise ValueError(f"the source array has shape {np.shape(source[0])}, not {shape}")
+        # A private copy (np.array copies): a device may alias host memory, and a memory-mapped
+        # file replaced later would fault.
+        return np.array(source[0][index], dtype=dtype)
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def _put_leaf(x, sharding: NamedSharding):
+    if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if jax.process_count() == 1 or not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = _put_leaf(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    elif jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    # Several processes: every one holds the whole host value and places its own slices.
+    host = np.asarray(x)
+    return put_host_array(host.shape, host.dtype, sharding, lambda: host)
+
+
+def put(tree, shardings):
+    """`tree` placed on `shardings` (same structure). Arrays already there are kept; host
+    values are sliced per device (with several processes every process passes the same value)."""
+    return jax.tree.map(_put_leaf, tree, shardings)
+
+
+def process_rows(mesh: Mesh, global_batch: int, rules=LOGICAL_AXIS_RULES) -> tuple[int, int]:
+    """-> (index, count): this process feeds rows [index*n, (index+1)*n) of each global batch,
+    n = global_batch // count (count = 1 when every process holds the whole batch)."""
+    sharding = logical_sharding(("batch",), (global_batch,), mesh, rules)
+    rows = {
+        (i[0].start or 0, global_batch if i[0].stop is None else i[0].stop)
+        for i in sharding.addressable_devices_indices_map((global_batch,)).values()
+    }
+    start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
+    n = stop - start
+    if global_batch % n or start % n or sum(b - a for a, b in rows) < n:
+        raise ValueError(
+            f"this process's devices hold rows {sorted(rows)} of a batch of {global_batch}: "
+            "not one contiguous block; order the mesh so each process holds whole batch rows"
+        )
+    return start // n, global_batch // n
+
+
+def put_batch(batch, mesh: Mesh, global_batch: int, rules=LOGICAL_AXIS_RULES):
+    """A batch pytree of this process's rows (see `process_rows`) as global arrays of
+    `global_batch` rows, split over the batch mesh axes."""
+
+    def one(x):
+        x = np.asarray(x)
+        shape = (global_batch, *x.shape[1:])
+        sharding = logical_sharding(("batch",) + (None,) * (x.ndim - 1), shape, mesh, rules)
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return jax.tree.map(one, batch)

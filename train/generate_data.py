@@ -8,6 +8,12 @@ word problems and chat instructions, and the target's own chat template (self pr
 HumanEval / MT-Bench / dev-set look-alikes are dropped and listed in
 `<output>/overlap_dropped.jsonl`. Rerunning the same command resumes; a `mixture.json` in the
 output directory counts records and response tokens per source.
+
+--mesh spreads each batch over this process's devices (e.g. --mesh=data=8 on one 8-GPU node,
+or tensor=2 for a target too big for one). With several processes (--coordinator_address ...,
+or --distributed on a cluster), process p of P answers prompts p, p+P, ... on its own devices
+and writes its own shards into the shared --output; process 0 samples the self prompts (the
+others wait for them) and writes the lists and mixture.json.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
@@ -28,76 +35,154 @@ from dflash_jax.training.prompts import (
     read_prompt_file,
     stdlib_code_prompts,
 )
+from infer import distributed
 
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Target: HF dir, .gguf, hub id or name.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype (fp32 on CPU).")
+flags.DEFINE_string(
+    "target", "smollm2-135m-instruct",
+    "Target that answers the prompts (the one the drafter will serve): 'smollm2-135m-instruct' "
+    "(embedded, offline), an HF directory, a .gguf file or a hub id such as Qwen/Qwen3-8B.",
+)  # fmt: skip
+flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"],
+    "Dtype the target runs in: float32 (use it on CPU) or bfloat16 (half the memory, GPU/TPU).",
+)  # fmt: skip
 flags.DEFINE_multi_string(
-    "prompts", [], "Prompt files: .jsonl with a 'prompt' field, or text with one prompt a line."
-)
-flags.DEFINE_integer("code_prompts", 0, "Prompts built from Python stdlib functions' docstrings.")
+    "prompts", [],
+    "Prompt file: .jsonl with a 'prompt' field per line, or any other text file with one prompt "
+    "a line",
+)  # fmt: skip
 flags.DEFINE_integer(
-    "fenced_code_prompts",
-    0,
-    "Stdlib functions shown as a fenced signature + docstring behind the HumanEval instruction.",
+    "code_prompts", 0,
+    "How many code prompts to build from Python stdlib functions' docstrings (offline).",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "fenced_code_prompts", 0,
+    "How many code prompts to build as a stdlib function's fenced signature + docstring behind "
+    "the HumanEval instruction.",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "math_prompts", 0,
+    "How many templated grade-school math word problems to build (random names, quantities).",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "chat_prompts", 0,
+    "How many general-chat instructions to build (instruction templates x topic lists).",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "self_prompts", 0,
+    "How many user turns to sample from the target itself, prompted with its own chat template "
+    f"(kept in <output>/{SELF_PROMPTS_FILE}, reused when rerun).",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_float(
+    "self_prompt_temperature", 1.0,
+    "Sampling temperature of the self prompts (near 0 they repeat and are deduplicated away).",
+    lower_bound=0.0,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "self_prompt_max_tokens", 96,
+    "Most tokens sampled for one self prompt; prompts still unfinished there are dropped.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_string(
+    "output", None,
+    "Output directory: data shards with their manifests, mixture.json (records and tokens per "
+    "source) and overlap_dropped.jsonl. Rerunning into the same directory resumes.",
+    required=True,
+)  # fmt: skip
+flags.DEFINE_enum(
+    "format", "arrayrecord", ["arrayrecord", "jsonl"],
+    "Shard format: arrayrecord (compact, what training reads at scale) or jsonl (one JSON "
+    "record a line, readable). train.train_drafter reads either.",
+)  # fmt: skip
+flags.DEFINE_integer(
+    "batch_size", 16, "Prompts answered together in one batched decode.", lower_bound=1
 )
 flags.DEFINE_integer(
-    "math_prompts", 0, "Templated grade-school math word problems (random names and quantities)."
+    "max_new_tokens", 384,
+    "Longest response in tokens; longer responses are cut there.", lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "max_prompt_tokens", 128,
+    "Prompts longer than this many tokens (chat template applied) are dropped.", lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_float(
+    "temperature", 0.0, "Sampling temperature of the responses; 0 is greedy.", lower_bound=0.0
 )
 flags.DEFINE_integer(
-    "chat_prompts", 0, "General-chat instructions: instruction templates x topic lists."
-)
+    "block_size", 16,
+    "Block size of the drafter to be trained: responses shorter than 2x this many tokens are "
+    "dropped (too short to train a block on).",
+    lower_bound=1,
+)  # fmt: skip
 flags.DEFINE_integer(
-    "self_prompts",
-    0,
-    "User turns sampled from the target's own chat template (cached in "
-    f"<output>/{SELF_PROMPTS_FILE}).",
-)
-flags.DEFINE_float("self_prompt_temperature", 1.0, "Sampling temperature for self prompts.")
-flags.DEFINE_integer("self_prompt_max_tokens", 96, "Longest self prompt; longer ones are dropped.")
-flags.DEFINE_string("output", None, "Output directory for shards and manifests.", required=True)
-flags.DEFINE_enum("format", "arrayrecord", ["arrayrecord", "jsonl"], "Shard format.")
-flags.DEFINE_integer("batch_size", 16, "Prompts decoded together.")
-flags.DEFINE_integer("max_new_tokens", 384, "Longest response (responses are cut there).")
-flags.DEFINE_integer("max_prompt_tokens", 128, "Prompts longer than this (templated) are dropped.")
-flags.DEFINE_float("temperature", 0.0, "Response temperature; 0 is greedy.")
-flags.DEFINE_integer("block_size", 16, "Drafter block size: responses need 2x this many tokens.")
-flags.DEFINE_integer("prompts_per_shard", 256, "Prompts covered by each shard.")
-flags.DEFINE_integer("bucket", 32, "Prompt widths are rounded up to a multiple of this.")
-flags.DEFINE_integer("overlap_ngram", 13, "Word n-gram length of the evaluation-overlap test.")
-flags.DEFINE_integer("max_prompts", 0, "Use at most this many prompts (0: all).")
-flags.DEFINE_integer("seed", 0, "Seed for prompt order and sampling.")
+    "prompts_per_shard", 256,
+    "Prompts per output shard. A shard is written once all its prompts are answered; a rerun "
+    "skips the prompts of the shards already written.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "bucket", 32,
+    "Prompt batches are padded to a width that is a multiple of this, so few shapes compile.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "overlap_ngram", 13,
+    "Prompts sharing a word n-gram of this length with HumanEval, MT-Bench or the dev set (or "
+    "equal to one) are dropped and listed in <output>/overlap_dropped.jsonl.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "max_prompts", 0,
+    "Answer at most this many prompts, taken after the sources are shuffled together (0: all).",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer("seed", 0, "Seed for the prompt order, templated prompts and sampling.")
 
 
-def _self_prompts(target, chat: ChatFormat, output: Path) -> list[Prompt]:
+def _read_self_prompts(cache: Path) -> list[Prompt]:
+    if not cache.exists():
+        return []
+    return [Prompt(**json.loads(line)) for line in cache.read_text().splitlines() if line]
+
+
+def _self_prompts(target, chat: ChatFormat, output: Path, mesh) -> list[Prompt]:
     cache = output / SELF_PROMPTS_FILE
-    cached = []
-    if cache.exists():
-        cached = [Prompt(**json.loads(line)) for line in cache.read_text().splitlines() if line]
+    cached = _read_self_prompts(cache)
     if len(cached) >= FLAGS.self_prompts:
         return cached[: FLAGS.self_prompts]
-    prompts = self_prompts(
-        target,
-        chat,
-        FLAGS.self_prompts,
-        batch_size=FLAGS.batch_size,
-        temperature=FLAGS.self_prompt_temperature,
-        max_tokens=FLAGS.self_prompt_max_tokens,
-        seed=FLAGS.seed,
-    )
-    cache.write_text(
-        "".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts)
-    )
-    return prompts
+    if distributed.is_primary():
+        prompts = self_prompts(
+            target,
+            chat,
+            FLAGS.self_prompts,
+            batch_size=FLAGS.batch_size,
+            temperature=FLAGS.self_prompt_temperature,
+            max_tokens=FLAGS.self_prompt_max_tokens,
+            seed=FLAGS.seed,
+            mesh=mesh,
+        )
+        cache.write_text(
+            "".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts)
+        )
+    distributed.barrier("self prompts written")
+    return _read_self_prompts(cache)[: FLAGS.self_prompts]
 
 
 def main(argv):
     del argv
+    distributed.initialize()
+    mesh = distributed.local_mesh()
     output = Path(FLAGS.output)
     output.mkdir(parents=True, exist_ok=True)
-    target = load_target(FLAGS.target, dtype=FLAGS.dtype)
+    target = load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
     chat = ChatFormat(target.tokenizer, target.chat_template)
 
     prompts = [p for path in FLAGS.prompts for p in read_prompt_file(path)]
@@ -110,7 +195,7 @@ def main(argv):
     if FLAGS.chat_prompts:
         prompts += chat_prompts(FLAGS.chat_prompts, seed=FLAGS.seed)
     if FLAGS.self_prompts:
-        prompts += _self_prompts(target, chat, output)
+        prompts += _self_prompts(target, chat, output, mesh)
     prompts = dedupe(prompts)
     if not prompts:
         raise app.UsageError(
@@ -121,9 +206,10 @@ def main(argv):
     overlap = OverlapFilter.for_benchmarks(FLAGS.overlap_ngram)
     dropped = [p for p in prompts if overlap.overlaps(p.text)]
     prompts = [p for p in prompts if not overlap.overlaps(p.text)]
-    (output / "overlap_dropped.jsonl").write_text(
-        "".join(json.dumps({"prompt": p.text, "source": p.source}) + "\n" for p in dropped)
-    )
+    if distributed.is_primary():
+        (output / "overlap_dropped.jsonl").write_text(
+            "".join(json.dumps({"prompt": p.text, "source": p.source}) + "\n" for p in dropped)
+        )
     logging.info("dropped %d prompts overlapping HumanEval/MT-Bench", len(dropped))
 
     # Interleave the sources so that a run stopped early still has a mix of them.
@@ -145,9 +231,15 @@ def main(argv):
         prompts_per_shard=FLAGS.prompts_per_shard,
         bucket=FLAGS.bucket,
         seed=FLAGS.seed,
+        mesh=mesh,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
     counts["overlap_dropped"] = len(dropped)
     logging.info("done: %s", counts)
+    distributed.barrier("all shards written")
+    if not distributed.is_primary():
+        return
     mix = mixture(output)
     (output / "mixture.json").write_text(json.dumps(mix, indent=1))
     print(json.dumps({"this_run": counts, "mixture": mix}))

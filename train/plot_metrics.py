@@ -14,7 +14,11 @@ from absl import app, flags
 from dflash_jax.training.plots import plot, read_metrics
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Training run directory (holds metrics.jsonl).", required=True)
+flags.DEFINE_string(
+    "workdir", None,
+    "Training run directory: the --workdir of train.train_drafter (it holds metrics.jsonl).",
+    required=True,
+)  # fmt: skip
 flags.DEFINE_string("output", None, "PNG to write (default: <workdir>/metrics.png).")
 
 

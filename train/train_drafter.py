@@ -6,6 +6,14 @@
 Rerunning with the same workdir resumes from the last checkpoint (same data order, same
 losses). The drafter is exported to `<workdir>/drafter` at every checkpoint; load it with
 `dflash_jax.load_drafter("<workdir>/drafter", target)`. Metrics: `<workdir>/metrics.jsonl`.
+
+On a mesh and several processes (every process runs the same command; process 0 logs and
+exports, all write their part of each checkpoint):
+
+    python -m train.train_drafter --config=configs/qwen3_8b_b16.py --workdir=runs/q8 \
+        --mesh=fsdp=4,tensor=2 [--coordinator_address=HOST:PORT --num_processes=N --process_id=I]
+
+--mesh sets config.mesh; a run resumes on any mesh shape (checkpoints are resharded on load).
 """
 
 from __future__ import annotations
@@ -14,15 +22,30 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from dflash_jax.training.trainer import train
+from infer import distributed
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "A configs/*.py file.", lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exported drafter.")
+config_flags.DEFINE_config_file(
+    "config", None,
+    "Training config: a configs/*.py file such as configs/smollm2_135m_b16.py (its get_config() "
+    "lists every field). Override a field with --config.<field>=<value>, e.g. "
+    "--config.num_steps=2000 --config.data=data/smollm2.",
+    lock_config=True,
+)  # fmt: skip
+flags.DEFINE_string(
+    "workdir", None,
+    "Run directory: checkpoints, metrics.jsonl and the exported drafter (<workdir>/drafter). "
+    "Rerunning with the same directory resumes from its last checkpoint.",
+)  # fmt: skip
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
     del argv
+    distributed.initialize()
+    if FLAGS.mesh:
+        FLAGS.config.mesh = FLAGS.mesh
+    distributed.mesh(FLAGS.config.mesh)  # a bad mesh is a usage error before anything loads
     train(FLAGS.config, FLAGS.workdir)
 
 

@@ -11,15 +11,17 @@ go through scatter with mode="drop" (dynamic_update_slice would clamp and clobbe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import flax.struct
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import adaptive
 from dflash_jax.decoding.sampling import (
     accept_greedy,
     accept_rejection,
@@ -44,12 +46,15 @@ from dflash_jax.ops.reductions import argmax_last
 class DecodeOutput:
     """tokens [B, max_new_tokens]: generated tokens only (stop token included), 0-padded;
     lengths [B]; num_steps [B]: loop steps run for the row (the prefill token is not a step);
-    acceptance_lengths [B, max_steps]: tokens committed per step incl. the bonus (tau), 0 after."""
+    acceptance_lengths [B, max_steps]: tokens committed per step incl. the bonus (tau), 0 after;
+    block_sizes [B, max_steps]: the step kind each step ran (its block size; 1 = a plain target
+    step of the adaptive mode), 0 where the row ran no step."""
 
     tokens: jax.Array
     lengths: jax.Array
     num_steps: jax.Array
     acceptance_lengths: jax.Array
+    block_sizes: jax.Array
 
 
 @flax.struct.dataclass
@@ -60,12 +65,73 @@ class _State:
     step: jax.Array  # []
     num_steps: jax.Array  # [B]
     acc: jax.Array  # [B, max_steps]
+    kinds: jax.Array  # [B, max_steps] block size of each step
     cache: KVCache
     ctx_k: tuple | None = None  # L x [B, Kv, S, H] drafter context cache
     ctx_v: tuple | None = None
-    drf_len: jax.Array | None = None  # [B]
-    pending: jax.Array | None = None  # [B, T, taps*D] taps not yet appended
-    n_pending: jax.Array | None = None  # [B]
+    drf_len: jax.Array | None = None  # [B], = start after every step
+    alpha: jax.Array | None = None  # [B, T-1] adaptive: per-position acceptance estimates
+    plain_run: jax.Array | None = None  # [] adaptive: plain steps in a row
+
+
+# Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
+# caches also over kv heads; the step counters are replicated.
+_CARRY_AXES = {
+    "gen": ("batch", "length"),
+    "n_gen": ("batch",),
+    "done": ("batch",),
+    "step": (),
+    "num_steps": ("batch",),
+    "acc": ("batch", None),
+    "kinds": ("batch", None),
+    "cache": sharding.KV_CACHE_AXES,
+    "ctx_k": sharding.KV_CACHE_AXES,
+    "ctx_v": sharding.KV_CACHE_AXES,
+    "drf_len": ("batch",),
+    "alpha": ("batch", None),
+    "plain_run": (),
+}
+
+
+def _constrain(state: _State, mesh) -> _State:
+    """Pins every carry buffer to its sharding on `mesh`, so XLA keeps the loop state in place
+    from one iteration to the next; without a mesh the state is returned untouched."""
+    if mesh is None:
+        return state
+
+    def pin(axes):
+        return lambda x: jax.lax.with_sharding_constraint(
+            x, sharding.logical_sharding(axes, x.shape, mesh)
+        )
+
+    return state.replace(
+        **{
+            name: jax.tree.map(pin(axes), getattr(state, name))
+            for name, axes in _CARRY_AXES.items()
+        }
+    )
+
+
+_stream_handlers: list = []
+
+
+def set_stream_handler(handler) -> None:
+    """Where `DecodeConfig(stream=True)` decodes send their tokens as they are committed:
+    `handler(tokens [B,T] int32, counts [B] int32)` is called on the host once per step (and
+    once for the prefill's token), row b's new tokens being tokens[b, :counts[b]]. None removes
+    it. The handler is looked up at call time, so changing it never recompiles."""
+    _stream_handlers[:] = [] if handler is None else [handler]
+
+
+def _send_to_handler(tokens_bt, counts_b) -> None:
+    for handler in _stream_handlers:
+        handler(np.asarray(tokens_bt), np.asarray(counts_b))
+
+
+def _stream(tokens_bt, counts_b) -> None:
+    # Ordered: the host sees the steps in loop order. The tokens are only read, so the decode
+    # computes exactly what it computes without streaming.
+    jax.experimental.io_callback(_send_to_handler, None, tokens_bt, counts_b, ordered=True)
 
 
 def _max_steps(cfg: DecodeConfig) -> int:
@@ -97,6 +163,8 @@ def _prefill(
     )
     logits_bv = apply_head(head_dv, hidden_b1d[:, 0])
     first_b = pick(logits_bv, _step_key(rng, _max_steps(cfg)), cfg)
+    if cfg.stream:
+        _stream(first_b[:, None], jnp.ones((b,), jnp.int32))
     width = cfg.max_new_tokens + cfg.block_size + 1
     gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
     done_b = (
@@ -112,6 +180,7 @@ def _prefill(
         step=jnp.int32(0),
         num_steps=jnp.zeros((b,), jnp.int32),
         acc=jnp.zeros((b, _max_steps(cfg)), jnp.int32),
+        kinds=jnp.zeros((b, _max_steps(cfg)), jnp.int32),
         cache=cache,
     )
     return state, taps_bpf
@@ -121,18 +190,18 @@ def _prefill(
 # `decoding.breakdown` times each one apart at real shapes).
 
 
-def append_context(drafter_params, dcfg, ctx_k, ctx_v, drf_len_b, pending_btf, n_pending_b):
-    """Appends the context K/V of the pending taps [B,T,F] at each row's drf_len (rows past
-    n_pending are written too, then masked and overwritten later).
-    -> (ctx_k, ctx_v, drf_len + n_pending)."""
-    t = pending_btf.shape[1]
+def append_context(drafter_params, dcfg, ctx_k, ctx_v, drf_len_b, taps_btf, count_b):
+    """Appends the context K/V of taps [B,T,F] (the committed tokens' target taps) at each
+    row's drf_len; rows past `count` are written too, then masked and overwritten later.
+    -> (ctx_k, ctx_v, drf_len + count)."""
+    t = taps_btf.shape[1]
     positions_bt = drf_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = Drafter(dcfg).apply(
-        {"params": drafter_params}, pending_btf, positions_bt, method="context_kv"
+        {"params": drafter_params}, taps_btf, positions_bt, method="context_kv"
     )
     ctx_k = tuple(write_rows(c, k, drf_len_b) for c, k in zip(ctx_k, ks, strict=True))
     ctx_v = tuple(write_rows(c, v, drf_len_b) for c, v in zip(ctx_v, vs, strict=True))
-    return ctx_k, ctx_v, drf_len_b + n_pending_b
+    return ctx_k, ctx_v, drf_len_b + count_b
 
 
 def draft_hidden(
@@ -184,9 +253,12 @@ def verify_accept(head_dv, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
     return accept_rejection(drafts_bg, draft_logp_bgv, tlogits_btv, key, cfg)
 
 
-def _commit(state: _State, new_bt, produced_b, cfg: DecodeConfig) -> tuple[_State, jax.Array]:
+def _commit(
+    state: _State, new_bt, produced_b, cfg: DecodeConfig, block_size: int = 1
+) -> tuple[_State, jax.Array]:
     """Commits new[:, :produced] per row, capped by max_new_tokens and cut after the first
-    stop token inside the new span only. Done rows commit nothing. Returns (state, produced)."""
+    stop token inside the new span only; records the step's block size. Done rows commit
+    nothing. Returns (state, produced)."""
     b, t = new_bt.shape
     active_b = ~state.done
     produced_b = jnp.minimum(produced_b, cfg.max_new_tokens - state.n_gen)
@@ -199,6 +271,8 @@ def _commit(state: _State, new_bt, produced_b, cfg: DecodeConfig) -> tuple[_Stat
     else:
         has_stop_b = jnp.zeros((b,), bool)
     produced_b = jnp.where(active_b, produced_b, 0)
+    if cfg.stream:
+        _stream(new_bt, produced_b)
     width = state.gen.shape[1]
     write_bt = jnp.where(idx_t[None, :] < produced_b[:, None], state.n_gen[:, None] + idx_t, width)
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -206,6 +280,8 @@ def _commit(state: _State, new_bt, produced_b, cfg: DecodeConfig) -> tuple[_Stat
     n_gen = state.n_gen + produced_b
     done = state.done | (active_b & (has_stop_b | (n_gen >= cfg.max_new_tokens)))
     acc = state.acc.at[jnp.arange(b), state.step].set(produced_b, mode="drop")
+    kind_b = jnp.where(active_b, block_size, 0).astype(jnp.int32)
+    kinds = state.kinds.at[jnp.arange(b), state.step].set(kind_b, mode="drop")
     state = state.replace(
         gen=gen,
         n_gen=n_gen,
@@ -213,6 +289,7 @@ def _commit(state: _State, new_bt, produced_b, cfg: DecodeConfig) -> tuple[_Stat
         step=state.step + 1,
         num_steps=state.num_steps + active_b.astype(jnp.int32),
         acc=acc,
+        kinds=kinds,
     )
     return state, produced_b
 
@@ -225,6 +302,7 @@ def _finish(state: _State, cfg: DecodeConfig) -> DecodeOutput:
         lengths=state.n_gen,
         num_steps=state.num_steps,
         acceptance_lengths=state.acc,
+        block_sizes=state.kinds,
     )
 
 
@@ -232,9 +310,8 @@ def _cond(cfg):
     return lambda s: (s.step < _max_steps(cfg)) & ~jnp.all(s.done)
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "decode_config"))
-def _autoregressive_jit(
-    target_params, prompt, prompt_lengths, rng, *, target_config, decode_config
+def _autoregressive(
+    target_params, prompt, prompt_lengths, rng, *, target_config, decode_config, mesh=None
 ):
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
@@ -242,6 +319,7 @@ def _autoregressive_jit(
     state, _ = _prefill(
         target_params, head_dv, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ()
     )
+    state = _constrain(state, mesh)
     model = Transformer(tcfg)
 
     def body(s: _State) -> _State:
@@ -252,9 +330,14 @@ def _autoregressive_jit(
         )
         next_b = pick(apply_head(head_dv, hidden_b1d[:, 0]), _step_key(rng, s.step), cfg)
         s, _ = _commit(s.replace(cache=cache), next_b[:, None], jnp.ones_like(start_b), cfg)
-        return s
+        return _constrain(s, mesh)
 
     return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
+
+
+_autoregressive_jit = jax.jit(
+    _autoregressive, static_argnames=("target_config", "decode_config", "mesh")
+)
 
 
 def _init_speculative(
@@ -286,58 +369,130 @@ def _init_speculative(
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         drf_len=drf_len_b,
-        pending=jnp.zeros((b, bs, taps_bpf.shape[-1]), taps_bpf.dtype),
-        n_pending=zero_b,
+        alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
+        plain_run=jnp.int32(0),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "drafter_config", "decode_config"))
-def _speculative_jit(
+def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
+    """One loop step with block size `bs`: draft bs-1 tokens, verify, accept, commit, then append
+    the committed tokens' taps to the drafter context. bs == 1 is a plain target step (no
+    drafting; its taps still feed the context, so drafting can resume at any step)."""
+    tcfg, dcfg, cfg = ctx["tcfg"], ctx["dcfg"], ctx["cfg"]
+    tparams, dparams, head_dv = ctx["target_params"], ctx["drafter_params"], ctx["head_dv"]
+    k_draft, k_accept = jax.random.split(_step_key(ctx["rng"], s.step))
+    start_b = ctx["prompt_lengths"] + s.n_gen - 1
+    anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
+    if bs > 1:
+        # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
+        hidden_bgd = draft_hidden(
+            dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
+        )
+        drafts_bg, draft_logp_bgv = draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, k_draft)
+        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
+    else:
+        verify_bt = anchor_b1
+    # Verify with the target, writing its K/V at start.
+    vhidden_btd, taps_btf, cache = verify_hidden(tparams, tcfg, dcfg, verify_bt, start_b, s.cache)
+    # Accept the longest valid prefix plus one target token.
+    if bs > 1:
+        a_b, new_bt = verify_accept(head_dv, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
+    else:
+        new_bt = pick(apply_head(head_dv, vhidden_btd[:, 0]), k_accept, cfg)[:, None]
+        a_b = jnp.zeros_like(start_b)
+    # Commit; the target cache length is implied by n_gen (rollback = lower length).
+    s, produced_b = _commit(s.replace(cache=cache), new_bt, a_b + 1, cfg, bs)
+    ctx_k, ctx_v, drf_len_b = append_context(
+        dparams, dcfg, s.ctx_k, s.ctx_v, s.drf_len, taps_btf, produced_b
+    )
+    s = s.replace(ctx_k=ctx_k, ctx_v=ctx_v, drf_len=drf_len_b)
+    if cfg.adaptive:
+        alpha = s.alpha
+        if bs > 1:
+            alpha = adaptive.update_estimates(alpha, a_b, produced_b, bs, cfg.adaptive_rate)
+        s = s.replace(alpha=alpha, plain_run=jnp.where(bs == 1, s.plain_run + 1, 0))
+    return s
+
+
+def _speculative(
     target_params,
     drafter_params,
     prompt,
     prompt_lengths,
     rng,
+    step_costs,
+    forced_kind,
     *,
     target_config,
     drafter_config,
     decode_config,
+    mesh=None,
 ):
     tcfg, dcfg, cfg = target_config, drafter_config, decode_config
-    bs = cfg.block_size
     head_dv = unembedding_matrix(target_params, tcfg)
     state = _init_speculative(
         target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
     )
+    state = _constrain(state, mesh)
+    ctx = dict(
+        tcfg=tcfg,
+        dcfg=dcfg,
+        cfg=cfg,
+        target_params=target_params,
+        drafter_params=drafter_params,
+        head_dv=head_dv,
+        rng=rng,
+        prompt_lengths=prompt_lengths,
+    )
+    if not cfg.adaptive:
+        step = functools.partial(_speculative_step, bs=cfg.block_size, ctx=ctx)
+    else:
+        branches = [functools.partial(_speculative_step, bs=b, ctx=ctx) for b in cfg.step_kinds]
+
+        def step(s: _State) -> _State:
+            k = adaptive.choose_kind(s.alpha, ~s.done, s.plain_run, step_costs, forced_kind, cfg)
+            return jax.lax.switch(k, branches, s)
 
     def body(s: _State) -> _State:
-        k_draft, k_accept = jax.random.split(_step_key(rng, s.step))
-        # 1. Append the pending context rows (taps of last step's committed tokens).
-        ctx_k, ctx_v, drf_len_b = append_context(
-            drafter_params, dcfg, s.ctx_k, s.ctx_v, s.drf_len, s.pending, s.n_pending
-        )
-        # 2. Draft [anchor, MASK x (bs-1)] non-causally over the context.
-        start_b = prompt_lengths + s.n_gen - 1
-        anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
-        hidden_bgd = draft_hidden(
-            drafter_params, target_params, tcfg, dcfg, anchor_b1, ctx_k, ctx_v, drf_len_b,
-            start_b, bs,
-        )  # fmt: skip
-        drafts_bg, draft_logp_bgv = draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, k_draft)
-        # 3. Verify the block with the target, writing its K/V at start.
-        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
-        vhidden_btd, taps_btf, cache = verify_hidden(
-            target_params, tcfg, dcfg, verify_bt, start_b, s.cache
-        )
-        # 4. Accept the longest valid prefix plus one target token.
-        a_b, new_bt = verify_accept(head_dv, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
-        # 5. Commit; the target cache length is implied by n_gen (rollback = lower length).
-        s, produced_b = _commit(s.replace(cache=cache), new_bt, a_b + 1, cfg)
-        return s.replace(
-            ctx_k=ctx_k, ctx_v=ctx_v, drf_len=drf_len_b, pending=taps_btf, n_pending=produced_b
-        )
+        return _constrain(step(s), mesh)
 
     return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
+
+
+_speculative_jit = jax.jit(
+    _speculative, static_argnames=("target_config", "drafter_config", "decode_config", "mesh")
+)
+
+# jitted decoder -> (its function, how many param trees lead its arguments)
+_DECODERS = {_autoregressive_jit: (_autoregressive, 1), _speculative_jit: (_speculative, 2)}
+_ON_MESH: dict = {}
+
+
+def on_mesh(jitted, mesh, args: tuple, statics: dict):
+    """`jitted` (`_autoregressive_jit` or `_speculative_jit`) for a run on `mesh`. -> (its
+    function jitted for `mesh` with in/out shardings from the logical table and the statics
+    bound, args placed on those shardings, {} for the statics). In: params as
+    `sharding.param_shardings` places them (heads, MLP and vocab over `tensor`, model dim over
+    `fsdp`), prompt [B,P] and lengths [B] split over the batch axes, the rest replicated; params
+    already there (`load_target(..., mesh=mesh)`) are not moved. Out: replicated, so that every
+    process can read the tokens."""
+    fn, num_params = _DECODERS[jitted]
+    params, rest = args[:num_params], args[num_params + 2 :]
+    in_shardings = (
+        *(sharding.param_shardings(p, mesh) for p in params),
+        *sharding.batch_shardings(args[num_params : num_params + 2], mesh),
+        *(sharding.replicated(mesh),) * len(rest),
+    )
+    leaves, treedef = jax.tree.flatten(in_shardings)
+    key = (fn, mesh, treedef, tuple(leaves), tuple(sorted(statics.items())))
+    if key not in _ON_MESH:
+        # jit takes no keyword arguments beside in_shardings: the statics are bound here.
+        _ON_MESH[key] = jax.jit(
+            functools.partial(fn, **statics, mesh=mesh),
+            in_shardings=in_shardings,
+            out_shardings=sharding.replicated(mesh),
+        )
+    return _ON_MESH[key], sharding.put(args, in_shardings), {}
 
 
 def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
@@ -366,9 +521,17 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
 
 
 def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
-    """The block size means nothing without a drafter: fix it at 1 so one compiled AR loop
-    serves every block size."""
-    return dataclasses.replace(cfg, block_size=1)
+    """Block size and adaptive settings mean nothing without a drafter: reset them so one
+    compiled AR loop serves every block size and mode."""
+    return DecodeConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        block_size=1,
+        stop_token_ids=cfg.stop_token_ids,
+        stream=cfg.stream,
+    )
 
 
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
@@ -389,22 +552,43 @@ def autoregressive_decode(
     *,
     target_config: TargetConfig,
     decode_config: DecodeConfig,
+    mesh=None,
 ) -> DecodeOutput:
     """The target decoding alone, one token per step: the baseline and the lossless reference.
 
     prompt: int32 [B, P] right-padded; prompt_lengths: int32 [B]; rng: a PRNG key.
+    mesh: a `jax.sharding.Mesh` (axes data/fsdp/tensor, `sharding.make_mesh`) to run on, else the
+    one set by `jax.set_mesh`, else one device; the tokens are the same (see `on_mesh`).
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
-    decode_config = autoregressive_config(decode_config)
-    return _autoregressive_jit(
-        target_params,
-        prompt,
-        prompt_lengths,
-        rng,
-        target_config=target_config,
-        decode_config=decode_config,
-    )
+    args = (target_params, prompt, prompt_lengths, rng)
+    statics = dict(target_config=target_config, decode_config=autoregressive_config(decode_config))
+    return _run(_autoregressive_jit, args, statics, mesh)
+
+
+def _run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
+    mesh = mesh if mesh is not None else sharding.current_mesh()
+    if mesh is None:
+        return jitted(*args, **statics)
+    fn, args, statics = on_mesh(jitted, mesh, args, statics)
+    return fn(*args, **statics)
+
+
+def step_cost_array(cfg: DecodeConfig, step_costs=None) -> jax.Array:
+    """The adaptive controller's costs [num_kinds] (AR-step units) as a jit input; defaults from
+    `adaptive.default_step_costs`. A placeholder [1] when the mode is off."""
+    if not cfg.adaptive:
+        return jnp.ones((1,), jnp.float32)
+    if step_costs is None:
+        step_costs = adaptive.default_step_costs(cfg.step_kinds)
+    step_costs = jnp.asarray(step_costs, jnp.float32)
+    if step_costs.shape != (len(cfg.step_kinds),):
+        raise ValueError(
+            f"step_costs has shape {step_costs.shape}; expected one cost per step kind "
+            f"{cfg.step_kinds}"
+        )
+    return step_costs
 
 
 def speculative_decode(
@@ -417,19 +601,30 @@ def speculative_decode(
     target_config: TargetConfig,
     drafter_config: DrafterConfig,
     decode_config: DecodeConfig,
+    step_costs=None,
+    mesh=None,
 ) -> DecodeOutput:
     """DFlash speculative decoding; output distributed exactly as the target's own (greedy:
-    identical tokens). Same inputs and output as `autoregressive_decode`."""
+    identical tokens). Same inputs and output as `autoregressive_decode`.
+
+    With `decode_config.adaptive`, each step's block size is chosen on device (see
+    `decoding/adaptive.py`); `step_costs` [num_kinds] are the kinds' costs in AR steps
+    (`adaptive.calibrate_step_costs` measures them; an array, so new costs never recompile).
+    `mesh` as in `autoregressive_decode`.
+    """
     check_decode_inputs(target_config, drafter_config, decode_config)
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
-    return _speculative_jit(
+    args = (
         target_params,
         drafter_params,
         prompt,
         prompt_lengths,
         rng,
-        target_config=target_config,
-        drafter_config=drafter_config,
-        decode_config=decode_config,
+        step_cost_array(decode_config, step_costs),
+        jnp.int32(-1),
     )
+    statics = dict(
+        target_config=target_config, drafter_config=drafter_config, decode_config=decode_config
+    )
+    return _run(_speculative_jit, args, statics, mesh)

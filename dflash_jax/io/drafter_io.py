@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
@@ -44,15 +45,22 @@ def save_drafter(directory: str | Path, config: DrafterConfig, params: dict) -> 
             f"{directory} already holds a drafter checkpoint; pick a new directory"
         )
     directory.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.StandardCheckpointer()
+    # Host arrays need no other process: with several, this one writes alone (Orbax would
+    # otherwise wait for all of them at its barriers).
+    this = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=this, active_processes={this})
+    checkpointer = ocp.StandardCheckpointer(
+        **({"multiprocessing_options": alone} if jax.process_count() > 1 else {})
+    )
     checkpointer.save(directory / ORBAX_PARAMS_DIR, params)
     checkpointer.wait_until_finished()
     config_json = json.dumps(config.to_zlab(), indent=2, sort_keys=True)
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
 
 
-def restore_drafter(directory: str | Path, dtype: str | None = None) -> LoadedDrafter:
-    """Restores a `save_drafter` directory; `dtype` defaults to the saved one."""
+def restore_drafter(directory: str | Path, dtype: str | None = None, mesh=None) -> LoadedDrafter:
+    """Restores a `save_drafter` directory; `dtype` defaults to the saved one. With a `mesh`,
+    every param is restored straight onto its table sharding (each device reads its slice)."""
     directory = Path(directory).absolute()
     config_path = directory / ORBAX_CONFIG_FILE
     try:
@@ -60,11 +68,16 @@ def restore_drafter(directory: str | Path, dtype: str | None = None) -> LoadedDr
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read the drafter config {config_path}: {e}") from e
     config = DrafterConfig.from_zlab(hf, dtype=dtype or hf.get("torch_dtype", "float32"))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.dtype), sharding=device),
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.dtype)),
         jax.eval_shape(functools.partial(init_drafter_params, config), jax.random.key(0)),
     )
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        placement = jax.tree.map(lambda _: device, shapes)
+    else:
+        placement = sharding.param_shardings(shapes, mesh)
+    abstract = sharding.with_shardings(shapes, placement)
     params_path = directory / ORBAX_PARAMS_DIR
     try:
         params = ocp.StandardCheckpointer().restore(params_path, abstract)
@@ -87,9 +100,10 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from e
 
 
-def read_drafter(source: str | Path, dtype: str = "float32") -> LoadedDrafter:
+def read_drafter(source: str | Path, dtype: str = "float32", mesh=None) -> LoadedDrafter:
     """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
-    HF dir, a hub id (`owner/name`) or "default" (the drafter shipped in the repository)."""
+    HF dir, a hub id (`owner/name`) or "default" (the drafter shipped in the repository).
+    With a `mesh`, params are placed on their table shardings."""
     source = str(source)
     if source == "default":
         if not DEFAULT_DRAFTER.is_dir():
@@ -105,20 +119,27 @@ def read_drafter(source: str | Path, dtype: str = "float32") -> LoadedDrafter:
     else:
         raise CheckpointError(f"drafter {source!r}: no such directory (nor a hub id owner/name)")
     if (path / ORBAX_CONFIG_FILE).is_file():
-        loaded = restore_drafter(path, dtype)
+        loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
     if (path / CONFIG_FILE).is_file():
         config, params = read_zlab(path, dtype)
-        return LoadedDrafter(config=config, params=jax.tree.map(jnp.asarray, params), source=source)
+        if mesh is None:
+            params = jax.tree.map(jnp.asarray, params)
+        else:
+            params = sharding.put(params, sharding.param_shardings(params, mesh))
+        return LoadedDrafter(config=config, params=params, source=source)
     raise CheckpointError(
         f"{path} is neither an Orbax drafter ({ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/) nor a "
         f"z-lab drafter ({CONFIG_FILE} + model.safetensors)"
     )
 
 
-def load_drafter(source: str | Path, target, dtype: str | None = None) -> LoadedDrafter:
+def load_drafter(source: str | Path, target, dtype: str | None = None, mesh=None) -> LoadedDrafter:
     """Reads a drafter (see `read_drafter`) in the target's dtype unless `dtype` is given, and
-    refuses one that does not fit `target` (anything with `.config`: a TargetConfig)."""
-    loaded = read_drafter(source, dtype or target.config.dtype)
+    refuses one that does not fit `target` (anything with `.config`: a TargetConfig). `mesh`
+    defaults to the target's (`load_target(..., mesh=...)`)."""
+    if mesh is None:
+        mesh = getattr(target, "mesh", None)
+    loaded = read_drafter(source, dtype or target.config.dtype, mesh)
     check_fits(loaded.config, target.config, loaded.params)
     return loaded

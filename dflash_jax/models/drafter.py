@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.target import Transformer
-from dflash_jax.ops.attention import block_attention, block_mask, context_mask
+from dflash_jax.ops.dispatch import block_attention
 
 
 class DrafterLayer(nn.Module):
@@ -45,7 +45,21 @@ class DrafterLayer(nn.Module):
         """Context rows (already fc + hidden_norm) -> (k [B,K,T,H] after k_norm + RoPE, v)."""
         return self.self_attn.key_value(c_btd, cos, sin)
 
-    def __call__(self, x_bqd, cos, sin, ctx_k_bksh, ctx_v_bksh, ctx_mask_bqs, blk_mask_jj):
+    def __call__(
+        self,
+        x_bqd,
+        cos,
+        sin,
+        ctx_k_bksh,
+        ctx_v_bksh,
+        context_lengths_b,
+        anchors_bn,
+        block_size: int,
+        causal: bool,
+        window: int | None,
+    ):
+        """x [B,Q,D] block tokens; ctx_k/ctx_v [B,K,S,H]; context_lengths [B]; anchors [B,N]
+        (see `Drafter.__call__`). -> [B,Q,D]."""
         h_bqd = self.input_layernorm(x_bqd)
         q_bqnh = self.self_attn.query(h_bqd, cos, sin)
         k_bkqh, v_bkqh = self.self_attn.key_value(h_bqd, cos, sin)
@@ -55,8 +69,12 @@ class DrafterLayer(nn.Module):
             ctx_v_bksh.astype(v_bkqh.dtype),
             k_bkqh,
             v_bkqh,
-            ctx_mask_bqs,
-            blk_mask_jj,
+            context_lengths_b,
+            anchors_bn,
+            block_size=block_size,
+            causal=causal,
+            window=window,
+            impl=self.config.attention_impl,
         )
         x_bqd = x_bqd + self.self_attn.output(attn_bqnh)
         return x_bqd + self.mlp(self.post_attention_layernorm(x_bqd))
@@ -108,19 +126,12 @@ class Drafter(nn.Module):
             b, q
         )
         cos, sin = rope_tables(positions_bq, self.inv_freq, x_bqd.dtype)
-        num_context = ctx_k[0].shape[2]
-        ctx_masks, blk_masks = {}, {}
         for i, layer in enumerate(self.layers):
             causal, window = self.config.layer_is_causal(i), self.config.layer_window(i)
-            if window not in ctx_masks:
-                ctx_masks[window] = context_mask(
-                    context_lengths_b, anchors_bn, block_size, num_context, window
-                )
-            if (causal, window) not in blk_masks:
-                blk_masks[causal, window] = block_mask(block_size, causal, window)
             x_bqd = layer(
-                x_bqd, cos, sin, ctx_k[i], ctx_v[i], ctx_masks[window], blk_masks[causal, window]
-            )
+                x_bqd, cos, sin, ctx_k[i], ctx_v[i], context_lengths_b, anchors_bn, block_size,
+                causal, window,
+            )  # fmt: skip
         return self.norm(x_bqd)
 
     def forward_from_taps(

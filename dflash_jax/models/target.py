@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
-from dflash_jax.ops.attention import attention, causal_cache_mask, causal_mask
+from dflash_jax.ops.dispatch import causal_attention
 
 
 @flax.struct.dataclass
@@ -71,7 +71,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.mlp = MLP(c.intermediate_size, dtype)
 
-    def __call__(self, x_btd, cos, sin, mask_bts, layer_cache=None, cache_lengths=None):
+    def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None):
+        """x [B,T,D]. With a cache ((k, v), each [B,K,S,H]) the T new tokens are written at
+        cache_lengths[b] + t and query t sees slots <= cache_lengths[b] + t; without, attention
+        is causal over the T tokens. -> (x [B,T,D], updated cache or None)."""
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
         k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
@@ -79,9 +82,13 @@ class DecoderLayer(nn.Module):
             k_bksh = write_rows(layer_cache[0], k_bkth, cache_lengths)
             v_bksh = write_rows(layer_cache[1], v_bkth, cache_lengths)
             layer_cache = (k_bksh, v_bksh)
+            offsets_b = cache_lengths
         else:
             k_bksh, v_bksh = k_bkth, v_bkth
-        attn_btnh = attention(q_btnh, k_bksh, v_bksh, mask_bts)
+            offsets_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
+        attn_btnh = causal_attention(
+            q_btnh, k_bksh, v_bksh, offsets_b, impl=self.config.attention_impl
+        )
         x_btd = x_btd + self.self_attn.output(attn_btnh)
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, layer_cache
@@ -145,17 +152,12 @@ class Transformer(nn.Module):
         for l in tap_layers:
             if not 0 <= l < c.num_layers:
                 raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
-        b, t = tokens_bt.shape
         x_btd = self.embed(tokens_bt)
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
-        if cache is not None:
-            mask_bts = causal_cache_mask(cache_lengths, t, cache.max_len)
-        else:
-            mask_bts = causal_mask(b, t)
         taps, new_k, new_v = {}, [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x_btd, layer_cache = layer(x_btd, cos, sin, mask_bts, layer_cache, cache_lengths)
+            x_btd, layer_cache = layer(x_btd, cos, sin, layer_cache, cache_lengths)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])

@@ -75,6 +75,26 @@ def context_mask(
     return visible_bts
 
 
+def context_bounds(
+    context_lengths: jax.Array, anchors: jax.Array, block_size: int, window: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`context_mask` as one slot range per query, the form the kernels take: query t of row b
+    sees context slot s iff lo[b,t] <= s < hi[b,t] (nothing when lo >= hi).
+    -> (lo, hi), each [B, N*J] int32."""
+    b = anchors.shape[0]
+    q_pos_bt = (anchors[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(b, -1)
+    hi_bt = jnp.minimum(jnp.repeat(anchors, block_size, axis=1), context_lengths[:, None])
+    lo_bt = jnp.zeros_like(hi_bt) if window is None else jnp.maximum(q_pos_bt - window + 1, 0)
+    return lo_bt.astype(jnp.int32), hi_bt.astype(jnp.int32)
+
+
+def causal_cache_bounds(cache_lengths: jax.Array, num_queries: int) -> jax.Array:
+    """`causal_cache_mask` as an exclusive slot limit per query: query t of row b sees slots
+    s < hi[b,t] = cache_lengths[b] + t + 1. -> [B,T] int32."""
+    hi_bt = cache_lengths[:, None] + jnp.arange(num_queries)[None, :] + 1
+    return hi_bt.astype(jnp.int32)
+
+
 def block_mask(block_size: int, causal: bool = False, window: int | None = None) -> jax.Array:
     """Inside one block (the same for every block, since slot j sits at anchor + j): all slots
     see each other (bidirectional), or only earlier ones (causal); with `window`, only slots

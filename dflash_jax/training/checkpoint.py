@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
+from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
 from dflash_jax.io.drafter_io import save_drafter
 from dflash_jax.io.hf import CheckpointError
@@ -45,8 +47,10 @@ def save_checkpoint(
     )
 
 
-def abstract_state(drafter_config: DrafterConfig, optimizer) -> dict:
-    """Shapes and dtypes of the train state {"step", "params", "opt_state"}, for restoring."""
+def abstract_state(drafter_config: DrafterConfig, optimizer, mesh=None) -> dict:
+    """Shapes and dtypes of the train state {"step", "params", "opt_state"}, for restoring;
+    with a `mesh`, also its shardings there (`sharding.state_shardings`), so that a checkpoint
+    written on any mesh shape restores onto this one (Orbax reads each device's slice)."""
 
     def init():
         params = init_drafter_params(drafter_config, jax.random.key(0))
@@ -56,7 +60,10 @@ def abstract_state(drafter_config: DrafterConfig, optimizer) -> dict:
             "opt_state": optimizer.build().init(params),
         }
 
-    return jax.eval_shape(init)
+    abstract = jax.eval_shape(init)
+    if mesh is None:
+        return abstract
+    return sharding.with_shardings(abstract, sharding.state_shardings(abstract, mesh))
 
 
 def restore_latest(
@@ -93,9 +100,12 @@ def restore_latest(
                 aside,
             )
             tried.append(step)
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(aside, ignore_errors=True)
-            shutil.move(str(directory / str(step)), str(aside))
+            if jax.process_index() == 0:
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(aside, ignore_errors=True)
+                shutil.move(str(directory / str(step)), str(aside))
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
             manager.reload()
     if tried:
         raise CheckpointError(
@@ -107,11 +117,18 @@ def restore_latest(
 
 def export_drafter(workdir: str | Path, config: DrafterConfig, params: dict) -> Path:
     """Writes `<workdir>/drafter` for `load_drafter`, replacing the previous export only once the
-    new one is complete."""
+    new one is complete. Every process must call it (the params are gathered from all of them);
+    process 0 alone writes."""
     final = Path(workdir).absolute() / DRAFTER_DIR
+    if jax.process_count() > 1:
+        host = multihost_utils.process_allgather(params, tiled=True)
+        if jax.process_index() != 0:
+            return final
+    else:
+        host = jax.device_get(params)
     tmp = final.with_name(DRAFTER_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(tmp, config, jax.device_get(params))
+    save_drafter(tmp, config, host)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

@@ -184,11 +184,24 @@ def batched_dataset(
     num_epochs: int,
     seed: int,
     tap_cache=None,
+    shard_index: int = 0,
+    shard_count: int = 1,
 ) -> grain.MapDataset:
     """Shuffled, repeated, padded, anchor-sampled (with cached taps attached when `tap_cache` is
-    a TapCache) and batched; len() is the number of steps."""
+    a TapCache) and batched; len() is the number of steps.
+
+    Several processes: with shard_count > 1 each element holds only rows
+    [shard_index*n, (shard_index+1)*n) of the global batch (n = batch_size / shard_count), and
+    only those records are read. The global batches (the shards in order) are those of one
+    process, element for element: a run's losses do not depend on how many processes feed it.
+    """
     if len(train) < batch_size:
         raise ValueError(f"{len(train)} training records do not fill one batch of {batch_size}")
+    if batch_size % shard_count or not 0 <= shard_index < shard_count:
+        raise ValueError(
+            f"a batch of {batch_size} rows cannot be split into {shard_count} equal process "
+            f"shards (shard {shard_index})"
+        )
     ds = (
         train.shuffle(seed=seed)
         .repeat(num_epochs)
@@ -196,7 +209,12 @@ def batched_dataset(
     )
     if tap_cache is not None:
         ds = ds.map(AttachTaps(tap_cache))
-    return ds.batch(batch_size, drop_remainder=True)
+    ds = ds.batch(batch_size // shard_count, drop_remainder=True)
+    if shard_count > 1:
+        # Local batch k*count + index is this process's part of global batch k.
+        steps = len(ds) // shard_count
+        ds = ds[: steps * shard_count][shard_index::shard_count]
+    return ds
 
 
 def prompt_tokens(record: dict) -> list[int]:

@@ -33,9 +33,10 @@ def evaluate_acceptance(
     prompts: list[list[int]],
     max_new_tokens: int,
     block_size: int | None = None,
+    mesh=None,
 ) -> float:
-    """Greedy `speculative_decode` on `prompts` (one batch) -> mean tau (tokens per verify
-    step, bonus included), averaged per prompt then over prompts."""
+    """Greedy `speculative_decode` on `prompts` (one batch; on `mesh` when given) -> mean tau
+    (tokens per verify step, bonus included), averaged per prompt then over prompts."""
     width = max(len(p) for p in prompts)
     prompt_bp = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
@@ -55,6 +56,7 @@ def evaluate_acceptance(
         target_config=target.config,
         drafter_config=drafter_config,
         decode_config=decode_config,
+        mesh=mesh,
     )
     acc = np.asarray(out.acceptance_lengths)
     steps = np.asarray(out.num_steps)

@@ -9,6 +9,11 @@ to `bucket` tokens, so padding stays small and few shapes are compiled.
 Output directory: `data-NNNNN.{array_record,jsonl}` shards, each with a `data-NNNNN.json` manifest
 (hashes of the prompts it covers, kept or dropped, and counts) written before the shard. A rerun
 skips every prompt covered by a shard that exists, so a killed run resumes where it stopped.
+
+Several processes (`jax.distributed`): process p of P answers prompts p, p+P, p+2P, ... of the
+list (every prompt once, none left out) on its own devices, and names its shards
+`data-NNNNN-pPofP`; each skips the prompts that any visible manifest covers, so with a shared
+output directory a rerun resumes whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -77,10 +82,16 @@ def _bucketed_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]
 
 
 def _decode_batch(
-    target, ids: list[list[int]], batch_size: int, bucket: int, decode_config: DecodeConfig, rng
+    target,
+    ids: list[list[int]],
+    batch_size: int,
+    bucket: int,
+    decode_config: DecodeConfig,
+    rng,
+    mesh=None,
 ) -> list[list[int]]:
     """Pads `ids` to batch_size rows (repeating the last) and a width rounded up to `bucket`;
-    -> the generated tokens of each real row (stop token included)."""
+    -> the generated tokens of each real row (stop token included). On `mesh` when given."""
     width = -(-max(len(x) for x in ids) // bucket) * bucket
     rows = ids + [ids[-1]] * (batch_size - len(ids))
     prompt_bp = np.zeros((batch_size, width), np.int32)
@@ -94,6 +105,7 @@ def _decode_batch(
         rng,
         target_config=target.config,
         decode_config=decode_config,
+        mesh=mesh,
     )
     tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
     return [tokens[i, : n[i]].tolist() for i in range(len(ids))]
@@ -110,6 +122,7 @@ def self_prompts(
     min_chars: int = 16,
     seed: int = 0,
     max_rounds: int = 50,
+    mesh=None,
 ) -> list[Prompt]:
     """User turns sampled from the target itself: the template up to the user's text is the
     prompt, sampling stops at the end-of-turn token; unfinished, too short and duplicate turns
@@ -130,6 +143,7 @@ def self_prompts(
                 1,
                 decode_config,
                 jax.random.fold_in(key, round_index),
+                mesh,
             )
             texts = [
                 chat.tokenizer.decode(o[:-1], skip_special_tokens=True).strip()
@@ -171,17 +185,26 @@ def generate_records(
     prompts_per_shard: int = 512,
     bucket: int = 32,
     seed: int = 0,
+    mesh=None,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> dict:
     """Answers every prompt not yet covered in `out_dir` and writes shards; -> counts.
 
     Drops prompts longer than `max_prompt_tokens` and responses with fewer than
-    `min_loss_tokens` tokens (2 x block_size in the recipe).
+    `min_loss_tokens` tokens (2 x block_size in the recipe). Decodes on `mesh` (this process's
+    devices) when given. With process_count > 1 this process takes its share of `prompts`
+    (the module docstring says which).
     """
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not supported (supported: {sorted(FORMATS)})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done, shard_index = _read_manifests(out_dir)
+    # By position in the whole list, so a rerun gives every process the same share.
+    prompts = prompts[process_index::process_count]
     todo = [p for p in prompts if _prompt_key(p) not in done]
     logging.info(
         "%d prompts, %d already done, %d to generate",
@@ -195,7 +218,17 @@ def generate_records(
     )
     counts = {"written": 0, "too_long_prompt": 0, "short_response": 0, "loss_tokens": 0}
     key = jax.random.fold_in(jax.random.key(seed), shard_index)
-    bar = tqdm.tqdm(total=len(todo), desc="generate", unit="prompt", dynamic_ncols=True)
+    suffix = ""
+    if process_count > 1:
+        key = jax.random.fold_in(key, process_index)  # samples differ between processes
+        suffix = f"-p{process_index}of{process_count}"
+    bar = tqdm.tqdm(
+        total=len(todo),
+        desc="generate" + suffix,
+        unit="prompt",
+        dynamic_ncols=True,
+        position=process_index,
+    )
     for start in range(0, len(todo), prompts_per_shard):
         chunk = todo[start : start + prompts_per_shard]
         ids = [chat.prompt_ids(p.text) for p in chunk]
@@ -215,6 +248,7 @@ def generate_records(
                 bucket,
                 decode_config,
                 jax.random.fold_in(key, start + batch_index),
+                mesh,
             )
             for i, response in zip(rows, responses, strict=True):
                 if len(response) < min_loss_tokens:
@@ -231,7 +265,7 @@ def generate_records(
                 shard_counts["loss_tokens"] += len(response)
             bar.update(len(rows))
         shard_counts["written"] = len(records)
-        stem = f"{SHARD_PREFIX}{shard_index:05d}"
+        stem = f"{SHARD_PREFIX}{shard_index:05d}{suffix}"
         manifest = {"prompt_keys": [_prompt_key(p) for p in chunk], "counts": shard_counts}
         tmp = out_dir / f"{stem}.json.tmp"
         tmp.write_text(json.dumps(manifest))

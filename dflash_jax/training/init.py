@@ -7,8 +7,8 @@ From the target (`config.init_from_target`), for a drafter of L layers over an N
   * `fc` picks one tap unchanged (identity block, zeros elsewhere) and `hidden_norm` takes the
     input norm of target layer N - L, so the context rows are exactly the normalised input that
     layer sees when the picked tap is its input (tap N - L - 1): drafter layer 0's context K/V
-    then start as the target layer's own. Without that tap the latest one below it is used
-    (the residual stream changes slowly from layer to layer), and the log says so;
+    then start as the target layer's own. Without that tap the nearest one is used (the
+    residual stream changes slowly from layer to layer), and the log says so;
   * the final `norm` <- the target's final norm (both feed the same frozen lm_head).
 """
 
@@ -53,11 +53,11 @@ def _check_same_shapes(target_config, drafter_config: DrafterConfig) -> None:
 
 def context_tap_for(drafter_config: DrafterConfig, num_target_layers: int) -> int:
     """Index into target_layer_ids of the tap that `fc` passes through: the input of the first
-    copied layer (tap N - L - 1) if it is tapped, else the latest tap below it, else the first."""
+    copied layer (tap N - L - 1) if it is tapped, else the tap nearest to it (the earlier one
+    on a tie)."""
     wanted = num_target_layers - drafter_config.num_layers - 1
     taps = list(drafter_config.target_layer_ids)
-    below = [i for i, layer in enumerate(taps) if layer <= wanted]
-    return max(below, key=lambda i: taps[i]) if below else 0
+    return min(range(len(taps)), key=lambda i: (abs(taps[i] - wanted), taps[i] > wanted))
 
 
 def params_from_target(

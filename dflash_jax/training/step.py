@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import (
     Drafter,
@@ -31,6 +32,14 @@ from dflash_jax.training.loss import (
     position_weights,
     sampled_vocabulary,
 )
+
+
+def _split_batch(x_b, mesh):
+    """x [B,...] pinned to the batch axes of `mesh` (a no-op without one): GSPMD would otherwise
+    follow the fc kernel's sharding back into the taps and replicate their batch dim."""
+    if mesh is None:
+        return x_b
+    return jax.lax.with_sharding_constraint(x_b, sharding.batch_shardings(x_b, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +99,11 @@ def drafter_loss(
     ce_chunk_rows: int,
     vocab_negatives: int = 0,
     vocab_rng: jax.Array | None = None,
+    mesh=None,
 ):
     """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
-    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1)."""
+    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1).
+    On a `mesh` the taps and the drafter's hidden states stay split over the batch axes."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
     block_size = drafter_config.block_size
@@ -111,7 +122,7 @@ def drafter_loss(
             tap_layers=drafter_config.target_layer_ids,
             logit_indices=jnp.zeros((b, 1), jnp.int32),
         )
-    taps_bsf = jax.lax.stop_gradient(taps_bsf)
+    taps_bsf = _split_batch(jax.lax.stop_gradient(taps_bsf), mesh)
     anchors_bn = batch["anchors"]
     block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)
     x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
@@ -124,6 +135,7 @@ def drafter_loss(
         block_size,
         method="forward_from_taps",
     )
+    hidden_bqd = _split_batch(hidden_bqd, mesh)
     labels_bnj, valid_bnj = block_labels(
         tokens_bs,
         batch["loss_mask"],
@@ -153,19 +165,7 @@ def drafter_loss(
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "target_config",
-        "drafter_config",
-        "optimizer",
-        "loss_gamma",
-        "ce_chunk_rows",
-        "vocab_negatives",
-    ),
-    donate_argnums=0,
-)
-def train_step(
+def _train_step(
     state: dict,
     target_params,
     batch: dict,
@@ -176,6 +176,7 @@ def train_step(
     loss_gamma: float,
     ce_chunk_rows: int,
     vocab_negatives: int = 0,
+    mesh=None,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
@@ -199,6 +200,7 @@ def train_step(
             ce_chunk_rows=ce_chunk_rows,
             vocab_negatives=vocab_negatives,
             vocab_rng=vocab_rng,
+            mesh=mesh,
         )
 
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -213,3 +215,39 @@ def train_step(
         "params": keep(params, state["params"]),
         "opt_state": keep(opt_state, state["opt_state"]),
     }, metrics
+
+
+STEP_SETTINGS = (
+    "target_config",
+    "drafter_config",
+    "optimizer",
+    "loss_gamma",
+    "ce_chunk_rows",
+    "vocab_negatives",
+)
+train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
+_ON_MESH: dict = {}
+
+
+def train_step_on_mesh(mesh, state, target_params, batch, **settings):
+    """`train_step` for a run on `mesh`: jitted with in/out shardings from the logical table
+    (the train state as `sharding.state_shardings` places it, the frozen target as
+    `param_shardings`, the batch split over its rows, metrics replicated), the state donated.
+    -> a function of (state, target_params, batch) returning (state, metrics); compiled once
+    per mesh, settings and input structure."""
+    in_shardings = (
+        sharding.state_shardings(state, mesh),
+        sharding.param_shardings(target_params, mesh),
+        sharding.batch_shardings(batch, mesh),
+    )
+    leaves, treedef = jax.tree.flatten(in_shardings)
+    key = (mesh, treedef, tuple(leaves), tuple(sorted(settings.items())))
+    if key not in _ON_MESH:
+        # jit takes no keyword arguments beside in_shardings: the settings are bound here.
+        _ON_MESH[key] = jax.jit(
+            functools.partial(_train_step, **settings, mesh=mesh),
+            in_shardings=in_shardings,
+            out_shardings=(in_shardings[0], sharding.replicated(mesh)),
+            donate_argnums=0,
+        )
+    return _ON_MESH[key]

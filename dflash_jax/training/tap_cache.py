@@ -40,7 +40,8 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 def _fingerprint(lengths, token_digest, tap_layers, seq_len, dtype, target) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([list(lengths), token_digest, list(tap_layers), seq_len, dtype]).encode())
-    h.update(repr(target.config).encode())
+    # The config without run settings (the attention implementation does not change the taps).
+    h.update(repr(dataclasses.replace(target.config, attention_impl="auto")).encode())
     # The weights themselves: a cheap, order-sensitive checksum of two tensors.
     for leaf in (target.params["embed_tokens"]["embedding"], target.params["norm"]["scale"]):
         h.update(np.asarray(jnp.sum(jnp.asarray(leaf, jnp.float32) ** 2)).tobytes())

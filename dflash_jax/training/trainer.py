@@ -17,6 +17,7 @@ a CPU run is ~3x faster per step. On accelerators, where caching costs 40 KiB/to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -30,6 +31,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
@@ -37,7 +39,7 @@ from dflash_jax.training import checkpoint, data, tap_cache
 from dflash_jax.training.evaluation import EVAL_SOURCES, eval_prompts, evaluate_acceptance
 from dflash_jax.training.init import initial_params
 from dflash_jax.training.loss import default_gamma, implied_acceptance
-from dflash_jax.training.step import OptimizerConfig, train_step
+from dflash_jax.training.step import OptimizerConfig, train_step, train_step_on_mesh
 
 METRICS_FILE = "metrics.jsonl"
 NONFINITE_MODES = ("stop", "skip")
@@ -76,6 +78,9 @@ def default_config() -> ml_collections.ConfigDict:
     # <workdir>/tap_cache, then read; pays from the second epoch, see tap_cache.py).
     cfg.taps = "online"
     cfg.tap_cache_dtype = "bfloat16"  # or "float32"
+    # Where the cache lives: "" = <workdir>/tap_cache. Runs over the same data and taps may share
+    # one (the cache is fingerprinted: a mismatch is rebuilt, never read).
+    cfg.tap_cache_dir = ""
     # Start the drafter's final norm at the target's final-norm scale (both feed the same frozen
     # lm_head). Off by default: in a SmolLM2 CPU run with it (and lr 1.5e-3) the loss was still
     # 7.4 at step 100, where the same run without it (lr 1e-3) reached 7.1 at step 50.
@@ -109,6 +114,13 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.log_every = 50
     cfg.checkpoint_every = 1000  # keep a multiple of log_every (throughput excludes saving)
     cfg.max_checkpoints = 3
+    # Attention: "xla" (the reference), "pallas" (kernels; interpret mode on CPU) or "auto"
+    # (pallas on GPU/TPU, xla on CPU); see ops/dispatch.py.
+    cfg.attention_impl = "auto"
+    # Device mesh, e.g. "fsdp=4,tensor=2" or "data=8" (sharding.parse_mesh): drafter params and
+    # Adam state over fsdp x tensor, the frozen target over tensor (and fsdp), the batch over
+    # data x fsdp. "": one device, or with several processes data parallel over all devices.
+    cfg.mesh = ""
     return cfg
 
 
@@ -134,6 +146,7 @@ def drafter_config_for(cfg: ml_collections.ConfigDict, target: TargetConfig) -> 
         rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings,
         dtype=cfg.compute_dtype,
+        attention_impl=cfg.attention_impl,
     )
     check_fits(config, target)
     return config
@@ -145,7 +158,8 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
-        if path.exists():
+        self.enabled = jax.process_index() == 0  # one process writes the run's files
+        if self.enabled and path.exists():
             kept = [
                 line
                 for line in path.read_text().splitlines()
@@ -154,6 +168,8 @@ class MetricsLog:
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -206,6 +222,65 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError("config.init_from and config.init_from_target exclude each other")
     if cfg.init_from and not Path(cfg.init_from).is_dir():
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
+    if cfg.get("mesh"):
+        sharding.parse_mesh(cfg.mesh)
+    if cfg.taps == "cached" and jax.process_count() > 1:
+        raise ValueError(
+            "config.taps='cached' runs on one process (the cache is one local file); use "
+            f"taps='online' with {jax.process_count()} processes"
+        )
+
+
+def training_mesh(cfg: ml_collections.ConfigDict):
+    """The run's mesh: config.mesh; without one, None on one process (no sharding at all), or
+    data parallel over every device when several processes run."""
+    if cfg.get("mesh"):
+        return sharding.mesh_from_spec(cfg.mesh)
+    if jax.process_count() > 1:
+        logging.info("config.mesh is empty: data parallel over %d devices", jax.device_count())
+        return sharding.make_mesh()
+    return None
+
+
+def initial_state(cfg, drafter_config: DrafterConfig, target, optimizer, mesh) -> dict:
+    """A fresh run's train state {"step", "params", "opt_state"}, on `mesh` when given (params
+    placed first, so Adam's moments are created sharded)."""
+    params = initial_params(cfg, drafter_config, target)
+    if mesh is not None:
+        params = sharding.put(params, sharding.param_shardings(params, mesh))
+    state = {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": optimizer.build().init(params),
+    }
+    return state if mesh is None else sharding.put(state, sharding.state_shardings(state, mesh))
+
+
+def _process_shard(mesh, batch_size: int) -> dict:
+    """batched_dataset's shard_index/shard_count: the rows of each global batch that this
+    process's devices hold (all of them without a mesh)."""
+    if mesh is None:
+        return {}
+    index, count = sharding.process_rows(mesh, batch_size)
+    return {"shard_index": index, "shard_count": count}
+
+
+def _stepper(mesh, batch_size: int, settings: dict):
+    """-> step(state, target_params, host batch) -> (state, metrics): `train_step`, or on a
+    mesh its sharded twin fed with this process's rows as global arrays."""
+    if mesh is None:
+        return lambda state, target_params, batch: train_step(
+            state, target_params, batch, **settings
+        )
+    compiled = []
+
+    def step(state, target_params, batch):
+        batch = sharding.put_batch(batch, mesh, batch_size)
+        if not compiled:
+            compiled.append(train_step_on_mesh(mesh, state, target_params, batch, **settings))
+        return compiled[0](state, target_params, batch)
+
+    return step
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
@@ -213,7 +288,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     check_config(cfg)
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    target = load_target(cfg.target, dtype=cfg.compute_dtype)
+    mesh = training_mesh(cfg)
+    # The frozen target is placed shard by shard on the mesh (its taps are computed online).
+    on_mesh = {} if mesh is None else {"mesh": mesh}
+    target = load_target(cfg.target, dtype=cfg.compute_dtype, **on_mesh)
+    target = dataclasses.replace(
+        target, config=dataclasses.replace(target.config, attention_impl=cfg.attention_impl)
+    )
     drafter_config = drafter_config_for(cfg, target.config)
     loss_gamma = cfg.loss_gamma or default_gamma(cfg.block_size)
 
@@ -225,7 +306,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     cache = None
     if cfg.taps == "cached":
         cache = tap_cache.build_tap_cache(
-            workdir / "tap_cache",
+            Path(cfg.tap_cache_dir) if cfg.tap_cache_dir else workdir / "tap_cache",
             source,
             target,
             drafter_config.target_layer_ids,
@@ -240,6 +321,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         num_epochs=num_epochs,
         seed=cfg.seed,
         tap_cache=cache,
+        **_process_shard(mesh, cfg.batch_size),
     )
     read_options = grain.ReadOptions(num_threads=cfg.data_threads, prefetch_buffer_size=8)
     data_iter = iter(dataset.to_iter_dataset(read_options))
@@ -256,18 +338,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     optimizer = OptimizerConfig.from_config(cfg, num_steps)
     schedule = optimizer.schedule()
     manager = checkpoint.checkpoint_manager(workdir, cfg.max_checkpoints)
-    abstract = checkpoint.abstract_state(drafter_config, optimizer)
+    abstract = checkpoint.abstract_state(drafter_config, optimizer, mesh)
     restored = checkpoint.restore_latest(manager, abstract, data_iter)
     if restored is not None:
         state = restored
         logging.info("resumed from step %d in %s", int(state["step"]), workdir)
     else:
-        params = initial_params(cfg, drafter_config, target)
-        state = {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": optimizer.build().init(params),
-        }
+        state = initial_state(cfg, drafter_config, target, optimizer, mesh)
     start = int(state["step"])
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
     step_settings = {
@@ -278,21 +355,30 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         "ce_chunk_rows": cfg.ce_chunk_rows,
         "vocab_negatives": cfg.vocab_negatives,
     }
+    run_step = _stepper(mesh, cfg.batch_size, step_settings)
     prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
     blocks_per_step = cfg.batch_size * cfg.num_anchors
 
     last: dict = {}
     window: list[dict] = []
     timed_steps, t0 = 0, time.perf_counter()
-    bar = tqdm.tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm.tqdm(
+        total=num_steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=jax.process_index() != 0,
+    )
     for step in range(start + 1, num_steps + 1):
-        state, metrics = train_step(state, target.params, next(data_iter), **step_settings)
+        state, metrics = run_step(state, target.params, next(data_iter))
         window.append(metrics)
         bar.update(1)
         if not bool(metrics["finite"]):
             loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if cfg.nonfinite == "stop":
                 bar.close()
+                manager.wait_until_finished()  # the checkpoints saved so far are complete
                 raise NonFiniteError(
                     f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
                     f"stops without saving (checkpoints up to step "
@@ -323,6 +409,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
                 prompts,
                 cfg.eval_max_new_tokens,
                 cfg.eval_block_size or None,
+                mesh,
             )
             metrics_log.write({"step": step, "blocks": step * blocks_per_step, "tau_eval": tau})
             logging.info(

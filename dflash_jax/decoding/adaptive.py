@@ -1,0 +1,168 @@
+"""Adaptive draft length: the controller inside the jitted loop, and step costs.
+
+Each loop step runs one of a few compiled step kinds (`DecodeConfig.step_kinds`, block sizes;
+1 = a plain target step that drafts nothing but still feeds the drafter's context). The kind
+is chosen on device, before the step, by expected committed tokens per unit of cost:
+
+  value(b) = E[tau | b] / cost(b),   E[tau | b] = 1 + sum_{j<b} prod_{i<=j} alpha_i
+
+alpha_j is a running estimate, per row, of the chance that draft j is accepted given that
+drafts 1..j-1 were; after a drafting step every tried position j (all earlier ones accepted)
+moves it toward accepted-or-not by `adaptive_rate`. All rows of a batch share the kind (they
+verify together); the choice maximises the mean value over the rows still decoding. After
+`probe_every` plain steps in a row, the cheapest drafting kind runs once: the estimates stay
+fresh, and a drafter that starts to succeed later in a generation is taken up again.
+
+cost(b) is one step of kind b in AR-step units. `calibrate_step_costs` measures it for a
+target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
+as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DecodeConfig
+
+
+def default_step_costs(kinds: tuple[int, ...], platform: str | None = None) -> np.ndarray:
+    """Step costs in AR steps when none were measured. CPU: 1 + 0.12 (b - 1), from SmolLM2-135M
+    on our 2-core CPU (a 16-token step cost 2.7 AR steps, an 8-token one 1.8); a CPU pays for
+    every verified token. GPU/TPU: 1.1 for every drafting kind, since a 16-token verify costs
+    about one AR step there and the draft about a tenth of one (dflash-spec §11)."""
+    platform = platform or jax.default_backend()
+    b = np.asarray(kinds, np.float32)
+    if platform == "cpu":
+        costs = 1.0 + 0.12 * (b - 1.0)
+    else:
+        costs = np.where(b > 1, 1.1, 1.0)
+    return costs.astype(np.float32)
+
+
+def expected_tokens(alpha_bg: jax.Array, kinds: tuple[int, ...]) -> jax.Array:
+    """alpha [B, G] (per-position conditional acceptance) -> E[tau | kind] [B, num_kinds]."""
+    csum_bg = jnp.cumsum(jnp.cumprod(alpha_bg, axis=-1), axis=-1)
+    cols = [jnp.ones_like(alpha_bg[:, 0]) if b == 1 else 1.0 + csum_bg[:, b - 2] for b in kinds]
+    return jnp.stack(cols, axis=-1)
+
+
+def choose_kind(alpha_bg, active_b, plain_run, costs_k, forced_kind, cfg: DecodeConfig):
+    """Index into cfg.step_kinds of the kind to run now (see the module docstring);
+    `forced_kind` >= 0 overrides the choice (calibration)."""
+    kinds = cfg.step_kinds
+    value_bk = expected_tokens(alpha_bg, kinds) / costs_k[None, :]
+    weight_b = active_b.astype(jnp.float32)
+    value_k = jnp.sum(value_bk * weight_b[:, None], 0) / jnp.maximum(jnp.sum(weight_b), 1.0)
+    k = jnp.argmax(value_k).astype(jnp.int32)
+    plain = kinds.index(1) if 1 in kinds else -1
+    cheapest_draft = min(i for i, b in enumerate(kinds) if b > 1)
+    k = jnp.where((k == plain) & (plain_run >= cfg.probe_every), cheapest_draft, k)
+    return jnp.where(forced_kind >= 0, forced_kind, k)
+
+
+def update_estimates(alpha_bg, a_b, produced_b, block_size: int, rate: float):
+    """After a drafting step of `block_size` that accepted a_b drafts: every tried position j
+    (1-based, j < block_size, a >= j - 1) moves toward (a >= j). Rows that committed nothing
+    (already done) keep their estimates."""
+    g = alpha_bg.shape[1]
+    j_g = jnp.arange(1, g + 1)
+    tried_bg = (j_g[None, :] < block_size) & (a_b[:, None] >= j_g[None, :] - 1)
+    tried_bg &= produced_b[:, None] > 0
+    hit_bg = (a_b[:, None] >= j_g[None, :]).astype(alpha_bg.dtype)
+    return jnp.where(tried_bg, (1.0 - rate) * alpha_bg + rate * hit_bg, alpha_bg)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("DFLASH_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_jax"
+    )
+    return Path(root) / "step_costs.json"
+
+
+def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
+    """What a step's cost depends on: both models, batch and buffer shapes, the kinds, the
+    sampling arithmetic, and the device."""
+    device = jax.devices()[0]
+    parts = [
+        repr(target.config),
+        repr(drafter.config),
+        str(getattr(drafter, "source", "")),
+        str(tuple(prompt_shape)),
+        str(cfg.max_new_tokens),
+        str(cfg.step_kinds),
+        str(cfg.greedy),
+        device.platform,
+        device.device_kind,
+        jax.__version__,
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def calibrate_step_costs(
+    target, drafter, prompt, prompt_lengths, cfg: DecodeConfig, *, use_cache: bool = True
+) -> np.ndarray:
+    """Measures each step kind's cost in AR steps on `prompt` (forcing the kind for a whole
+    decode, prefill subtracted; each executable warmed first) and caches the result under
+    $DFLASH_JAX_CACHE or ~/.cache/dflash_jax. -> costs [num_kinds] float32."""
+    from dflash_jax import api
+
+    key = calibration_key(target, drafter, np.shape(prompt), cfg)
+    path = _cache_file()
+    table = {}
+    if use_cache and path.is_file():
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            table = {}
+        if key in table and len(table[key]) == len(cfg.step_kinds):
+            return np.asarray(table[key], np.float32)
+    per_step = []
+    prefill_cfg = DecodeConfig(
+        max_new_tokens=1,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        block_size=1,
+        stop_token_ids=(),
+    )
+    # No stop tokens: every kind runs its full number of steps.
+    timed_cfg = DecodeConfig(**{**cfg.__dict__, "stop_token_ids": ()})
+    prefill = min(
+        api.timed_decode(target, None, prompt, prompt_lengths, 0, prefill_cfg).run_s
+        for _ in range(3)
+    )
+    for index in range(len(cfg.step_kinds)):
+        run = min(
+            (
+                api.timed_decode(
+                    target, drafter, prompt, prompt_lengths, 0, timed_cfg, forced_kind=index
+                )
+                for _ in range(3)
+            ),
+            key=lambda r: r.run_s,
+        )
+        steps = max(int(np.max(np.asarray(run.output.num_steps))), 1)
+        per_step.append(max(run.run_s - prefill, 1e-9) / steps)
+    plain = cfg.step_kinds.index(1) if 1 in cfg.step_kinds else None
+    ar_cfg = DecodeConfig(**{**timed_cfg.__dict__, "adaptive": False, "step_kinds": ()})
+    ar = min(
+        api.timed_decode(target, None, prompt, prompt_lengths, 0, ar_cfg).run_s for _ in range(3)
+    )
+    ar_step = max(ar - prefill, 1e-9) / max(cfg.max_new_tokens - 1, 1)
+    costs = np.asarray(per_step, np.float32) / np.float32(ar_step)
+    if plain is not None:
+        costs[plain] = max(costs[plain], 1.0)  # a plain step is never cheaper than AR
+    if use_cache:
+        table[key] = [round(float(c), 4) for c in costs]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    return costs

@@ -1,0 +1,121 @@
+"""The one place that picks an attention implementation. Model code passes the `attention_impl`
+of its config (config.ATTENTION_IMPLS) and never names a kernel.
+
+  "xla"     ops.attention: the reference that defines every mask.
+  "pallas"  GPU: ops.pallas_gpu (Triton lowering) for drafting, training and the target.
+            TPU: ops.pallas_tpu (splash attention) for the drafter's training attention; the
+            decode shapes (fewer than 128 queries) and the target use xla (one log line).
+            CPU: ops.pallas_gpu in interpret mode (slow; it is how the tests run the kernels).
+  "auto"    pallas on GPU and TPU, xla on CPU.
+
+A case the kernels lack (a head dim, a dtype) refuses with ConfigError under "pallas" and falls
+back to xla with one log line under "auto". Never silently.
+"""
+
+from __future__ import annotations
+
+import jax
+from absl import logging
+
+from dflash_jax.config import ConfigError, check_attention_impl
+from dflash_jax.ops import attention as xla
+from dflash_jax.ops import pallas_gpu, pallas_tpu
+
+_LOGGED: set[str] = set()
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.warning("%s", message)
+
+
+def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
+    """-> "xla", "gpu", "interpret" or "tpu": what serves this call."""
+    check_attention_impl(impl)
+    if impl == "xla":
+        return "xla"
+    backend = _backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend not in ("gpu", "cuda", "rocm"):
+        if impl == "auto":
+            return "xla"
+        _log_once(f"attention_impl=pallas on {backend}: Pallas GPU kernels in interpret mode")
+    reason = pallas_gpu.unsupported_reason(q.shape[-1], q.dtype)
+    if reason is None and not q.dtype == k.dtype == v.dtype:
+        reason = f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if reason is not None:
+        return _fall_back(impl, what, reason)
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else "interpret"
+
+
+def _fall_back(impl: str, what: str, reason: str) -> str:
+    if impl == "pallas":
+        raise ConfigError(f"attention_impl=pallas: no kernel for the {what} with {reason}")
+    _log_once(f"attention_impl={impl}: {what} uses xla ({reason})")
+    return "xla"
+
+
+def block_attention(
+    q: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    blk_k: jax.Array,
+    blk_v: jax.Array,
+    context_lengths: jax.Array,
+    anchors: jax.Array,
+    *,
+    block_size: int,
+    causal: bool = False,
+    window: int | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """The drafter's attention under `drafter_mask` (training: N anchor blocks over the whole
+    sequence; drafting: one block over the context cache).
+
+    q [B,Q,N,H] (Q = blocks x block_size); ctx_k/ctx_v [B,K,S,H]; blk_k/blk_v [B,K,Q,H];
+    context_lengths [B] (live context slots); anchors [B,N] (block n's slot j sits at position
+    anchors + j and sees context slots < min(anchor, context_length)). -> [B,Q,N,H].
+    """
+    kernel = _kernel(impl, "drafter attention", q, ctx_k, ctx_v)
+    if kernel == "tpu":
+        if q.shape[1] >= pallas_tpu.MIN_QUERIES:
+            mask = xla.drafter_mask(
+                context_lengths, anchors, block_size, ctx_k.shape[2], causal, window
+            )
+            return pallas_tpu.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask)
+        _log_once(
+            f"attention_impl={impl} on tpu: drafter attention over {q.shape[1]} queries uses "
+            f"xla (splash needs {pallas_tpu.MIN_QUERIES}-row query tiles)"
+        )
+    elif kernel != "xla":
+        lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
+        return pallas_gpu.block_attention(
+            q, ctx_k, ctx_v, blk_k, blk_v, lo, hi, block_size=block_size, causal=causal,
+            window=window, interpret=kernel == "interpret",
+        )  # fmt: skip
+    ctx_mask = xla.context_mask(context_lengths, anchors, block_size, ctx_k.shape[2], window)
+    blk_mask = xla.block_mask(block_size, causal, window)
+    return xla.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask)
+
+
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, *, impl: str = "auto"
+) -> jax.Array:
+    """The target's attention: query t of row b sees key slots s <= offsets[b] + t
+    (`causal_cache_mask`; offsets = the cache lengths, or zeros for a pass without a cache).
+
+    q [B,T,N,H]; k/v [B,K,S,H]; offsets [B] int32. -> [B,T,N,H].
+    """
+    kernel = _kernel(impl, "target attention", q, k, v)
+    if kernel == "tpu":
+        _log_once(f"attention_impl={impl} on tpu: the target attention uses xla (no TPU kernel)")
+    elif kernel != "xla":
+        hi = xla.causal_cache_bounds(offsets, q.shape[1])
+        return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
+    return xla.attention(q, k, v, xla.causal_cache_mask(offsets, q.shape[1], k.shape[2]))

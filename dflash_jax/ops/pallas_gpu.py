@@ -1,0 +1,631 @@
+"""Pallas kernels for the DFlash attentions on GPU, lowered through Triton.
+
+Lowering: Triton (`jax.experimental.pallas.triton`), not Mosaic GPU. The pinned jax 0.10.2 and
+0.11.x both ship the Pallas Triton backend (0.11 deprecates it, without removing it), and it
+compiles for H200 (sm_90; Triton emits wgmma there). These kernels are plain `pallas_call`s
+over BlockSpecs with jnp math, so the same body runs in interpret mode on CPU (the tests) and
+lowers to Triton IR without a GPU (tests/test_kernels.py cross-lowers it for "cuda"). A Mosaic
+GPU kernel (`plgpu.kernel`, warpgroup wgmma, explicit SMEM pipelines and barriers) is a
+different program whose tile and layout constraints cannot be checked on this CPU; porting to
+it is the follow-up once these kernels have GPU timings (dflash-spec §12.5).
+
+One forward kernel serves every mask. Queries are folded with the G query heads of their kv
+head into one row axis, m = t*G + g ([B,K,M,H], M = T*G): a program's rows share one kv head
+(GQA without repeating K/V), and 16 decode queries x G heads still fill an MMA tile. Row m
+(query t = m // G) sees
+  context/cache slot s  iff lo[t] <= s < hi[t]                 (ops.attention.context_bounds,
+                                                                causal_cache_bounds)
+  block key u           iff u // J == t // J and, inside the block, the `block_mask` rule
+                        (bidirectional; causal: u <= t; window: |t - u| < w).
+Each program loops only over the key tiles its rows' ranges touch, so tiles the mask leaves
+empty (context past the anchors, cache slots past a row's live length, other blocks) are never
+read; with sorted anchors that is all of them. Softmax is online in fp32; matmuls take the
+input dtype with fp32 accumulation. A row that sees no key returns zeros.
+
+Decode (one row tile) splits the context over `splits` programs whose partial results are
+merged by log-sum-exp (flash-decoding); training has many row tiles and uses one split.
+
+Backward (custom_vjp): delta = rowsum(dO*O); dq mirrors the forward; dk/dv run one program per
+key tile over the row tiles that can see it: for context keys a range computed from the rows'
+bounds (a suffix of the row tiles when anchors are sorted), for block keys the rows of the same
+blocks.
+
+Pallas GPU kernels are per-device: under a multi-device mesh, call them inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dflash_jax.ops.attention import NEG_INF
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_SPLITS = 16
+SPLIT_TILES = 8  # context key tiles per split, at least, before decode splits the context
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (powers of two, >= 16 for Triton's MMA).
+
+    rows: folded query rows (queries x G heads) per program; keys: context/cache slots per
+    loop step (and per dk/dv program); block_keys: block keys per loop step (and per dk/dv
+    program); splits: programs that share one row tile's context (0: chosen from the shapes);
+    num_warps/num_stages: Triton launch settings (num_warps 0: 4 up to head_dim 64, else 8,
+    as jax's Pallas flash attention picks).
+    """
+
+    rows: int = 64
+    keys: int = 64
+    block_keys: int = 16
+    splits: int = 0
+    num_warps: int = 0
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("rows", "keys", "block_keys"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"Tiles.{name}={size} must be a power of two >= 16")
+        if not 0 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"Tiles.splits={self.splits} must be in [0, {MAX_SPLITS}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Static description of one call (hashable: a custom_vjp nondiff argument)."""
+
+    groups: int  # G
+    block_size: int  # J; 0 = no block keys
+    num_block_keys: int  # N*J block keys (= queries) when block_size > 0
+    causal: bool
+    window: int | None
+    scale: float
+    splits: int
+    tiles: Tiles
+    interpret: bool
+
+
+def unsupported_reason(head_dim: int, dtype) -> str | None:
+    """Why the kernels cannot take these inputs, or None when they can."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} (the Pallas GPU kernels take {HEAD_DIMS})"
+    if jnp.dtype(dtype).name not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the Pallas GPU kernels take {DTYPES})"
+    return None
+
+
+def block_attention(
+    q_bqnh: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    blk_k: jax.Array,
+    blk_v: jax.Array,
+    lo_bq: jax.Array,
+    hi_bq: jax.Array,
+    *,
+    block_size: int,
+    causal: bool = False,
+    window: int | None = None,
+    interpret: bool = False,
+    tiles: Tiles | None = None,
+) -> jax.Array:
+    """`ops.attention.block_attention` as a kernel (training and drafting).
+
+    q [B,Q,N,H] (Q = blocks x block_size); ctx_k/ctx_v [B,K,S,H]; blk_k/blk_v [B,K,Q,H];
+    lo/hi [B,Q] int32 from `context_bounds`. -> [B,Q,N,H] in q's dtype. Differentiable.
+    """
+    q_len = q_bqnh.shape[1]
+    if q_len % block_size or blk_k.shape[2] != q_len:
+        raise ValueError(
+            f"block attention needs Q={q_len} queries = blocks x block_size={block_size} and "
+            f"as many block keys, got {blk_k.shape[2]}"
+        )
+    spec = _make_spec(q_bqnh, ctx_k, block_size, q_len, causal, window, interpret, tiles)
+    return _attend(q_bqnh, ctx_k, ctx_v, blk_k, blk_v, lo_bq, hi_bq, spec)
+
+
+def causal_attention(
+    q_btnh: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    hi_bt: jax.Array,
+    *,
+    interpret: bool = False,
+    tiles: Tiles | None = None,
+) -> jax.Array:
+    """The target's attention over a cache (prefill, verify, no-cache passes) as a kernel.
+
+    q [B,T,N,H]; k/v [B,K,S,H]; hi [B,T] from `causal_cache_bounds` (query t sees slots
+    s < hi[b,t]; slots at or past it are never read). -> [B,T,N,H] in q's dtype.
+    """
+    spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles)
+    return _attend(q_btnh, k_bksh, v_bksh, None, None, jnp.zeros_like(hi_bt), hi_bt, spec)
+
+
+def _make_spec(q_btnh, k_bksh, block_size, num_block_keys, causal, window, interpret, tiles):
+    _, t, n, h = q_btnh.shape
+    kh, s = k_bksh.shape[1], k_bksh.shape[2]
+    tiles = tiles or Tiles()
+    splits = tiles.splits
+    if not splits:
+        row_tiles = pl.cdiv(t * (n // kh), tiles.rows)
+        key_tiles = pl.cdiv(s, tiles.keys)
+        # One row tile (decode) leaves the GPU idle unless the context is split.
+        splits = 1 if row_tiles > 1 else max(1, min(MAX_SPLITS, key_tiles // SPLIT_TILES))
+    if not tiles.num_warps:
+        tiles = dataclasses.replace(tiles, num_warps=4 if h <= 64 else 8)
+    return _Spec(
+        groups=n // kh,
+        block_size=block_size,
+        num_block_keys=num_block_keys,
+        causal=causal,
+        window=window,
+        scale=h**-0.5,
+        splits=splits,
+        tiles=tiles,
+        interpret=interpret,
+    )
+
+
+def training_buffers(
+    batch: int,
+    queries: int,
+    context: int,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype,
+    tiles: Tiles | None = None,
+) -> dict[str, int]:
+    """Bytes of the HBM buffers `block_attention`'s forward + backward allocates between its
+    kernels (inputs, outputs and gradients excluded), read off the code below: the row-folded
+    q, dO and dq, the output and lse kept for the backward, delta, the per-row bounds, the dk/dv
+    row-tile ranges, and key padding when the context is not a multiple of the key tile. For
+    backends whose compiler does not report the kernel path's memory; their sum bounds its
+    peak. "on_chip_per_program" is one program's forward working set (registers/shared
+    memory: q, k and v tiles, fp32 accumulator and scores), not HBM."""
+    tiles = tiles or Tiles()
+    item = jnp.dtype(dtype).itemsize
+    m_pad = _round_up(queries * (num_heads // kv_heads), tiles.rows)
+    rows_h = batch * kv_heads * m_pad * head_dim * item
+    rows_f32 = batch * kv_heads * m_pad * 4
+    key_tiles = pl.cdiv(context, tiles.keys)
+    # A padded copy of k and v, and padded dk/dv, when n is not a multiple of the tile.
+    pad = lambda n, tile: (
+        0 if n % tile == 0 else 4 * batch * kv_heads * _round_up(n, tile) * head_dim * item
+    )
+    return {
+        "folded_q": rows_h,
+        "out_residual": rows_h,
+        "lse_residual": rows_f32,
+        "row_bounds": 2 * batch * m_pad * 4,
+        "folded_dout": rows_h,
+        "delta": rows_f32,
+        "folded_dq": rows_h,
+        "dkv_row_ranges": 2 * batch * key_tiles * 4,
+        "key_padding": pad(context, tiles.keys) + pad(queries, tiles.block_keys),
+        "on_chip_per_program": (tiles.rows + 2 * tiles.keys) * head_dim * item
+        + tiles.rows * head_dim * 4
+        + tiles.rows * tiles.keys * 4,
+    }
+
+
+# Layout: [B,T,N,H] <-> rows [B,K,M_pad,H] with m = t*G + g, padded to whole row tiles.
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _fold_rows(x_btnh: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    b, t, n, h = x_btnh.shape
+    g = n // kv_heads
+    x_bkmh = (
+        x_btnh.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, h)
+    )
+    pad = _round_up(t * g, rows) - t * g
+    return jnp.pad(x_bkmh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+
+def _unfold_rows(x_bkmh: jax.Array, t: int, n: int) -> jax.Array:
+    b, kh, _, h = x_bkmh.shape
+    g = n // kh
+    return (
+        x_bkmh[:, :, : t * g].reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    )
+
+
+def _fold_bounds(x_bt: jax.Array, groups: int, rows: int) -> jax.Array:
+    """Per-query bounds [B,T] -> per-row [B,M_pad]; padding rows get the empty range [0,0)."""
+    x_bm = jnp.repeat(x_bt.astype(jnp.int32), groups, axis=1)
+    return jnp.pad(x_bm, ((0, 0), (0, _round_up(x_bm.shape[1], rows) - x_bm.shape[1])))
+
+
+def _pad_keys(x_bksh: jax.Array, tile: int) -> jax.Array:
+    s = x_bksh.shape[2]
+    return jnp.pad(x_bksh, ((0, 0), (0, 0), (0, _round_up(s, tile) - s), (0, 0)))
+
+
+# Kernel pieces (traced inside the kernels; jnp/lax only, all of it lowers to Triton).
+
+
+def _cdiv(x, d: int):
+    return lax.div(x + (d - 1), d)
+
+
+def _mm_nt(a, b):
+    """a [m,h] . b [n,h]^T -> fp32 [m,n]."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mm_nn(a, b):
+    """a [m,n] . b [n,h] -> fp32 [m,h]."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mm_tn(a, b):
+    """a [m,n]^T . b [m,h] -> fp32 [n,h]."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _load_keys(ref, start, size: int, slot_lo, slot_hi):
+    """Rows [start, start+size) of a [S,H] ref, reading only slots in [slot_lo, slot_hi) (the
+    rows' live range, inside the array: caches need no padding to the tile size, and dead
+    slots, whatever they hold, are never read); the others read as 0."""
+    slots = start + jnp.arange(size)
+    valid = (slots >= slot_lo) & (slots < slot_hi)
+    return plgpu.load(ref.at[pl.ds(start, size), :], mask=valid[:, None], other=0.0)
+
+
+def _context_visible(lo_r, hi_r, cols_c):
+    return (cols_c[None, :] >= lo_r[:, None]) & (cols_c[None, :] < hi_r[:, None])
+
+
+def _block_visible(t_r, u_c, spec: _Spec):
+    """Row queries t_r vs block keys u_c: same block, then `block_mask`'s in-block rule."""
+    j = spec.block_size
+    same_block = lax.div(t_r, j)[:, None] == lax.div(u_c, j)[None, :]
+    visible = same_block & (u_c < spec.num_block_keys)[None, :]
+    diff = t_r[:, None] - u_c[None, :]  # = slot difference inside a shared block
+    if spec.causal:
+        visible &= diff >= 0
+    if spec.window is not None:
+        visible &= (diff < spec.window) & (diff > -spec.window)
+    return visible
+
+
+def _row_queries(first_row, spec: _Spec):
+    return lax.div(first_row + jnp.arange(spec.tiles.rows), spec.groups)
+
+
+def _context_slots(lo_r, hi_r, num_keys: int):
+    """The context slots rows with bounds lo_r/hi_r can see: [min lo, min(max hi, S))."""
+    return jnp.min(lo_r), jnp.minimum(jnp.max(hi_r), num_keys)
+
+
+def _block_slots(first_row, spec: _Spec):
+    """The block keys of the blocks of rows [first_row, first_row + rows): [lo, hi)."""
+    j = spec.block_size
+    t_first = lax.div(first_row, spec.groups)
+    t_last = lax.div(first_row + spec.tiles.rows - 1, spec.groups)
+    key_hi = jnp.minimum((lax.div(t_last, j) + 1) * j, spec.num_block_keys)
+    return lax.div(t_first, j) * j, key_hi
+
+
+def _online_softmax(q, k, v, visible, scale: float, carry):
+    acc, m, l = carry
+    s = jnp.where(visible, _mm_nt(q, k) * scale, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # where, not exp alone: a row with nothing visible yet has m_new = NEG_INF = s.
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _mm_nn(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
+def _probs_and_grads(q, k, v, do, lse, delta, visible, scale: float):
+    """Backward of one tile: probabilities p and score gradients ds (before the scale), both
+    zero wherever the mask hides a key (so nothing a hidden slot holds leaks in)."""
+    p = jnp.where(visible, jnp.exp(_mm_nt(q, k) * scale - lse[:, None]), 0.0)
+    ds = jnp.where(visible, p * (_mm_nt(do, v) - delta[:, None]), 0.0)
+    return p, ds
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_keys: int):
+    if spec.block_size:
+        bk_ref, bv_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
+    ti = spec.tiles
+    i, split = pl.program_id(2), pl.program_id(3)
+    q = q_ref[...]
+    lo, hi = lo_ref[...], hi_ref[...]
+    carry = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((ti.rows,), NEG_INF, jnp.float32),
+        jnp.zeros((ti.rows,), jnp.float32),
+    )
+    split_tiles = pl.cdiv(pl.cdiv(num_keys, ti.keys), spec.splits)
+    slot_lo, slot_hi = _context_slots(lo, hi, num_keys)
+
+    def context_step(c, carry):
+        start = pl.multiple_of(c * ti.keys, ti.keys)
+        k = _load_keys(k_ref, start, ti.keys, slot_lo, slot_hi)
+        v = _load_keys(v_ref, start, ti.keys, slot_lo, slot_hi)
+        visible = _context_visible(lo, hi, start + jnp.arange(ti.keys))
+        return _online_softmax(q, k, v, visible, spec.scale, carry)
+
+    first = jnp.maximum(lax.div(slot_lo, ti.keys), split * split_tiles)
+    last = jnp.minimum(_cdiv(slot_hi, ti.keys), (split + 1) * split_tiles)
+    carry = lax.fori_loop(first, jnp.maximum(first, last), context_step, carry)
+
+    if spec.block_size:
+        first_row = i * ti.rows
+        t_r = _row_queries(first_row, spec)
+        key_lo, key_hi = _block_slots(first_row, spec)
+
+        def block_step(u, carry):
+            start = pl.multiple_of(u * ti.block_keys, ti.block_keys)
+            k = _load_keys(bk_ref, start, ti.block_keys, key_lo, key_hi)
+            v = _load_keys(bv_ref, start, ti.block_keys, key_lo, key_hi)
+            visible = _block_visible(t_r, start + jnp.arange(ti.block_keys), spec)
+            return _online_softmax(q, k, v, visible, spec.scale, carry)
+
+        b_first, b_last = lax.div(key_lo, ti.block_keys), _cdiv(key_hi, ti.block_keys)
+        # The block keys belong to the last split only.
+        b_first = jnp.where(split == spec.splits - 1, b_first, b_last)
+        carry = lax.fori_loop(b_first, jnp.maximum(b_first, b_last), block_step, carry)
+
+    acc, m, l = carry
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
+
+
+def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec):
+    """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows)."""
+    b, kh, m_pad, h = q_bkmh.shape
+    s = k_bksh.shape[2]
+    ti, splits = spec.tiles, spec.splits
+    whole = lambda n: pl.BlockSpec((None, None, n, h), lambda b_, k_, i, p: (b_, k_, 0, 0))
+    bounds = pl.BlockSpec((None, ti.rows), lambda b_, k_, i, p: (b_, i))
+    in_specs = [
+        pl.BlockSpec((None, None, ti.rows, h), lambda b_, k_, i, p: (b_, k_, i, 0)),
+        whole(s),
+        whole(s),
+        bounds,
+        bounds,
+    ]
+    args = [q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm]
+    if spec.block_size:
+        in_specs += [whole(spec.num_block_keys)] * 2
+        args += [blk_k, blk_v]
+    # Several splits are merged in fp32 afterwards.
+    o_dtype = q_bkmh.dtype if splits == 1 else jnp.float32
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, spec=spec, num_keys=s),
+        grid=(b, kh, m_pad // ti.rows, splits),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, ti.rows, h), lambda b_, k_, i, p: (b_, k_, p, i, 0)),
+            pl.BlockSpec((None, None, None, ti.rows), lambda b_, k_, i, p: (b_, k_, p, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kh, splits, m_pad, h), o_dtype),
+            jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=ti.num_warps, num_stages=ti.num_stages),
+        interpret=spec.interpret,
+        name="dflash_attention_fwd",
+    )(*args)
+    if splits == 1:
+        return o[:, :, 0], lse[:, :, 0]
+    # Merge the splits by log-sum-exp; an empty split has lse NEG_INF and zero output.
+    lse_max = jnp.max(lse, axis=2, keepdims=True)
+    w_bkpm = jnp.exp(lse - lse_max)
+    denom_bkm = jnp.sum(w_bkpm, axis=2)
+    o_bkmh = jnp.sum(o * w_bkpm[..., None], axis=2) / denom_bkm[..., None]
+    return o_bkmh.astype(q_bkmh.dtype), lse_max[:, :, 0] + jnp.log(denom_bkm)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, *refs, spec, num_keys
+):
+    if spec.block_size:
+        bk_ref, bv_ref, dq_ref = refs
+    else:
+        (dq_ref,) = refs
+    ti = spec.tiles
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    lo, hi = lo_ref[...], hi_ref[...]
+
+    def step(k, v, visible, dq):
+        _, ds = _probs_and_grads(q, k, v, do, lse, delta, visible, spec.scale)
+        return dq + _mm_nn(ds.astype(k.dtype), k)
+
+    slot_lo, slot_hi = _context_slots(lo, hi, num_keys)
+
+    def context_step(c, dq):
+        start = pl.multiple_of(c * ti.keys, ti.keys)
+        k = _load_keys(k_ref, start, ti.keys, slot_lo, slot_hi)
+        v = _load_keys(v_ref, start, ti.keys, slot_lo, slot_hi)
+        return step(k, v, _context_visible(lo, hi, start + jnp.arange(ti.keys)), dq)
+
+    first, last = lax.div(slot_lo, ti.keys), _cdiv(slot_hi, ti.keys)
+    dq = lax.fori_loop(
+        first, jnp.maximum(first, last), context_step, jnp.zeros(q.shape, jnp.float32)
+    )
+
+    if spec.block_size:
+        first_row = pl.program_id(2) * ti.rows
+        t_r = _row_queries(first_row, spec)
+
+        key_lo, key_hi = _block_slots(first_row, spec)
+
+        def block_step(u, dq):
+            start = pl.multiple_of(u * ti.block_keys, ti.block_keys)
+            k = _load_keys(bk_ref, start, ti.block_keys, key_lo, key_hi)
+            v = _load_keys(bv_ref, start, ti.block_keys, key_lo, key_hi)
+            return step(k, v, _block_visible(t_r, start + jnp.arange(ti.block_keys), spec), dq)
+
+        b_first, b_last = lax.div(key_lo, ti.block_keys), _cdiv(key_hi, ti.block_keys)
+        dq = lax.fori_loop(b_first, jnp.maximum(b_first, b_last), block_step, dq)
+    dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, k_ref, v_ref, *refs, spec, part):
+    """dk/dv of one key tile: part "context" (row tiles from the precomputed range refs) or
+    "block" (the rows of the blocks the tile holds)."""
+    ti = spec.tiles
+    c = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    size = k.shape[0]
+    cols = c * size + jnp.arange(size)
+    if part == "context":
+        first_ref, last_ref, dk_ref, dv_ref = refs
+        first, last = first_ref[c], last_ref[c]
+    else:
+        dk_ref, dv_ref = refs
+        j, g = spec.block_size, spec.groups
+        t_lo = lax.div(c * size, j) * j
+        t_hi = jnp.minimum((lax.div(c * size + size - 1, j) + 1) * j, spec.num_block_keys)
+        first, last = lax.div(t_lo * g, ti.rows), _cdiv(t_hi * g, ti.rows)
+
+    def row_step(i, carry):
+        dk, dv = carry
+        r0 = pl.multiple_of(i * ti.rows, ti.rows)
+        rows = pl.ds(r0, ti.rows)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        lse, delta = lse_ref[rows], delta_ref[rows]
+        if part == "context":
+            visible = _context_visible(lo_ref[rows], hi_ref[rows], cols)
+        else:
+            visible = _block_visible(_row_queries(r0, spec), cols, spec)
+        p, ds = _probs_and_grads(q, k, v, do, lse, delta, visible, spec.scale)
+        dv = dv + _mm_tn(p.astype(do.dtype), do)
+        dk = dk + _mm_tn(ds.astype(q.dtype), q)
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(first, jnp.maximum(first, last), row_step, (zeros, zeros))
+    dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _context_row_tiles(lo_bm, hi_bm, rows: int, keys: int, key_tiles: int):
+    """For each context key tile, the range [first, last) of row tiles whose rows can see it
+    (min lo / max hi per row tile against the tile's slots). -> two [B, key_tiles] int32."""
+    b, m_pad = lo_bm.shape
+    lo_bi = jnp.min(lo_bm.reshape(b, -1, rows), axis=-1)
+    hi_bi = jnp.max(hi_bm.reshape(b, -1, rows), axis=-1)
+    start_c = jnp.arange(key_tiles) * keys
+    hit_bic = (
+        (lo_bi[:, :, None] < start_c + keys)
+        & (hi_bi[:, :, None] > start_c)
+        & (hi_bi > lo_bi)[:, :, None]
+    )
+    any_bc = jnp.any(hit_bic, axis=1)
+    n = hit_bic.shape[1]
+    first_bc = jnp.argmax(hit_bic, axis=1)
+    last_bc = n - jnp.argmax(hit_bic[:, ::-1], axis=1)
+    return (
+        jnp.where(any_bc, first_bc, 0).astype(jnp.int32),
+        jnp.where(any_bc, last_bc, 0).astype(jnp.int32),
+    )
+
+
+def _backward(spec: _Spec, res, do_btnh):
+    q_bkmh, k_bksh, v_bksh, blk_k, blk_v, lo_bm, hi_bm, o_bkmh, lse_bkm = res
+    b, kh, m_pad, h = q_bkmh.shape
+    t, n = do_btnh.shape[1], do_btnh.shape[2]
+    ti = spec.tiles
+    s = k_bksh.shape[2]
+    do_bkmh = _fold_rows(do_btnh, kh, ti.rows)
+    delta_bkm = jnp.sum(o_bkmh.astype(jnp.float32) * do_bkmh.astype(jnp.float32), axis=-1)
+    params = plgpu.CompilerParams(num_warps=ti.num_warps, num_stages=ti.num_stages)
+
+    whole = lambda n_, d=h: pl.BlockSpec((None, None, n_, d), lambda b_, k_, i: (b_, k_, 0, 0))
+    row_tile = pl.BlockSpec((None, None, ti.rows, h), lambda b_, k_, i: (b_, k_, i, 0))
+    row_vec = pl.BlockSpec((None, None, ti.rows), lambda b_, k_, i: (b_, k_, i))
+    bounds = pl.BlockSpec((None, ti.rows), lambda b_, k_, i: (b_, i))
+    dq_specs = [row_tile, whole(s), whole(s), bounds, bounds, row_tile, row_vec, row_vec]
+    dq_args = [q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, do_bkmh, lse_bkm, delta_bkm]
+    if spec.block_size:
+        dq_specs += [whole(spec.num_block_keys)] * 2
+        dq_args += [blk_k, blk_v]
+    dq_bkmh = pl.pallas_call(
+        functools.partial(_dq_kernel, spec=spec, num_keys=s),
+        grid=(b, kh, m_pad // ti.rows),
+        in_specs=dq_specs,
+        out_specs=row_tile,
+        out_shape=jax.ShapeDtypeStruct(q_bkmh.shape, q_bkmh.dtype),
+        compiler_params=params,
+        interpret=spec.interpret,
+        name="dflash_attention_dq",
+    )(*dq_args)
+
+    all_rows = [whole(m_pad), whole(m_pad)] + [
+        pl.BlockSpec((None, None, m_pad), lambda b_, k_, i: (b_, k_, 0))
+    ] * 2
+    all_bounds = [pl.BlockSpec((None, m_pad), lambda b_, k_, i: (b_, 0))] * 2
+    row_args = [q_bkmh, do_bkmh, lse_bkm, delta_bkm, lo_bm, hi_bm]
+
+    def dkv(part, k_x, v_x, tile, extra_specs=(), extra_args=()):
+        # dk/dv programs own whole key tiles: pad the keys (a copy only when S % tile != 0).
+        k_p, v_p = _pad_keys(k_x, tile), _pad_keys(v_x, tile)
+        key_tile = pl.BlockSpec((None, None, tile, h), lambda b_, k_, c: (b_, k_, c, 0))
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkv_kernel, spec=spec, part=part),
+            grid=(b, kh, k_p.shape[2] // tile),
+            in_specs=[*all_rows, *all_bounds, key_tile, key_tile, *extra_specs],
+            out_specs=[key_tile, key_tile],
+            out_shape=[
+                jax.ShapeDtypeStruct(k_p.shape, k_x.dtype),
+                jax.ShapeDtypeStruct(v_p.shape, v_x.dtype),
+            ],
+            compiler_params=params,
+            interpret=spec.interpret,
+            name=f"dflash_attention_dkv_{part}",
+        )(*row_args, k_p, v_p, *extra_args)
+        return dk[:, :, : k_x.shape[2]], dv[:, :, : v_x.shape[2]]
+
+    key_tiles = pl.cdiv(s, ti.keys)
+    first_bc, last_bc = _context_row_tiles(lo_bm, hi_bm, ti.rows, ti.keys, key_tiles)
+    tile_range = pl.BlockSpec((None, key_tiles), lambda b_, k_, c: (b_, 0))
+    dk, dv = dkv("context", k_bksh, v_bksh, ti.keys, [tile_range] * 2, [first_bc, last_bc])
+    dblk_k = dblk_v = None
+    if spec.block_size:
+        dblk_k, dblk_v = dkv("block", blk_k, blk_v, ti.block_keys)
+    dq = _unfold_rows(dq_bkmh, t, n)
+    return dq, dk, dv, dblk_k, dblk_v, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attend(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
+    return _attend_fwd(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec)[0]
+
+
+def _attend_fwd(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
+    t, n = q_btnh.shape[1], q_btnh.shape[2]
+    kh = k_bksh.shape[1]
+    q_bkmh = _fold_rows(q_btnh, kh, spec.tiles.rows)
+    lo_bm = _fold_bounds(lo_bt, spec.groups, spec.tiles.rows)
+    hi_bm = _fold_bounds(hi_bt, spec.groups, spec.tiles.rows)
+    o_bkmh, lse_bkm = _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec)
+    res = (q_bkmh, k_bksh, v_bksh, blk_k, blk_v, lo_bm, hi_bm, o_bkmh, lse_bkm)
+    return _unfold_rows(o_bkmh, t, n), res
+
+
+_attend.defvjp(_attend_fwd, _backward)

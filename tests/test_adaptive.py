@@ -1,0 +1,184 @@
+"""Adaptive draft length: the controller's arithmetic, losslessness with kinds switching inside a
+row (greedy and sampled), and a probe that brings drafting back once the drafter succeeds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decoding import LENS, PROMPT, make_pair, run_both
+
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode
+from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.target import Transformer, init_params
+
+
+def test_config_kinds_and_validation():
+    assert DecodeConfig(block_size=16, adaptive=True).step_kinds == (1, 4, 8, 16)
+    assert DecodeConfig(block_size=8, adaptive=True).step_kinds == (1, 4, 8)
+    assert DecodeConfig(block_size=16).step_kinds == ()  # fixed block size
+    assert DecodeConfig(block_size=8, adaptive=True, step_kinds=(8, 2)).step_kinds == (2, 8)
+    with pytest.raises(ConfigError, match="largest equal to block_size"):
+        DecodeConfig(block_size=8, adaptive=True, step_kinds=(1, 4))
+    with pytest.raises(ConfigError, match="probe_every"):
+        DecodeConfig(adaptive=True, probe_every=0)
+
+
+def test_expected_tokens_and_choice():
+    alpha = jnp.array([[0.9, 0.8, 0.5, 0.5, 0.5, 0.5, 0.5], [0.1] * 7])
+    e = np.asarray(adaptive.expected_tokens(alpha, (1, 4, 8)))
+    np.testing.assert_allclose(e[0, :2], [1.0, 1 + 0.9 + 0.72 + 0.36], rtol=1e-6)
+    cfg = DecodeConfig(block_size=8, adaptive=True, probe_every=3)
+    costs = jnp.array([1.0, 2.2, 3.0])
+    both = jnp.array([True, True])
+    # Row 0 alone would draft at 4; with row 1 (hopeless) in the batch the mean favours plain.
+    only0 = jnp.array([True, False])
+    assert int(adaptive.choose_kind(alpha, only0, 0, costs, -1, cfg)) == 1
+    assert int(adaptive.choose_kind(alpha, both, 0, costs, -1, cfg)) == 0
+    assert int(adaptive.choose_kind(alpha, both, 3, costs, -1, cfg)) == 1  # probe
+    assert int(adaptive.choose_kind(alpha, both, 0, costs, 2, cfg)) == 2  # forced
+    # Tried positions move toward hit/miss; untried and finished rows keep their estimates.
+    new = adaptive.update_estimates(alpha, jnp.array([1, 0]), jnp.array([2, 0]), 4, 0.5)
+    np.testing.assert_allclose(new[0, :4], [0.95, 0.4, 0.5, 0.5])
+    np.testing.assert_allclose(new[1], alpha[1])
+
+
+@pytest.mark.parametrize("costs", [(1.0, 1.2, 1.4), (1.0, 3.0, 5.0), (1.0, 1.05, 3.0)])
+def test_adaptive_greedy_equals_autoregressive(costs):
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8, adaptive=True, probe_every=2)
+    key = jax.random.key(0)
+    ar = autoregressive_decode(tp, PROMPT, LENS, key, target_config=tcfg, decode_config=cfg)
+    sp = speculative_decode(
+        tp, dp, PROMPT, LENS, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
+        step_costs=costs,
+    )  # fmt: skip
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    kinds, acc = np.asarray(sp.block_sizes), np.asarray(sp.acceptance_lengths)
+    assert set(np.unique(kinds)) <= {0, 1, 4, 8}
+    assert np.all(acc <= np.maximum(kinds, 1)) and np.all((kinds > 0) == (acc > 0))
+    # Fixed-size mode still records its block size.
+    _, fixed = run_both(tcfg, tp, dcfg, dp, DecodeConfig(max_new_tokens=24, block_size=8))
+    assert set(np.unique(fixed.block_sizes)) <= {0, 8}
+
+
+def _bigram_pair(chain: int, vocab: int = 32):
+    """A target whose greedy next token is a function of the current one: 1 -> 2 -> ... ->
+    chain -> 0 -> 0 -> ... (its layers add nothing to the residual stream), and a drafter that
+    always proposes 0: every draft fails along the chain and every draft succeeds after it."""
+    d = 32
+    tcfg = TargetConfig("llama", vocab, d, 64, 2, 4, 2, 8, max_position_embeddings=256)
+    tp = jax.tree.map(jnp.zeros_like, init_params(tcfg, jax.random.key(0)))
+    tp = jax.tree.map(lambda x: x, tp)
+    tp["embed_tokens"]["embedding"] = jnp.eye(vocab, d)
+    tp["norm"]["scale"] = jnp.ones((d,))
+    for i in range(tcfg.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tp[f"layers_{i}"][norm]["scale"] = jnp.ones((d,))
+    nxt = np.zeros(vocab, np.int64)
+    nxt[1:chain] = np.arange(2, chain + 1)
+    head = np.zeros((d, vocab), np.float32)
+    head[np.arange(vocab), nxt] = 1.0
+    tp["lm_head"]["kernel"] = jnp.asarray(head)
+    dcfg = DrafterConfig(32, 64, 1, 4, 2, 8, vocab, vocab - 1, (0,), 2, block_size=8)
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # all-zero logits: proposes 0
+    return tcfg, tp, dcfg, dp
+
+
+def test_probe_brings_drafting_back_once_drafts_succeed():
+    tcfg, tp, dcfg, dp = _bigram_pair(chain=24)
+    prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
+    cfg = DecodeConfig(
+        max_new_tokens=64, block_size=8, adaptive=True, probe_every=3, adaptive_rate=0.5
+    )
+    key = jax.random.key(0)
+    ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=cfg)
+    out = speculative_decode(
+        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
+        step_costs=(1.0, 1.5, 2.0),
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert np.asarray(ar.tokens[0, :25]).tolist() == list(range(2, 25)) + [0, 0]
+    steps = int(out.num_steps[0])
+    kinds = np.asarray(out.block_sizes[0, :steps])
+    acc = np.asarray(out.acceptance_lengths[0, :steps])
+    done = np.cumsum(acc)
+    on_chain, after = done < 23, done > 30
+    assert (kinds[on_chain] == 1).sum() > on_chain.sum() // 2  # mostly plain while drafts fail
+    assert (kinds[on_chain] > 1).any()  # ... with probes
+    assert (kinds[after] > 1).all() and (acc[after] > 1).all()  # drafting again, and accepted
+    assert steps < 40  # far fewer steps than the 63 a target-only decode needs
+
+
+def _exact_three_token_law(tcfg, tp, prompt):
+    """p(t1, t2, t3 | prompt) from full target forwards (temperature 1)."""
+    v, n = tcfg.vocab_size, len(prompt)
+    model = Transformer(tcfg)
+
+    def logp(seqs):
+        pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
+        logits = np.asarray(model.apply({"params": tp}, seqs, pos)[0], np.float64)
+        return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+    p1 = np.exp(logp(np.array([prompt], np.int32))[0, n - 1])
+    pairs = np.array([list(prompt) + [a, b] for a in range(v) for b in range(v)], np.int32)
+    lp = logp(pairs)
+    p2 = np.exp(lp[:, n]).reshape(v, v, v)[:, 0, :]  # p(t2 | t1): same for every t2 slot
+    p3 = np.exp(lp[:, n + 1]).reshape(v, v, v)  # p(t3 | t1, t2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def test_adaptive_sampling_is_lossless_across_a_kind_switch():
+    """Every row runs a plain step (t2) then a drafting step of block 4 (t3, by rejection
+    sampling): the empirical law of (t1, t2, t3) matches the target's exact one."""
+    vocab = 8
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=1.0, seed=4, block_size=4)
+    dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.5)
+    prompt = np.array([3, 1, 4], np.int32)
+    n = 30000
+    # Prior 0: no draft looks worth its cost, so step 1 is plain; probe_every=1 then forces the
+    # cheapest drafting kind at step 2.
+    cfg = DecodeConfig(
+        max_new_tokens=3, block_size=4, temperature=1.0, adaptive=True, step_kinds=(1, 4),
+        adaptive_prior=0.0, probe_every=1,
+    )  # fmt: skip
+    out = speculative_decode(
+        tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(5),
+        target_config=tcfg, drafter_config=dcfg, decode_config=cfg, step_costs=(1.0, 1.5),
+    )  # fmt: skip
+    kinds = np.asarray(out.block_sizes)
+    assert (kinds[:, 0] == 1).all() and (kinds[:, 1] == 4).all()
+    toks = np.asarray(out.tokens)
+    emp = np.zeros((vocab,) * 3)
+    np.add.at(emp, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
+    tv = 0.5 * np.abs(emp / n - _exact_three_token_law(tcfg, tp, prompt)).sum()
+    # Sampling noise of the TV distance over 512 cells at n=30000 is about 0.05.
+    assert tv < 0.09, tv
+
+
+@pytest.mark.parametrize("adaptive_mode", [False, True])
+def test_streamed_tokens_are_the_output(adaptive_mode):
+    """Every row's streamed tokens, in order, are exactly its output; streaming changes none."""
+    from dflash_jax import api
+
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode, stream=True)
+    key = jax.random.key(0)
+    kw = dict(target_config=tcfg, drafter_config=dcfg)
+    with api.streaming(api.TokenStream()) as spec_stream:
+        sp = speculative_decode(tp, dp, PROMPT, LENS, key, decode_config=cfg, **kw)
+        jax.effects_barrier()
+    with api.streaming(api.TokenStream()) as ar_stream:
+        ar = autoregressive_decode(tp, PROMPT, LENS, key, target_config=tcfg, decode_config=cfg)
+        jax.effects_barrier()
+    quiet = speculative_decode(
+        tp, dp, PROMPT, LENS, key, decode_config=DecodeConfig(**{**cfg.__dict__, "stream": False}),
+        **kw,
+    )  # fmt: skip
+    np.testing.assert_array_equal(sp.tokens, quiet.tokens)
+    for out, stream in ((sp, spec_stream), (ar, ar_stream)):
+        for row in range(PROMPT.shape[0]):
+            n = int(out.lengths[row])
+            assert stream.rows[row] == np.asarray(out.tokens[row, :n]).tolist()

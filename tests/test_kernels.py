@@ -1,0 +1,361 @@
+"""Attention kernels vs the XLA reference (ops/attention.py), in Pallas interpret mode on CPU.
+
+The GPU kernels (ops/pallas_gpu.py) run in interpret mode with 16-wide tiles so that tiny shapes
+still span several row and key tiles, padding included; they are also lowered to Triton IR for
+"cuda" (no GPU needed), and splash (ops/pallas_tpu.py) to Mosaic for "tpu". Values must match
+to 1e-5 and gradients to 1e-4 in fp32. At the model level: greedy speculative decoding with
+attention_impl="pallas" gives the autoregressive tokens, and training steps give the XLA losses.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.target import init_params
+from dflash_jax.ops import attention as xla
+from dflash_jax.ops import dispatch, pallas_gpu, pallas_tpu
+from dflash_jax.training.anchors import sample_anchors
+from dflash_jax.training.step import OptimizerConfig, train_step
+
+SMALL = pallas_gpu.Tiles(rows=16, keys=16, block_keys=16)
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+def _max_err(a, b) -> float:
+    """Max |a - b|; NaN when either holds a NaN (numpy's max propagates it)."""
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+def _block_inputs(seed, *, batch, blocks, j, s, kv_heads, groups, h, dtype=jnp.float32):
+    """q, ctx k/v, block k/v and ragged rows: row 0 has the whole context and anchors at its
+    first and last slots; row 1 a short context that clips later anchors; row 2 (if any) no
+    context at all (every query sees only its own block)."""
+    rng = np.random.default_rng(seed)
+    q_len = blocks * j
+    arrays = (
+        _normal(rng, (batch, q_len, kv_heads * groups, h), dtype),
+        _normal(rng, (batch, kv_heads, s, h), dtype),
+        _normal(rng, (batch, kv_heads, s, h), dtype),
+        _normal(rng, (batch, kv_heads, q_len, h), dtype),
+        _normal(rng, (batch, kv_heads, q_len, h), dtype),
+    )
+    lengths = np.array([s, s // 3, 0][:batch], np.int32)
+    anchors = np.sort(rng.integers(0, s, (batch, blocks)), axis=1)
+    anchors[0, 0], anchors[0, -1] = 0, s - 1
+    return arrays, jnp.asarray(lengths), jnp.asarray(anchors, jnp.int32)
+
+
+def _check_grads(ref_fn, ker_fn, args, atol):
+    out = ref_fn(*args)
+    w = _normal(np.random.default_rng(7), out.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w)
+    argnums = tuple(range(len(args)))
+    g_ref = jax.grad(loss(ref_fn), argnums)(*args)
+    g_ker = jax.jit(jax.grad(loss(ker_fn), argnums))(*args)
+    errs = [_max_err(a, b) for a, b in zip(g_ref, g_ker, strict=True)]
+    assert max(errs) <= atol, errs
+    return errs
+
+
+# --- mask bounds ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_bounds_are_the_dense_masks(window):
+    (_, _, _, _, _), lengths, anchors = _block_inputs(
+        0, batch=3, blocks=4, j=4, s=23, kv_heads=1, groups=1, h=16
+    )
+    lo, hi = xla.context_bounds(lengths, anchors, 4, window)
+    slots = jnp.arange(23)[None, None, :]
+    ranged = (slots >= lo[:, :, None]) & (slots < hi[:, :, None])
+    assert jnp.array_equal(ranged, xla.context_mask(lengths, anchors, 4, 23, window))
+    cache_lengths = jnp.array([0, 5, 19])
+    hi = xla.causal_cache_bounds(cache_lengths, 4)
+    assert jnp.array_equal(slots < hi[:, :, None], xla.causal_cache_mask(cache_lengths, 4, 23))
+
+
+# --- training / drafting kernel ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "groups,h,causal,window",
+    [(1, 64, False, None), (3, 64, True, 3), (4, 128, False, None), (4, 64, False, 6)],
+)
+def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window):
+    j, s = 4, 37  # 37 context slots: not a multiple of the 16-slot tile
+    args, lengths, anchors = _block_inputs(
+        1, batch=3, blocks=4, j=j, s=s, kv_heads=2, groups=groups, h=h
+    )
+    lo, hi = xla.context_bounds(lengths, anchors, j, window)
+    ctx_mask = xla.context_mask(lengths, anchors, j, s, window)
+    blk_mask = xla.block_mask(j, causal, window)
+
+    def ref(q, ck, cv, bk, bv):
+        return xla.block_attention(q, ck, cv, bk, bv, ctx_mask, blk_mask)
+
+    def ker(q, ck, cv, bk, bv):
+        return pallas_gpu.block_attention(
+            q, ck, cv, bk, bv, lo, hi, block_size=j, causal=causal, window=window,
+            interpret=True, tiles=SMALL,
+        )  # fmt: skip
+
+    assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
+    _check_grads(ref, ker, args, atol=1e-4)
+
+
+def test_block_kernel_bf16_within_bf16_tolerance():
+    j, s = 4, 37
+    args, lengths, anchors = _block_inputs(
+        2, batch=3, blocks=4, j=j, s=s, kv_heads=2, groups=4, h=64, dtype=jnp.bfloat16
+    )
+    lo, hi = xla.context_bounds(lengths, anchors, j)
+    ctx_mask, blk_mask = xla.context_mask(lengths, anchors, j, s), xla.block_mask(j)
+    ref = lambda *a: xla.block_attention(*a, ctx_mask, blk_mask)
+    ker = lambda *a: pallas_gpu.block_attention(
+        *a, lo, hi, block_size=j, interpret=True, tiles=SMALL
+    )
+    exact = ref(*(x.astype(jnp.float32) for x in args))
+    out = jax.jit(ker)(*args)
+    assert out.dtype == jnp.bfloat16
+    # The kernel is no further from exact than XLA's own bf16 computation (+ one bf16 ulp).
+    assert _max_err(out, exact) <= _max_err(ref(*args), exact) + 2**-7
+    _check_grads(ref, ker, args, atol=4e-2)  # observed 1.6e-2 (bf16 ulp at 2-4 is 1.6e-2)
+
+
+def test_draft_kernel_reads_live_slots_with_splits():
+    """Decode drafting: one block of 8 queries over a 120-slot cache split 4 ways; rows with
+    live lengths 100, 37 and 0 (the first slot); causal + windowed as in sliding layers too.
+    Slots past a row's live length hold NaN: a kernel that read them would return NaN."""
+    rng = np.random.default_rng(3)
+    b, j, s, kh, g, h = 3, 8, 120, 2, 4, 64
+    q = _normal(rng, (b, j, kh * g, h))
+    ck, cv = _normal(rng, (b, kh, s, h)), _normal(rng, (b, kh, s, h))
+    bk, bv = _normal(rng, (b, kh, j, h)), _normal(rng, (b, kh, j, h))
+    drf_len = jnp.array([100, 37, 0], jnp.int32)
+    dead = jnp.arange(s)[None, None, :, None] >= drf_len[:, None, None, None]
+    ck_nan, cv_nan = jnp.where(dead, jnp.nan, ck), jnp.where(dead, jnp.nan, cv)
+    anchors = drf_len[:, None]
+    for causal, window in [(False, None), (True, 5)]:
+        lo, hi = xla.context_bounds(drf_len, anchors, j, window)
+        want = xla.block_attention(
+            q, ck, cv, bk, bv, xla.context_mask(drf_len, anchors, j, s, window),
+            xla.block_mask(j, causal, window),
+        )  # fmt: skip
+        for tiles in (pallas_gpu.Tiles(rows=16, keys=16, splits=4), SMALL):
+            got = pallas_gpu.block_attention(
+                q, ck_nan, cv_nan, bk, bv, lo, hi, block_size=j, causal=causal,
+                window=window, interpret=True, tiles=tiles,
+            )  # fmt: skip
+            assert _max_err(want, got) <= 1e-5, (causal, window, tiles)
+
+
+# --- target kernel ---------------------------------------------------------------------------
+
+
+def test_verify_kernel_reads_live_slots_with_splits():
+    """Rows with cache lengths 0, 20 and S-T; slots past each row's last query hold NaN. A row
+    that sees no slot at all (never produced by the models) returns zeros, not NaN."""
+    rng = np.random.default_rng(4)
+    b, t, s, kh, g, h = 3, 4, 50, 2, 3, 64
+    q = _normal(rng, (b, t, kh * g, h))
+    k, v = _normal(rng, (b, kh, s, h)), _normal(rng, (b, kh, s, h))
+    lengths = jnp.array([0, 20, s - t], jnp.int32)
+    live = jnp.arange(s)[None, None, :, None] < (lengths + t)[:, None, None, None]
+    want = xla.attention(q, k, v, xla.causal_cache_mask(lengths, t, s))
+    hi = xla.causal_cache_bounds(lengths, t)
+    for tiles in (pallas_gpu.Tiles(rows=16, keys=16, splits=3), SMALL):
+        got = pallas_gpu.causal_attention(
+            q, jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan), hi, interpret=True,
+            tiles=tiles,
+        )  # fmt: skip
+        assert _max_err(want, got) <= 1e-5
+    blind = pallas_gpu.causal_attention(q, k, v, hi.at[1].set(0), interpret=True, tiles=SMALL)
+    assert not blind[1].any() and _max_err(want[0], blind[0]) <= 1e-5
+
+
+def test_prefill_kernel_matches_xla_values_and_gradients():
+    rng = np.random.default_rng(5)
+    b, t, kh, g, h = 2, 40, 2, 3, 64
+    args = (
+        _normal(rng, (b, t, kh * g, h)),
+        _normal(rng, (b, kh, t, h)),
+        _normal(rng, (b, kh, t, h)),
+    )
+    zeros = jnp.zeros((b,), jnp.int32)
+    ref = lambda q, k, v: xla.attention(q, k, v, xla.causal_mask(b, t))
+    ker = lambda q, k, v: pallas_gpu.causal_attention(
+        q, k, v, xla.causal_cache_bounds(zeros, t), interpret=True, tiles=SMALL
+    )
+    assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
+    _check_grads(ref, ker, args, atol=1e-4)
+
+
+# --- lowering for the real backends ----------------------------------------------------------
+
+
+def test_gpu_kernels_lower_to_triton():
+    """Training fwd+bwd (bf16, head_dim 128, GQA 4), drafting with splits, verify: every
+    kernel lowers to a Triton custom call for "cuda" (the lowering H200 compiles)."""
+    b, j, nb, s, kh, g, h = 2, 16, 3, 100, 2, 4, 128
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    lengths, anchors = jnp.array([100, 40]), jnp.array([[0, 10, 99], [3, 19, 30]])
+
+    def train_grads(*a):
+        lo, hi = xla.context_bounds(lengths, anchors, j, 7)
+        fn = lambda *x: pallas_gpu.block_attention(
+            *x, lo, hi, block_size=j, causal=True, window=7
+        ).astype(jnp.float32)
+        return jax.grad(lambda *x: jnp.sum(fn(*x)), argnums=range(5))(*a)
+
+    def draft(*a):
+        lo, hi = xla.context_bounds(lengths, lengths[:, None], j)
+        tiles = pallas_gpu.Tiles(splits=4)
+        return pallas_gpu.block_attention(*a, lo, hi, block_size=j, tiles=tiles)
+
+    def verify(q, k, v):
+        return pallas_gpu.causal_attention(q, k, v, xla.causal_cache_bounds(lengths, j))
+
+    cases = [
+        (
+            train_grads,
+            (sd(b, nb * j, kh * g, h), *[sd(b, kh, s, h)] * 2, *[sd(b, kh, nb * j, h)] * 2),
+            4,
+        ),
+        (draft, (sd(b, j, kh * g, h), *[sd(b, kh, 1000, h)] * 2, *[sd(b, kh, j, h)] * 2), 1),
+        (verify, (sd(b, j, kh * g, h), *[sd(b, kh, 1000, h)] * 2), 1),
+    ]
+    for fn, shapes, kernels in cases:
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(TRITON_CALL) == kernels, fn.__name__
+
+
+# --- TPU: splash ------------------------------------------------------------------------------
+
+
+def test_splash_matches_xla_and_lowers_for_tpu():
+    j, s = 16, 50
+    args, lengths, anchors = _block_inputs(
+        6, batch=2, blocks=8, j=j, s=s, kv_heads=2, groups=2, h=64
+    )
+    mask = xla.drafter_mask(lengths, anchors, j, s)
+    ctx_mask, blk_mask = xla.context_mask(lengths, anchors, j, s), xla.block_mask(j)
+    ref = lambda *a: xla.block_attention(*a, ctx_mask, blk_mask)
+    ker = lambda *a: pallas_tpu.block_attention(*a, mask, interpret=True)
+    assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
+    _check_grads(ref, ker, args, atol=1e-4)
+    tpu = lambda *a: jax.grad(lambda *x: jnp.sum(pallas_tpu.block_attention(*x, mask)))(*a)
+    text = jax.jit(tpu).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+
+def test_attention_impl_is_validated():
+    with pytest.raises(ConfigError, match="attention_impl='cuda'"):
+        DrafterConfig(
+            hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+            head_dim=16, vocab_size=64, mask_token_id=63, target_layer_ids=(1,),
+            num_target_layers=2, attention_impl="cuda",
+        )  # fmt: skip
+
+
+def test_unsupported_head_dim_refused_under_pallas_and_logged_under_auto(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    rng = np.random.default_rng(8)
+    q, k, v = _normal(rng, (1, 4, 2, 8)), _normal(rng, (1, 1, 6, 8)), _normal(rng, (1, 1, 6, 8))
+    offsets = jnp.array([2], jnp.int32)
+    with pytest.raises(ConfigError, match="head_dim=8"):
+        dispatch.causal_attention(q, k, v, offsets, impl="pallas")
+    with caplog.at_level(logging.WARNING):
+        got = dispatch.causal_attention(q, k, v, offsets, impl="auto")
+        dispatch.causal_attention(q, k, v, offsets, impl="auto")
+    assert [r.getMessage() for r in caplog.records if "head_dim=8" in r.getMessage()] == [
+        "attention_impl=auto: target attention uses xla (head_dim=8 (the Pallas GPU kernels "
+        f"take {pallas_gpu.HEAD_DIMS}))"
+    ]
+    want = xla.attention(q, k, v, xla.causal_cache_mask(offsets, 4, 6))
+    assert _max_err(want, got) == 0.0
+
+
+# --- models ----------------------------------------------------------------------------------
+
+
+def _tiny_pair(impl: str):
+    tcfg = TargetConfig(
+        arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+        attention_impl=impl,
+    )  # fmt: skip
+    dcfg = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
+        head_dim=16, vocab_size=64, mask_token_id=63, target_layer_ids=(0, 1),
+        num_target_layers=3, block_size=4, layer_types=("full_attention", "sliding_attention"),
+        sliding_window=3, attention_impl=impl,
+    )  # fmt: skip
+    return tcfg, dcfg
+
+
+def test_greedy_speculative_decode_with_kernels_gives_the_ar_tokens():
+    tcfg, dcfg = _tiny_pair("pallas")
+    tp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, init_params(tcfg, jax.random.key(0)))
+    tp["lm_head"]["kernel"] = tp["lm_head"]["kernel"].at[:, 0].mul(6.0)  # vary acceptance
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always drafts token 0
+    prompt = jnp.array([[5, 9, 13, 2, 7, 7], [3, 8, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.array([6, 2], jnp.int32)
+    cfg = DecodeConfig(max_new_tokens=12, block_size=4)
+    rng = jax.random.key(0)
+    spec = speculative_decode(
+        tp, dp, prompt, lengths, rng, target_config=tcfg, drafter_config=dcfg, decode_config=cfg
+    )
+    ar = autoregressive_decode(
+        tp, prompt, lengths, rng, target_config=_tiny_pair("xla")[0], decode_config=cfg
+    )
+    assert np.array_equal(spec.tokens, ar.tokens) and np.array_equal(spec.lengths, ar.lengths)
+    assert spec.acceptance_lengths.max() > 1  # some drafts were accepted
+
+
+def test_training_steps_with_kernels_give_the_xla_losses():
+    rng = np.random.default_rng(9)
+    b, s, n = 2, 40, 4
+    tokens = rng.integers(2, 62, (b, s)).astype(np.int32)
+    loss_mask = np.zeros((b, s), np.int32)
+    loss_mask[:, 6:] = 1
+    length = np.array([s, 29], np.int32)
+    picks = [sample_anchors(loss_mask[i], length[i], n, rng) for i in range(b)]
+    batch = {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "length": length,
+        "anchors": np.stack([a for a, _ in picks]).astype(np.int32),
+        "anchor_valid": np.stack([v for _, v in picks]),
+    }
+    losses = {}
+    for impl in ("xla", "pallas"):
+        tcfg, dcfg = _tiny_pair(impl)
+        tp = init_params(tcfg, jax.random.key(0))
+        params = init_drafter_params(dcfg, jax.random.key(1))
+        opt = OptimizerConfig(1e-2, 0, 3, 0.9, 0.999, 1e-8, 0.0, 1.0)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": None}
+        state["opt_state"] = opt.build().init(params)
+        losses[impl] = []
+        for _ in range(3):
+            state, metrics = train_step(
+                state, tp, batch, target_config=tcfg, drafter_config=dcfg, optimizer=opt,
+                loss_gamma=7.0, ce_chunk_rows=64,
+            )  # fmt: skip
+            losses[impl].append(float(metrics["loss"]))
+    assert losses["xla"][0] > losses["xla"][-1]  # the steps did something
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-5)

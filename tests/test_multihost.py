@@ -1,0 +1,158 @@
+# ruff: noqa: E402  (XLA_FLAGS must be set before jax starts)
+"""Two real processes on localhost (jax.distributed, gloo CPU collectives, 2 CPU devices each):
+greedy decoding and a short training run over the 4 devices give the tokens and losses of one
+process on one device. Each process loads the target shard by shard, feeds its own rows of
+every batch, and writes its part of the Orbax checkpoints; process 0 alone logs and exports.
+
+    python -m pytest -m slow tests/test_multihost.py
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+DEVICES_PER_PROCESS = 2
+if __name__ == "__main__":
+    flag = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import numpy as np
+import pytest
+
+NUM_PROCESSES = 2
+DECODE_MESH = "data=2,tensor=2"
+TRAIN_MESH = "data=2,fsdp=2"
+TIMEOUT_S = 600
+
+
+def _decode(mesh=None) -> list[list[int]]:
+    from test_decoding import make_pair
+    from test_sharding_mesh import LENS, PROMPT
+
+    from dflash_jax.config import DecodeConfig
+    from dflash_jax.decoding import speculative_decode
+
+    tcfg, tp, dcfg, dp = make_pair(block_size=4)
+    out = speculative_decode(
+        tp, dp, PROMPT, LENS, jax.random.key(0), target_config=tcfg, drafter_config=dcfg,
+        decode_config=DecodeConfig(max_new_tokens=12, block_size=4), mesh=mesh,
+    )  # fmt: skip
+    return np.asarray(out.tokens).tolist()
+
+
+def _train(workdir: Path, target_dir: Path, mesh: str) -> dict:
+    import test_training
+
+    from dflash_jax.training import trainer
+
+    cfg = test_training._config(
+        workdir / "data.jsonl", num_steps=6, checkpoint_every=3, batch_size=8,
+        learning_rate=3e-3, mesh=mesh, target=str(target_dir),
+    )  # fmt: skip
+    run = workdir / (mesh or "one")
+    trainer.train(cfg, run)
+    return {str(step): loss for step, loss in test_training._losses(run).items()}
+
+
+def _setup(workdir: Path) -> Path:
+    """The corpus and a tiny HF target directory (both processes read them)."""
+    import test_training
+    from test_sharding_mesh import _write_hf_dir
+
+    test_training._corpus(workdir / "data.jsonl")
+    _write_hf_dir(workdir / "tiny_hf", test_training.TINY_TARGET)
+    return workdir / "tiny_hf"
+
+
+def worker(argv) -> None:
+    """One of the processes (absl flags: infer.distributed's and --workdir)."""
+    from absl import flags
+
+    from infer import distributed
+
+    del argv
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    distributed.initialize()
+    assert jax.process_count() == NUM_PROCESSES, jax.process_count()
+    workdir = Path(flags.FLAGS.workdir)
+    tokens = _decode(distributed.mesh(DECODE_MESH))
+    losses = _train(workdir, workdir / "tiny_hf", TRAIN_MESH)
+    result = {"tokens": tokens, "losses": losses, "devices": jax.device_count()}
+    (workdir / f"result-{jax.process_index()}.json").write_text(json.dumps(result))
+    distributed.barrier("results written")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    target_dir = _setup(tmp_path)
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(here / "test_multihost.py"),
+                f"--coordinator_address={address}",
+                f"--num_processes={NUM_PROCESSES}",
+                f"--process_id={i}",
+                f"--workdir={tmp_path}",
+            ],
+            env=env,
+            cwd=here,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(NUM_PROCESSES)
+    ]
+    # The one-process reference runs meanwhile (one device, its own run directory).
+    expected_tokens = _decode()
+    expected_losses = _train(tmp_path, target_dir, "")
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i}:\n{logs[i][-4000:]}"
+    for i in range(NUM_PROCESSES):
+        result = json.loads((tmp_path / f"result-{i}.json").read_text())
+        assert result["devices"] == NUM_PROCESSES * DEVICES_PER_PROCESS
+        assert result["tokens"] == expected_tokens
+        got = result["losses"]
+        assert list(got) == list(expected_losses) == [str(s) for s in range(1, 7)]
+        np.testing.assert_allclose(
+            [got[s] for s in got], [expected_losses[s] for s in got], atol=1e-5
+        )
+    run = tmp_path / TRAIN_MESH
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 6]
+    assert (run / "drafter" / "drafter_config.json").is_file()  # exported by process 0
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    import infer.distributed  # noqa: F401  (defines the flags the processes are started with)
+
+    flags.DEFINE_string("workdir", None, "Shared run directory.")
+    app.run(worker)

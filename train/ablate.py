@@ -1,0 +1,156 @@
+r"""Recipe ablations at an equal CPU budget per arm, judged by real acceptance.
+
+  python -m train.ablate --config=configs/smollm2_135m_b16.py --workdir=workdir/ablate \
+      --minutes=10 --output=results/ablation_smollm2.json
+
+Each arm is the base config plus a few overrides (ARMS below, or --arms to pick). An arm first
+times a few steps (compile excluded) in a scratch run, sets num_steps so that its training takes
+--minutes, trains from scratch with that schedule, then measures tau with greedy
+`speculative_decode` on the dev set (dflash_jax/assets/eval/dev_mixed.jsonl) at several block
+sizes. Every arm shares one tap cache. Rerunning skips finished arms (their results are kept in
+--output) and resumes an interrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from dflash_jax.io.drafter_io import load_drafter
+from dflash_jax.io.target_loader import load_target
+from dflash_jax.training import trainer
+from dflash_jax.training.evaluation import eval_prompts, evaluate_acceptance
+
+# name -> config overrides (dotted keys) relative to the base config.
+ARMS = {
+    "base": {},
+    "init_from_target": {"init_from_target": True},
+    "full_ce": {"vocab_negatives": 0},
+    "gamma_4": {"loss_gamma": 4.0},
+    "layers_1": {"drafter.num_layers": 1},
+    "layers_2": {"drafter.num_layers": 2},
+    "lr_3e-3": {"learning_rate": 3e-3},
+    "lr_3e-4": {"learning_rate": 3e-4},
+}
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "The base config (configs/*.py).", lock_config=False
+)
+flags.DEFINE_string("workdir", None, "Directory for the arms' runs and the shared tap cache.")
+flags.DEFINE_float("minutes", 10.0, "Training time per arm (compile and evaluation excluded).")
+flags.DEFINE_list("arms", list(ARMS), f"Arms to run, from: {', '.join(ARMS)}.")
+flags.DEFINE_list("eval_block_sizes", ["16", "8", "4"], "Block sizes at which tau is measured.")
+flags.DEFINE_integer("eval_max_new_tokens", 128, "New tokens per dev prompt in the evaluation.")
+flags.DEFINE_integer("calibration_steps", 4, "Steps timed (after the compiling one) per arm.")
+flags.DEFINE_string("output", None, "JSON file with every arm's result (updated after each arm).")
+flags.mark_flags_as_required(["config", "workdir", "output"])
+
+
+def arm_config(base, overrides: dict, workdir: Path):
+    cfg = base.copy_and_resolve_references()
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    cfg.taps = "cached"
+    cfg.tap_cache_dir = str(workdir / "tap_cache")
+    cfg.eval_every = 0  # evaluated below, once, at several block sizes
+    return cfg
+
+
+def step_time(cfg, scratch: Path) -> float:
+    """Seconds per train step of this arm, from a short scratch run (compile excluded)."""
+    cfg = cfg.copy_and_resolve_references()
+    cfg.num_steps = 1 + FLAGS.calibration_steps
+    cfg.log_every = cfg.num_steps
+    cfg.checkpoint_every = cfg.num_steps
+    shutil.rmtree(scratch, ignore_errors=True)
+    last = trainer.train(cfg, scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return float(last["step_time_s"])
+
+
+def run_arm(name: str, base, workdir: Path) -> dict:
+    cfg = arm_config(base, ARMS[name], workdir)
+    run_dir = workdir / name
+    plan = run_dir / "plan.json"
+    if plan.exists():  # resuming: same schedule as planned
+        seconds = json.loads(plan.read_text())["step_time_s"]
+    else:
+        seconds = step_time(cfg, workdir / f"{name}.calibration")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plan.write_text(json.dumps({"step_time_s": seconds}))
+    cfg.num_steps = max(int(FLAGS.minutes * 60 / seconds), 10)
+    cfg.checkpoint_every = max(cfg.num_steps // 10, 1)
+    cfg.log_every = max(cfg.num_steps // 40, 1)
+    t0 = time.perf_counter()
+    last = trainer.train(cfg, run_dir)
+    train_s = time.perf_counter() - t0
+    target = load_target(cfg.target, dtype=cfg.compute_dtype)
+    drafter = load_drafter(run_dir / "drafter", target)
+    prompts = eval_prompts("dev", target, [])
+    taus = {
+        b: evaluate_acceptance(
+            target, drafter.config, drafter.params, prompts, FLAGS.eval_max_new_tokens, int(b)
+        )
+        for b in FLAGS.eval_block_sizes
+    }
+    return {
+        "overrides": ARMS[name],
+        "step_time_s": seconds,
+        "num_steps": cfg.num_steps,
+        "blocks": cfg.num_steps * cfg.batch_size * cfg.num_anchors,
+        "train_wall_s": train_s,
+        "final_loss": last["loss"],
+        "accuracy": last["accuracy"],
+        "tau_implied": last["tau_implied"],
+        "tau_dev": taus,
+    }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    unknown = [a for a in FLAGS.arms if a not in ARMS]
+    if unknown:
+        raise app.UsageError(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}")
+    workdir, output = Path(FLAGS.workdir), Path(FLAGS.output)
+    results = json.loads(output.read_text()) if output.exists() else {}
+    for name in FLAGS.arms:
+        if name in results:
+            logging.info("arm %s: done already", name)
+            continue
+        logging.info("arm %s: %s", name, ARMS[name])
+        results[name] = run_arm(name, FLAGS.config, workdir)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=1))
+        print(name, json.dumps(results[name]["tau_dev"]), flush=True)
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """The README's ablation table (markdown)."""
+    blocks = FLAGS.eval_block_sizes
+    head = "| arm | overrides | s/step | steps | loss | acc@1 | " + " | ".join(
+        f"tau dev (block {b})" for b in blocks
+    )
+    lines = [head + " |", "|" + "---|" * (6 + len(blocks))]
+    for name, r in results.items():
+        taus = " | ".join(f"{r['tau_dev'][b]:.2f}" for b in blocks)
+        lines.append(
+            f"| {name} | {r['overrides'] or '-'} | {r['step_time_s']:.2f} | {r['num_steps']} | "
+            f"{r['final_loss']:.2f} | {r['accuracy'][0]:.2f} | {taus} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    app.run(main)
