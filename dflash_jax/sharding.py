@@ -272,6 +272,8 @@ def put_host_array(shape, dtype, sharding: NamedSharding, read) -> jax.Array:
 
 
 def _put_leaf(x, sharding: NamedSharding):
+    if isinstance(x, jax.ShapeDtypeStruct):  # abstract (AOT lowering): just its sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array):
         if x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
@@ -289,7 +291,8 @@ def _put_leaf(x, sharding: NamedSharding):
 
 def put(tree, shardings):
     """`tree` placed on `shardings` (same structure). Arrays already there are kept; host
-    values are sliced per device (with several processes every process passes the same value)."""
+    values are sliced per device (with several processes every process passes the same value);
+    ShapeDtypeStructs get the sharding (for lowering ahead of time)."""
     return jax.tree.map(_put_leaf, tree, shardings)
 
 

@@ -302,10 +302,17 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
+    common.distributed.initialize()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
         target, drafter = common.with_attention_impl(
-            *api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype, FLAGS.target_cache)
+            *api.load_pair(
+                FLAGS.target,
+                FLAGS.drafter,
+                FLAGS.dtype,
+                FLAGS.target_cache,
+                mesh=common.distributed.mesh(),
+            )
         )
         if drafter is None:
             raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
@@ -315,7 +322,13 @@ def main(argv):
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
     warmed, turns, step_costs = set(), [], None
-    for conv_id, user_turns in enumerate(tqdm(convs, desc=f"{FLAGS.dataset} (AR + DFlash)")):
+    for conv_id, user_turns in enumerate(
+        tqdm(
+            convs,
+            desc=f"{FLAGS.dataset} (AR + DFlash)",
+            disable=not common.distributed.is_primary(),
+        )
+    ):
         messages = []
         for turn_id, text in enumerate(user_turns):
             messages.append({"role": "user", "content": text})
@@ -352,11 +365,16 @@ def main(argv):
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,
             "batch_size": 1,
+            "mesh": dict(target.mesh.shape) if target.mesh is not None else None,
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
             "protocol": "TPOT excludes target prefill, includes the drafter's prompt pass; "
             "compile excluded; speedup = mean(TPOT_AR)/mean(TPOT_DFlash)",
         },
         "per_prompt": turns,
     }
+    if not common.distributed.is_primary():
+        return
     Path(FLAGS.output).parent.mkdir(parents=True, exist_ok=True)
     Path(FLAGS.output).write_text(json.dumps(result, indent=1))
     if FLAGS.plot:

@@ -40,12 +40,19 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
+    common.distributed.initialize()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
     t0 = time.perf_counter()
     with common.usage_errors():
         target, drafter = common.with_attention_impl(
-            *api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype, FLAGS.target_cache)
+            *api.load_pair(
+                FLAGS.target,
+                FLAGS.drafter,
+                FLAGS.dtype,
+                FLAGS.target_cache,
+                mesh=common.distributed.mesh(),
+            )
         )
         block = FLAGS.block_size or (api.default_block_size(target, drafter) if drafter else 1)
         cfg = common.decode_config(
@@ -60,7 +67,10 @@ def main(argv):
     if cfg.adaptive:
         step_costs = adaptive.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
     stream = FLAGS.stream and not FLAGS.json
-    streamer = api.TokenStream(target.tokenizer, lambda row, text: print(text, end="", flush=True))
+    # Every process streams (the same program); only process 0 prints.
+    primary = common.distributed.is_primary()
+    show = (lambda row, text: print(text, end="", flush=True)) if primary else None
+    streamer = api.TokenStream(target.tokenizer, show)
     with api.streaming(streamer):
         run = api.timed_decode(
             target,
@@ -71,7 +81,7 @@ def main(argv):
             dataclasses.replace(cfg, stream=stream),
             **({"step_costs": step_costs} if drafter else {}),
         )
-    if stream:
+    if stream and primary:
         print()
     n = int(run.output.lengths[0])
     tokens = np.asarray(run.output.tokens[0, :n]).tolist()
@@ -105,6 +115,8 @@ def main(argv):
             speedup=(n / run.run_s) / (ar_n / ar.run_s),
             outputs_identical=bool(ar_n == n and np.array_equal(ar.output.tokens[0, :n], tokens)),
         )
+    if not primary:
+        return
     if FLAGS.json:
         print(json.dumps(result))
         return

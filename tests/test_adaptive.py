@@ -182,3 +182,23 @@ def test_streamed_tokens_are_the_output(adaptive_mode):
         for row in range(PROMPT.shape[0]):
             n = int(out.lengths[row])
             assert stream.rows[row] == np.asarray(out.tokens[row, :n]).tolist()
+
+
+def test_calibrated_costs_are_measured_once_and_cached(monkeypatch, tmp_path):
+    import types
+
+    from dflash_jax import api
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    target = types.SimpleNamespace(config=tcfg, params=tp)
+    drafter = types.SimpleNamespace(config=dcfg, params=dp, source="tiny")
+    cfg = DecodeConfig(max_new_tokens=12, block_size=8, adaptive=True)
+    costs = adaptive.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
+    assert costs.shape == (3,) and np.all(costs > 0) and costs[0] >= 1.0
+    calls = []
+    monkeypatch.setattr(api, "timed_decode", lambda *a, **k: calls.append(a))
+    again = adaptive.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
+    np.testing.assert_allclose(again, costs, rtol=1e-3)
+    assert not calls  # read from the cache
+    assert (tmp_path / "step_costs.json").is_file()

@@ -23,6 +23,7 @@ if __name__ == "__main__":
 import jax
 import numpy as np
 import pytest
+from test_generate_data import chat, target  # noqa: F401  (fixtures)
 
 NUM_PROCESSES = 2
 DECODE_MESH = "data=2,tensor=2"
@@ -85,6 +86,35 @@ def worker(argv) -> None:
     result = {"tokens": tokens, "losses": losses, "devices": jax.device_count()}
     (workdir / f"result-{jax.process_index()}.json").write_text(json.dumps(result))
     distributed.barrier("results written")
+
+
+def test_generate_data_splits_prompts_across_processes(tmp_path, target, chat):  # noqa: F811
+    """Each process's share (emulated here one after another): every prompt answered once, and
+    a rerun (with another process count) finds nothing left to do."""
+    from dflash_jax.training import data
+    from dflash_jax.training.generate import generate_records
+    from dflash_jax.training.prompts import Prompt
+
+    prompts = [Prompt(f"question {i}", "test") for i in range(7)]
+    kw = dict(
+        fmt="jsonl", batch_size=2, max_new_tokens=4, min_loss_tokens=1, prompts_per_shard=2,
+        bucket=32,
+    )  # fmt: skip
+    shares = [
+        generate_records(target, chat, prompts, tmp_path, process_index=p, process_count=3, **kw)
+        for p in range(3)
+    ]
+    assert [c["written"] for c in shares] == [3, 2, 2]
+    records = [r for path in data.expand_paths(str(tmp_path)) for r in data.read_shard(path)]
+    assert sorted(r["prompt"] for r in records) == sorted(p.text for p in prompts)
+    assert {path.name.split("-")[-1] for path in tmp_path.glob("data-*.jsonl")} == {
+        "p0of3.jsonl", "p1of3.jsonl", "p2of3.jsonl"
+    }  # fmt: skip
+    again = [
+        generate_records(target, chat, prompts, tmp_path, process_index=p, process_count=2, **kw)
+        for p in range(2)
+    ]
+    assert sum(c["written"] + c["short_response"] for c in again) == 0
 
 
 def _free_port() -> int:

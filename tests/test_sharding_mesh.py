@@ -7,6 +7,7 @@ one), each on tiny models; the tests below read its results.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 
 from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding import autoregressive_decode, loop, speculative_decode
 
 DECODE_MESHES = ("data=2,tensor=4", "data=8", "fsdp=2,tensor=4")
 # Rows of different lengths (8 rows: one per device on data=8).
@@ -53,6 +54,13 @@ def _decode_checks() -> dict:
             "acceptance": np.array_equal(got.acceptance_lengths, ref.acceptance_lengths),
             "replicated": got.tokens.sharding.is_fully_replicated,
         }
+    # The compiled loop carries per-device buffers: every [B,K,S,H] cache holds 8/2 rows.
+    mesh = sharding.mesh_from_spec("data=2,tensor=4")
+    args = (tp, dp, PROMPT, LENS, key, loop.step_cost_array(cfg), np.int32(-1))
+    fn, args, _ = loop.on_mesh(loop._speculative_jit, mesh, args, kw)
+    hlo = fn.lower(*args).compile().as_text()
+    carry = next(line for line in hlo.splitlines() if " while(" in line)
+    out["carry_cache_rows"] = sorted(set(re.findall(r"f32\[(\d+),\d+,\d+,\d+\]", carry)))
     # Under `jax.set_mesh`, the autoregressive baseline too.
     ar_cfg = DecodeConfig(max_new_tokens=12)
     ar_ref = autoregressive_decode(tp, PROMPT, LENS, key, target_config=tcfg, decode_config=ar_cfg)
@@ -197,6 +205,10 @@ def test_sharded_greedy_decode_equals_one_device(results, spec):
     assert decode[spec]["acceptance"] and decode[spec]["replicated"]
 
 
+def test_loop_carry_stays_split_over_the_batch(results):
+    assert results["decode"]["carry_cache_rows"] == ["4"]
+
+
 def test_autoregressive_under_set_mesh_equals_one_device(results):
     assert results["decode"]["autoregressive_same"]
 
@@ -239,3 +251,39 @@ def test_mesh_flags_are_validated():
         sharding.mesh_from_spec("data=2,tensor=512")
     assert sharding.mesh_from_spec("") is None
     assert sharding.mesh_from_spec("tensor=1").shape["data"] == jax.device_count()
+
+
+def test_memory_plan_prints_per_device_bytes(tmp_path):
+    """infer.memory_plan on a tiny target and drafter, both modes, 8 fake devices."""
+    target = tmp_path / "tiny_hf"
+    _write_hf_dir(target)
+    config = tmp_path / "tiny_config.py"
+    config.write_text(
+        "from dflash_jax.training.trainer import default_config\n\n\n"
+        "def get_config():\n"
+        "    cfg = default_config()\n"
+        f"    cfg.target = {str(target)!r}\n"
+        "    cfg.compute_dtype = 'float32'\n"
+        "    cfg.drafter.update(dict(hidden_size=64, intermediate_size=96, num_layers=2,\n"
+        "        num_heads=4, num_kv_heads=4, head_dim=16, mask_token_id=0,\n"
+        "        target_layer_ids=(0, 1)))\n"
+        "    cfg.block_size, cfg.seq_len, cfg.num_anchors, cfg.batch_size = 8, 32, 4, 8\n"
+        "    return cfg\n"
+    )
+    here = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    for mode, extra in (
+        ("train", []),
+        ("decode", ["--batch=8", "--prompt_len=8", "--max_new_tokens=8", "--dtype=float32"]),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "infer.memory_plan", f"--config={config}", f"--mode={mode}", "--mesh=data=2,tensor=4", *extra],
+            env=env, cwd=here.parent, capture_output=True, text=True, check=False, timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        for row in ("params (target", "optimizer state", "caches", "activations (temporaries)"):
+            assert re.search(rf"{re.escape(row)}.* \d+\.\d\d GiB", out.stdout), out.stdout
+        assert "total per device" in out.stdout, out.stdout

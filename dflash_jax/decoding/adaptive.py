@@ -20,6 +20,7 @@ as an array, so recalibrating never recompiles. `default_step_costs` is the fall
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -106,11 +107,22 @@ def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
 
 
 def calibrate_step_costs(
-    target, drafter, prompt, prompt_lengths, cfg: DecodeConfig, *, use_cache: bool = True
+    target,
+    drafter,
+    prompt,
+    prompt_lengths,
+    cfg: DecodeConfig,
+    *,
+    use_cache: bool = True,
+    repeats: int = 1,
 ) -> np.ndarray:
-    """Measures each step kind's cost in AR steps on `prompt` (forcing the kind for a whole
-    decode, prefill subtracted; each executable warmed first) and caches the result under
-    $DFLASH_JAX_CACHE or ~/.cache/dflash_jax. -> costs [num_kinds] float32."""
+    """Measures each step kind's cost in AR steps on `prompt`, and caches the result under
+    $DFLASH_JAX_CACHE or ~/.cache/dflash_jax.
+
+    Every kind runs a whole decode with the kind forced at each step, through the executable
+    the real decode uses (the kind is an input: nothing recompiles); prefill is subtracted (a
+    prefill-only run), and so is the compile (one warm-up run). Stop tokens are ignored so every
+    run takes its full number of steps. -> costs [num_kinds] float32 (min of `repeats` runs)."""
     from dflash_jax import api
 
     key = calibration_key(target, drafter, np.shape(prompt), cfg)
@@ -123,41 +135,29 @@ def calibrate_step_costs(
             table = {}
         if key in table and len(table[key]) == len(cfg.step_kinds):
             return np.asarray(table[key], np.float32)
-    per_step = []
-    prefill_cfg = DecodeConfig(
-        max_new_tokens=1,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        block_size=1,
-        stop_token_ids=(),
+    no_stop = dataclasses.replace(cfg, stop_token_ids=(), stream=False)
+    prefill_cfg = dataclasses.replace(
+        no_stop, max_new_tokens=1, block_size=1, adaptive=False, step_kinds=()
     )
-    # No stop tokens: every kind runs its full number of steps.
-    timed_cfg = DecodeConfig(**{**cfg.__dict__, "stop_token_ids": ()})
-    prefill = min(
-        api.timed_decode(target, None, prompt, prompt_lengths, 0, prefill_cfg).run_s
-        for _ in range(3)
-    )
+
+    def best(drafter_or_none, c, **kw):
+        runs = [
+            api.timed_decode(target, drafter_or_none, prompt, prompt_lengths, 0, c, **kw)
+            for _ in range(repeats + 1)  # the first one compiles or warms up
+        ]
+        return min(runs[1:], key=lambda r: r.run_s)
+
+    prefill = best(None, prefill_cfg).run_s
+    ar = best(None, no_stop)
+    ar_step = max(ar.run_s - prefill, 1e-9) / max(int(np.max(ar.output.num_steps)), 1)
+    costs = []
     for index in range(len(cfg.step_kinds)):
-        run = min(
-            (
-                api.timed_decode(
-                    target, drafter, prompt, prompt_lengths, 0, timed_cfg, forced_kind=index
-                )
-                for _ in range(3)
-            ),
-            key=lambda r: r.run_s,
-        )
+        run = best(drafter, no_stop, forced_kind=index)
         steps = max(int(np.max(np.asarray(run.output.num_steps))), 1)
-        per_step.append(max(run.run_s - prefill, 1e-9) / steps)
-    plain = cfg.step_kinds.index(1) if 1 in cfg.step_kinds else None
-    ar_cfg = DecodeConfig(**{**timed_cfg.__dict__, "adaptive": False, "step_kinds": ()})
-    ar = min(
-        api.timed_decode(target, None, prompt, prompt_lengths, 0, ar_cfg).run_s for _ in range(3)
-    )
-    ar_step = max(ar - prefill, 1e-9) / max(cfg.max_new_tokens - 1, 1)
-    costs = np.asarray(per_step, np.float32) / np.float32(ar_step)
-    if plain is not None:
+        costs.append(max(run.run_s - prefill, 1e-9) / steps / ar_step)
+    costs = np.asarray(costs, np.float32)
+    if 1 in cfg.step_kinds:
+        plain = cfg.step_kinds.index(1)
         costs[plain] = max(costs[plain], 1.0)  # a plain step is never cheaper than AR
     if use_cache:
         table[key] = [round(float(c), 4) for c in costs]

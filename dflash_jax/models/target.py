@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
-from dflash_jax.ops.dispatch import causal_attention
+from dflash_jax.ops.dispatch import cached_attention, causal_attention
 
 
 @flax.struct.dataclass
@@ -73,22 +73,31 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None):
         """x [B,T,D]. With a cache ((k, v), each [B,K,S,H]) the T new tokens are written at
-        cache_lengths[b] + t and query t sees slots <= cache_lengths[b] + t; without, attention
-        is causal over the T tokens. -> (x [B,T,D], updated cache or None)."""
+        cache_lengths[b] + t and query t sees slots <= cache_lengths[b] + t (cache_lengths None:
+        an empty cache, written from slot 0); without, attention is causal over the T tokens.
+        -> (x [B,T,D], updated cache or None)."""
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
         k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
-        if layer_cache is not None:
-            k_bksh = write_rows(layer_cache[0], k_bkth, cache_lengths)
-            v_bksh = write_rows(layer_cache[1], v_bkth, cache_lengths)
-            layer_cache = (k_bksh, v_bksh)
-            offsets_b = cache_lengths
+        impl = self.config.attention_impl
+        if layer_cache is not None and cache_lengths is not None:
+            new_cache = (
+                write_rows(layer_cache[0], k_bkth, cache_lengths),
+                write_rows(layer_cache[1], v_bkth, cache_lengths),
+            )
+            attn_btnh = cached_attention(
+                q_btnh, layer_cache, new_cache, (k_bkth, v_bkth), cache_lengths, impl=impl
+            )
+            layer_cache = new_cache
         else:
-            k_bksh, v_bksh = k_bkth, v_bkth
-            offsets_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
-        attn_btnh = causal_attention(
-            q_btnh, k_bksh, v_bksh, offsets_b, impl=self.config.attention_impl
-        )
+            # No cache, or an empty one (prefill): the new tokens attend among themselves.
+            zeros_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
+            attn_btnh = causal_attention(q_btnh, k_bkth, v_bkth, zeros_b, impl=impl)
+            if layer_cache is not None:
+                layer_cache = (
+                    write_rows(layer_cache[0], k_bkth, zeros_b),
+                    write_rows(layer_cache[1], v_bkth, zeros_b),
+                )
         x_btd = x_btd + self.self_attn.output(attn_btnh)
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, layer_cache

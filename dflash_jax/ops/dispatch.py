@@ -15,6 +15,7 @@ back to xla with one log line under "auto". Never silently.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from dflash_jax.config import ConfigError, check_attention_impl
@@ -119,3 +120,41 @@ def causal_attention(
         hi = xla.causal_cache_bounds(offsets, q.shape[1])
         return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
     return xla.attention(q, k, v, xla.causal_cache_mask(offsets, q.shape[1], k.shape[2]))
+
+
+def cached_attention(
+    q: jax.Array,
+    old_cache: tuple[jax.Array, jax.Array],
+    new_cache: tuple[jax.Array, jax.Array],
+    new_kv: tuple[jax.Array, jax.Array],
+    cache_lengths: jax.Array,
+    *,
+    impl: str = "auto",
+) -> jax.Array:
+    """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
+    query t sees the cache slots before cache_lengths[b] and the new tokens up to itself.
+
+    q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write; new_kv:
+    the new tokens' (k, v) [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H].
+
+    XLA scores the old cache and the new block apart (one joint softmax, `block_attention`
+    with one block): the written cache then has a single reader, the loop carry, and is
+    updated in place. Scoring the written cache instead made XLA:CPU duplicate the write into
+    both readers, each on its own copy of the whole buffer (four cache copies per layer per
+    step at batch 1). The kernels read the written cache.
+    """
+    kernel = _kernel(impl, "target attention", q, old_cache[0], old_cache[1])
+    if kernel == "tpu":
+        _log_once(f"attention_impl={impl} on tpu: the target attention uses xla (no TPU kernel)")
+    elif kernel != "xla":
+        hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
+        k, v = new_cache
+        return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
+    t, s = q.shape[1], old_cache[0].shape[2]
+    before_bts = jnp.broadcast_to(
+        jnp.arange(s)[None, None, :] < cache_lengths[:, None, None], (q.shape[0], t, s)
+    )
+    causal_tt = xla.block_mask(t, causal=True)
+    return xla.block_attention(
+        q, old_cache[0], old_cache[1], new_kv[0], new_kv[1], before_bts, causal_tt
+    )

@@ -233,13 +233,22 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
 
 def training_mesh(cfg: ml_collections.ConfigDict):
     """The run's mesh: config.mesh; without one, None on one process (no sharding at all), or
-    data parallel over every device when several processes run."""
+    data parallel over every device when several processes run. Refuses a batch that the
+    mesh's batch axes do not split (every device would then compute the whole batch)."""
     if cfg.get("mesh"):
-        return sharding.mesh_from_spec(cfg.mesh)
-    if jax.process_count() > 1:
+        mesh = sharding.mesh_from_spec(cfg.mesh)
+    elif jax.process_count() > 1:
         logging.info("config.mesh is empty: data parallel over %d devices", jax.device_count())
-        return sharding.make_mesh()
-    return None
+        mesh = sharding.make_mesh()
+    else:
+        return None
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % ways:
+        raise ValueError(
+            f"config.batch_size={cfg.batch_size} does not split over data x fsdp = {ways} "
+            f"devices of mesh {dict(mesh.shape)}; use a multiple of {ways}"
+        )
+    return mesh
 
 
 def initial_state(cfg, drafter_config: DrafterConfig, target, optimizer, mesh) -> dict:
