@@ -39,14 +39,31 @@ PHASES = (
 )
 
 
-def _median_time(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
+def _loop_time(step, carry, repeats: int) -> float:
+    """Seconds per call of `step` (carry -> carry), run `repeats` times inside one jitted
+    `fori_loop` compiled as the decode loop is: no per-call dispatch, and buffers the step
+    updates are updated in place. Median of 3 timed runs, after a compiling one."""
+    run = jax.jit(
+        lambda c: jax.lax.fori_loop(0, repeats, lambda i, c: step(c), c),
+        donate_argnums=0,
+        compiler_options=loop.LOOP_COMPILER_OPTIONS,
+    )
+    # Own copies: the loop donates its carry, and phases share their inputs.
+    carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
+    carry = jax.block_until_ready(run(carry))
     times = []
-    for _ in range(repeats):
+    for _ in range(3):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        carry = jax.block_until_ready(run(carry))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(times)) / repeats
+
+
+def _tie(x: jax.Array, out) -> jax.Array:
+    """x, made to depend on `out` (x + 0 * sum): the loop cannot hoist a step whose inputs are
+    otherwise loop-invariant, and XLA does not fold a float multiplied by zero."""
+    leaves = [jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(out)]
+    return x + (0.0 * sum(leaves)).astype(x.dtype)
 
 
 def _layer_matrices(layer: dict) -> list[jax.Array]:
@@ -77,43 +94,40 @@ def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array,
     return x_rd, sink
 
 
-def gemm_floor_fns(target_params, tcfg: TargetConfig, drafter_params, rows: int):
-    """-> (fn, args) pairs {"ar": ..., "step": ...} whose timed calls are the two floors
-    (`rows` = the block size for the step floor)."""
+def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20) -> dict:
+    """{"gemm_floor_ar_s", "gemm_floor_step_s"}: 1 row through the target's matrices and its
+    head; `rows` rows through the target's, the drafter's (`fc` included) and the head for
+    rows - 1 draft rows. Timed like the phases (`_loop_time`)."""
     head_dv = jax.jit(unembedding_matrix, static_argnums=1)(target_params, tcfg)
     t_layers = [_layer_matrices(target_params[f"layers_{i}"]) for i in range(tcfg.num_layers)]
     d = tcfg.hidden_size
     dtype = jnp.dtype(tcfg.dtype)
 
-    @jax.jit
-    def ar(t_layers, head_dv, x_1d):
-        x_1d, sink = _through(x_1d, t_layers)
-        return jnp.max(x_1d @ head_dv) + sink
+    def ar(carry):
+        x_1d, sink = carry
+        y_1d, s = _through(x_1d, t_layers)
+        out = jnp.max(y_1d @ head_dv) + s
+        return _tie(x_1d, out), sink + out
 
-    fns = {"ar": (ar, (t_layers, head_dv, jnp.full((1, d), 0.01, dtype)))}
-    if drafter_params is not None:
-        n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
-        d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
-        fc_fd = drafter_params["fc"]["kernel"]
+    out = {"gemm_floor_ar_s": _loop_time(ar, (jnp.full((1, d), 0.01, dtype), 0.0), repeats)}
+    n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
+    d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
+    fc_fd = drafter_params["fc"]["kernel"]
 
-        @jax.jit
-        def step(t_layers, d_layers, fc_fd, head_dv, x_td, taps_tf):
-            verify_td, sink_t = _through(x_td, t_layers)
-            ctx_td = taps_tf @ fc_fd
-            draft_td, sink_d = _through(x_td + ctx_td, d_layers)
-            logits = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv)
-            return logits + sink_t + sink_d
+    def step(carry):
+        x_td, taps_tf, sink = carry
+        verify_td, s_t = _through(x_td, t_layers)
+        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
+        out = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
+        return _tie(x_td, out), _tie(taps_tf, out), sink + out
 
-        x_td = jnp.full((rows, d), 0.01, dtype)
-        taps_tf = jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype)
-        fns["step"] = (step, (t_layers, d_layers, fc_fd, head_dv, x_td, taps_tf))
-    return fns
-
-
-def gemm_floors(target_params, tcfg, drafter_params, rows: int, repeats: int = 20) -> dict:
-    """{"gemm_floor_ar_s", "gemm_floor_step_s"} in seconds (median of `repeats` calls)."""
-    fns = gemm_floor_fns(target_params, tcfg, drafter_params, rows)
-    return {f"gemm_floor_{name}_s": _median_time(f, a, repeats) for name, (f, a) in fns.items()}
+    init = (
+        jnp.full((rows, d), 0.01, dtype),
+        jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype),
+        0.0,
+    )
+    out["gemm_floor_step_s"] = _loop_time(step, init, repeats)
+    return out
 
 
 def phase_fns(
@@ -126,9 +140,10 @@ def phase_fns(
     cfg: DecodeConfig,
     live_length: int,
 ):
-    """The phases of one speculative step as separately jitted functions with their inputs, at
-    the shapes of a real decode of `prompt` (cache buffers as `speculative_decode` allocates
-    them) with every row's caches `live_length` slots long. -> {phase: (fn, args)}."""
+    """The phases of one speculative step, each as a loop step (carry -> carry) with its initial
+    carry, at the shapes of a real decode of `prompt` (cache buffers as `speculative_decode`
+    allocates them) with every row's caches `live_length` slots long.
+    -> {phase: (step, carry)}."""
     bs = cfg.block_size
     rng = jax.random.key(0)
 
@@ -148,39 +163,80 @@ def phase_fns(
     anchor_b1 = jnp.ones((b, 1), jnp.int32)
     key = jax.random.key(1)
 
-    append = jax.jit(
-        lambda dp, s, taps, n: loop.append_context(dp, dcfg, s.ctx_k, s.ctx_v, s.drf_len, taps, n)
-    )
-    layers = jax.jit(
-        lambda dp, tp, a, s: loop.draft_hidden(
-            dp, tp, tcfg, dcfg, a, s.ctx_k, s.ctx_v, s.drf_len, s.drf_len, bs
+    prompt_lengths = jnp.asarray(prompt_lengths)
+    start_b = live_b
+    hidden = jax.jit(
+        lambda dp, tp, s: loop.draft_hidden(
+            dp, tp, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
+    )(drafter_params, target_params, state)
+    drafts, draft_logp = jax.jit(lambda h, x: loop.draft_tokens(h, tcfg, dcfg, cfg, x, key))(
+        head_dv, hidden
     )
-    head = jax.jit(lambda h, hidden, k: loop.draft_tokens(h, tcfg, dcfg, cfg, hidden, k))
-    verify = jax.jit(lambda tp, v, s: loop.verify_hidden(tp, tcfg, dcfg, v, s.drf_len, s.cache))
-    accept = jax.jit(lambda h, vh, d, dl, k: loop.verify_accept(h, cfg, vh, d, dl, k))
-    commit = jax.jit(lambda s, new, a: loop._commit(s, new, a + 1, cfg, bs))
-
-    hidden = layers(drafter_params, target_params, anchor_b1, state)
-    drafts, draft_logp = head(head_dv, hidden, key)
     verify_bt = jnp.concatenate([anchor_b1, drafts], axis=1)
-    vhidden, taps, _ = verify(target_params, verify_bt, state)
-    a_b, new_bt = accept(head_dv, vhidden, drafts, draft_logp, key)
+    vhidden, taps, _ = jax.jit(
+        lambda tp, s: loop.verify_hidden(tp, tcfg, dcfg, verify_bt, start_b, s.cache)
+    )(target_params, state)
+    a_b, new_bt = jax.jit(lambda h, vh: loop.verify_accept(h, cfg, vh, drafts, draft_logp, key))(
+        head_dv, vhidden
+    )
+
+    # Each phase as a step of a loop carry; see `_loop_time` and `_tie`.
+    def drafter_layers(c):
+        s, anchor, sink = c
+        h = loop.draft_hidden(
+            drafter_params, target_params, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len,
+            start_b, bs,
+        )  # fmt: skip
+        # The block's anchor carries the dependency (the same token every call).
+        return s, _tie(anchor.astype(jnp.float32), h).astype(jnp.int32), sink
+
+    def drafter_head(c):
+        h, sink = c
+        d, _ = loop.draft_tokens(head_dv, tcfg, dcfg, cfg, h, key)
+        return _tie(h, d), sink
+
+    def verify_body(c):
+        cache, tokens_bt, sink = c
+        vh, tp_, cache = loop.verify_hidden(target_params, tcfg, dcfg, tokens_bt, start_b, cache)
+        # The tokens carry the dependency too, or XLA hoists layer 0's projections.
+        tokens_bt = _tie(tokens_bt.astype(jnp.float32), (vh, tp_)).astype(jnp.int32)
+        return cache, tokens_bt, sink
+
+    def verify_head_accept(c):
+        vh, sink = c
+        a, new = loop.verify_accept(head_dv, cfg, vh, drafts, draft_logp, key)
+        return _tie(vh, (a, new)), sink
+
+    def commit(c):
+        s, sink = c
+        s, produced = loop._commit(s, new_bt, a_b + 1, cfg, bs)
+        return s, _tie(sink, produced)
+
+    def append_context(c):
+        ctx_k, ctx_v, taps_btf = c
+        ctx_k, ctx_v, _ = loop.append_context(
+            drafter_params, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1
+        )
+        # The taps carry the dependency, or XLA hoists their K/V out of the loop.
+        return ctx_k, ctx_v, _tie(taps_btf, (ctx_k[0][:, :, 0], ctx_v[0][:, :, 0]))
+
+    zero = jnp.float32(0.0)
     return {
-        "append_context": (append, (drafter_params, state, taps, a_b + 1)),
-        "drafter_layers": (layers, (drafter_params, target_params, anchor_b1, state)),
-        "drafter_head": (head, (head_dv, hidden, key)),
-        "verify_body": (verify, (target_params, verify_bt, state)),
-        "verify_head_accept": (accept, (head_dv, vhidden, drafts, draft_logp, key)),
-        "commit": (commit, (state, new_bt, a_b)),
+        "drafter_layers": (drafter_layers, (state, anchor_b1, zero)),
+        "drafter_head": (drafter_head, (hidden, zero)),
+        "verify_body": (verify_body, (state.cache, verify_bt, zero)),
+        "verify_head_accept": (verify_head_accept, (vhidden, zero)),
+        "commit": (commit, (state, zero)),
+        "append_context": (append_context, (state.ctx_k, state.ctx_v, taps)),
     }
 
 
 def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
-    """{"phase_<name>_s": seconds} for every phase in PHASES (median of `repeats` calls); the
-    arguments are `phase_fns`'."""
+    """{"phase_<name>_s": seconds per call} for every phase in PHASES (`_loop_time` over
+    `repeats` calls); the arguments are `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {f"phase_{name}_s": _median_time(*fns[name], repeats) for name in PHASES}
+    return {f"phase_{name}_s": _loop_time(*fns[name], repeats) for name in PHASES}
 
 
 def breakdown(

@@ -196,3 +196,42 @@ def block_attention(
         .reshape(b, t, n, h)
     )
     return out_btnh.astype(q.dtype)
+
+
+def append_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cache_lengths: jax.Array,
+) -> jax.Array:
+    """T new queries over a KV cache and themselves: query t of row b sees cache slots
+    s < cache_lengths[b] and new tokens t' <= t. Equals `attention` over the cache after the
+    new keys are written at cache_lengths[b] (`causal_cache_mask`), without reading the
+    written buffer (see `dispatch.cached_attention` for why).
+
+    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H].
+    One joint softmax in fp32 over both score blocks, normalised at the output.
+    """
+    b, t, n, h = q.shape
+    kh, s = k_cache.shape[1], k_cache.shape[2]
+    g = n // kh
+    q_bkmh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
+    scale = h**-0.5
+    old_bkms = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_cache, preferred_element_type=jnp.float32)
+    new_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_new, preferred_element_type=jnp.float32)
+    old_ok_b11s = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
+    query_m = jnp.tile(jnp.arange(t), g)  # row m of the folded queries is query m % T
+    new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
+    old_bkms = jnp.where(old_ok_b11s, old_bkms * scale, NEG_INF)
+    new_bkmt = jnp.where(new_ok_11mt, new_bkmt * scale, NEG_INF)
+    max_bkm1 = jnp.maximum(old_bkms.max(-1, keepdims=True), new_bkmt.max(-1, keepdims=True))
+    p_old_bkms = jnp.exp(old_bkms - max_bkm1)
+    p_new_bkmt = jnp.exp(new_bkmt - max_bkm1)
+    denom_bkm1 = p_old_bkms.sum(-1, keepdims=True) + p_new_bkmt.sum(-1, keepdims=True)
+    out_bkmh = jnp.einsum("bkms,bksh->bkmh", p_old_bkms.astype(v_cache.dtype), v_cache)
+    out_bkmh += jnp.einsum("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new)
+    out_bkmh = out_bkmh / denom_bkm1
+    out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_btnh.astype(q.dtype)

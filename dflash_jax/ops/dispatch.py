@@ -100,9 +100,13 @@ def block_attention(
             q, ctx_k, ctx_v, blk_k, blk_v, lo, hi, block_size=block_size, causal=causal,
             window=window, interpret=kernel == "interpret",
         )  # fmt: skip
-    ctx_mask = xla.context_mask(context_lengths, anchors, block_size, ctx_k.shape[2], window)
     blk_mask = xla.block_mask(block_size, causal, window)
-    return xla.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask)
+
+    def over(k, v):
+        ctx_mask = xla.context_mask(context_lengths, anchors, block_size, k.shape[2], window)
+        return xla.block_attention(q, k, v, blk_k, blk_v, ctx_mask, blk_mask)
+
+    return live_window(over, (ctx_k, ctx_v), jnp.max(context_lengths))
 
 
 def causal_attention(
@@ -137,11 +141,11 @@ def cached_attention(
     q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write; new_kv:
     the new tokens' (k, v) [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H].
 
-    XLA scores the old cache and the new block apart (one joint softmax, `block_attention`
-    with one block): the written cache then has a single reader, the loop carry, and is
-    updated in place. Scoring the written cache instead made XLA:CPU duplicate the write into
-    both readers, each on its own copy of the whole buffer (four cache copies per layer per
-    step at batch 1). The kernels read the written cache.
+    XLA scores the old cache and the new block apart (`append_attention`, one joint softmax),
+    over the live part of the cache only (`live_window`): the written cache then has a single
+    reader, the loop carry, and is updated in place. Scoring the written cache instead made
+    XLA:CPU duplicate the write into both readers, each on its own copy of the whole buffer
+    (four cache copies per layer per step at batch 1). The kernels read the written cache.
     """
     kernel = _kernel(impl, "target attention", q, old_cache[0], old_cache[1])
     if kernel == "tpu":
@@ -150,11 +154,24 @@ def cached_attention(
         hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
         k, v = new_cache
         return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
-    t, s = q.shape[1], old_cache[0].shape[2]
-    before_bts = jnp.broadcast_to(
-        jnp.arange(s)[None, None, :] < cache_lengths[:, None, None], (q.shape[0], t, s)
+    return live_window(
+        lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths),
+        old_cache,
+        jnp.max(cache_lengths),
     )
-    causal_tt = xla.block_mask(t, causal=True)
-    return xla.block_attention(
-        q, old_cache[0], old_cache[1], new_kv[0], new_kv[1], before_bts, causal_tt
-    )
+
+
+def live_window(fn, cache, live, min_window: int = 64, max_windows: int = 8):
+    """fn(k, v) on the cache cut to the smallest of a few static widths covering the `live`
+    slots ([B,K,S,H] -> [B,K,W,H], W a multiple of max(min_window, S / max_windows)): the
+    attention then scores the slots in use instead of the whole buffer. One `lax.switch`
+    branch per width; a single width when the cache is small."""
+    s = cache[0].shape[2]
+    step = max(min_window, -(-s // max_windows))
+    widths = [w for w in range(step, s, step)] + [s]
+    if len(widths) == 1:
+        return fn(*cache)
+    # The first width >= live; a count, not jnp.searchsorted (a while loop on XLA:CPU).
+    index = jnp.sum(jnp.asarray(widths[:-1]) < live)
+    branches = [lambda k, v, w=w: fn(k[:, :, :w], v[:, :, :w]) for w in widths]
+    return jax.lax.switch(index, branches, *cache)

@@ -1,0 +1,57 @@
+"""The XLA attention forms the decode loop uses equal the dense reference: attending to the old
+cache plus the new block (`append_attention`), and cutting the cache to its live width
+(`dispatch.live_window`), at window boundaries and with ragged rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.models.target import write_rows
+from dflash_jax.ops import attention as xla
+from dflash_jax.ops import dispatch
+
+
+def _qkv(key, b, t, n, kh, s, h=8):
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (b, t, n, h))
+    k, v = (jax.random.normal(x, (b, kh, s, h)) for x in ks[1:3])
+    k_new, v_new = (jax.random.normal(x, (b, kh, t, h)) for x in ks[3:5])
+    return q, k, v, k_new, v_new
+
+
+@pytest.mark.parametrize("t,n,kh", [(1, 4, 2), (3, 6, 2), (5, 4, 4)])
+def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
+    q, k, v, k_new, v_new = _qkv(jax.random.key(t), 3, t, n, kh, 40)
+    lengths = jnp.array([0, 17, 40 - t])
+    written_k, written_v = write_rows(k, k_new, lengths), write_rows(v, v_new, lengths)
+    want = xla.attention(q, written_k, written_v, xla.causal_cache_mask(lengths, t, 40))
+    got = xla.append_attention(q, k, v, k_new, v_new, lengths)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("longest", [1, 63, 64, 65, 200, 296])
+def test_live_window_cuts_the_cache_without_changing_the_result(longest):
+    s, t = 300, 4
+    q, k, v, k_new, v_new = _qkv(jax.random.key(longest), 2, t, 4, 2, s)
+    lengths = jnp.array([longest, longest // 2])
+    cut = jax.jit(
+        lambda *a: dispatch.cached_attention(
+            a[0], (a[1], a[2]), (a[1], a[2]), (a[3], a[4]), a[5], impl="xla"
+        )
+    )
+    got = cut(q, k, v, k_new, v_new, lengths)
+    np.testing.assert_allclose(got, xla.append_attention(q, k, v, k_new, v_new, lengths), atol=1e-5)
+    # The draft/training form: blocks over a context cache whose rows end early.
+    b, nb, j = 2, 3, 4
+    anchors = jnp.array([[1, 9, longest], [0, 5, longest // 2]])
+    ctx_len = jnp.array([longest, longest // 2])
+    qd = jax.random.normal(jax.random.key(7), (b, nb * j, 4, 8))
+    blk_k, blk_v = (jax.random.normal(jax.random.key(i), (b, 2, nb * j, 8)) for i in (8, 9))
+    got = dispatch.block_attention(
+        qd, k, v, blk_k, blk_v, ctx_len, anchors, block_size=j, impl="xla"
+    )
+    want = xla.block_attention(
+        qd, k, v, blk_k, blk_v, xla.context_mask(ctx_len, anchors, j, s), xla.block_mask(j)
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5)
