@@ -44,7 +44,12 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_string("workdir", None, "Directory for the arms' runs and the shared tap cache.")
 flags.DEFINE_float("minutes", 10.0, "Training time per arm (compile and evaluation excluded).")
-flags.DEFINE_list("arms", list(ARMS), f"Arms to run, from: {', '.join(ARMS)}.")
+flags.DEFINE_list(
+    "arms",
+    list(ARMS),
+    f"Arms to run, from: {', '.join(ARMS)}; join names with '+' to combine their overrides "
+    "(e.g. init_from_target+layers_1).",
+)
 flags.DEFINE_list("eval_block_sizes", ["16", "8", "4"], "Block sizes at which tau is measured.")
 flags.DEFINE_integer("eval_max_new_tokens", 128, "New tokens per dev prompt in the evaluation.")
 flags.DEFINE_integer("calibration_steps", 4, "Steps timed (after the compiling one) per arm.")
@@ -78,8 +83,16 @@ def step_time(cfg, scratch: Path) -> float:
     return float(last["step_time_s"])
 
 
+def arm_overrides(name: str) -> dict:
+    """The overrides of an arm; 'a+b' merges the overrides of arms a and b."""
+    merged = {}
+    for part in name.split("+"):
+        merged.update(ARMS[part])
+    return merged
+
+
 def run_arm(name: str, base, workdir: Path) -> dict:
-    cfg = arm_config(base, ARMS[name], workdir)
+    cfg = arm_config(base, arm_overrides(name), workdir)
     run_dir = workdir / name
     plan = run_dir / "plan.json"
     if plan.exists():  # resuming: same schedule as planned
@@ -104,7 +117,7 @@ def run_arm(name: str, base, workdir: Path) -> dict:
         for b in FLAGS.eval_block_sizes
     }
     return {
-        "overrides": ARMS[name],
+        "overrides": arm_overrides(name),
         "step_time_s": seconds,
         "num_steps": cfg.num_steps,
         "blocks": cfg.num_steps * cfg.batch_size * cfg.num_anchors,
@@ -119,7 +132,7 @@ def run_arm(name: str, base, workdir: Path) -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    unknown = [a for a in FLAGS.arms if a not in ARMS]
+    unknown = [p for a in FLAGS.arms for p in a.split("+") if p not in ARMS]
     if unknown:
         raise app.UsageError(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}")
     workdir, output = Path(FLAGS.workdir), Path(FLAGS.output)
@@ -128,7 +141,7 @@ def main(argv):
         if name in results:
             logging.info("arm %s: done already", name)
             continue
-        logging.info("arm %s: %s", name, ARMS[name])
+        logging.info("arm %s: %s", name, arm_overrides(name))
         results[name] = run_arm(name, FLAGS.config, workdir)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=1))

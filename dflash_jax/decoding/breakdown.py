@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import loop
-from dflash_jax.models.target import unembedding_matrix
+from dflash_jax.models.target import decoding_head, unembedding_matrix
 
 PHASES = (
     "drafter_layers",
@@ -149,13 +149,13 @@ def phase_fns(
 
     @jax.jit
     def init(target_params, drafter_params, prompt, prompt_lengths):
-        head_dv = unembedding_matrix(target_params, tcfg)
+        head = decoding_head(target_params, tcfg)
         state = loop._init_speculative(
-            target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+            target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
         )
-        return state, head_dv
+        return state, head
 
-    state, head_dv = init(target_params, drafter_params, prompt, prompt_lengths)
+    state, head = init(target_params, drafter_params, prompt, prompt_lengths)
     b = prompt.shape[0]
     live_b = jnp.full((b,), live_length, jnp.int32)
     n_gen_b = live_b - jnp.asarray(prompt_lengths) + 1
@@ -171,14 +171,14 @@ def phase_fns(
         )
     )(drafter_params, target_params, state)
     drafts, draft_logp = jax.jit(lambda h, x: loop.draft_tokens(h, tcfg, dcfg, cfg, x, key))(
-        head_dv, hidden
+        head, hidden
     )
     verify_bt = jnp.concatenate([anchor_b1, drafts], axis=1)
     vhidden, taps, _ = jax.jit(
         lambda tp, s: loop.verify_hidden(tp, tcfg, dcfg, verify_bt, start_b, s.cache)
     )(target_params, state)
     a_b, new_bt = jax.jit(lambda h, vh: loop.verify_accept(h, cfg, vh, drafts, draft_logp, key))(
-        head_dv, vhidden
+        head, vhidden
     )
 
     # Each phase as a step of a loop carry; see `_loop_time` and `_tie`.
@@ -193,7 +193,7 @@ def phase_fns(
 
     def drafter_head(c):
         h, sink = c
-        d, _ = loop.draft_tokens(head_dv, tcfg, dcfg, cfg, h, key)
+        d, _ = loop.draft_tokens(head, tcfg, dcfg, cfg, h, key)
         return _tie(h, d), sink
 
     def verify_body(c):
@@ -205,7 +205,7 @@ def phase_fns(
 
     def verify_head_accept(c):
         vh, sink = c
-        a, new = loop.verify_accept(head_dv, cfg, vh, drafts, draft_logp, key)
+        a, new = loop.verify_accept(head, cfg, vh, drafts, draft_logp, key)
         return _tie(vh, (a, new)), sink
 
     def commit(c):

@@ -23,7 +23,7 @@ from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import adaptive
 from dflash_jax.decoding.sampling import (
-    accept_greedy,
+    accept_greedy_choices,
     accept_rejection,
     pick,
     process_logits,
@@ -32,11 +32,11 @@ from dflash_jax.decoding.sampling import (
 )
 from dflash_jax.models.drafter import Drafter, check_fits, embed_block, finish_logits
 from dflash_jax.models.target import (
+    Head,
     KVCache,
     Transformer,
-    apply_head,
+    decoding_head,
     init_cache,
-    unembedding_matrix,
     write_rows,
 )
 from dflash_jax.ops.reductions import argmax_last
@@ -146,7 +146,7 @@ def _step_key(rng, step):
 
 
 def _prefill(
-    target_params, head_dv, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers
+    target_params, head, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers
 ):
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. Returns (state without drafter fields, prompt taps or None)."""
@@ -163,8 +163,7 @@ def _prefill(
         (prompt_lengths_b - 1)[:, None],
         method="hidden",
     )
-    logits_bv = apply_head(head_dv, hidden_b1d[:, 0])
-    first_b = pick(logits_bv, _step_key(rng, _max_steps(cfg)), cfg)
+    first_b = _pick(head, hidden_b1d[:, 0], _step_key(rng, _max_steps(cfg)), cfg)
     if cfg.stream:
         _stream(first_b[:, None], jnp.ones((b,), jnp.int32))
     width = cfg.max_new_tokens + cfg.block_size + 1
@@ -221,10 +220,13 @@ def draft_hidden(
     return hidden_btd[:, 1:]
 
 
-def draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, key):
+def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key):
     """The target's frozen head on the draft slots, then argmax or a sample per slot.
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
-    logits_bgv = finish_logits(dcfg, apply_head(head_dv, hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
+    hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
+    if cfg.greedy and not dcfg.final_logit_softcapping:  # a positive multiplier keeps the argmax
+        return head.argmax(hidden_bgd), None
+    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd))
     if cfg.greedy:
         return argmax_last(logits_bgv), None
     draft_logp_bgv = process_logits(logits_bgv, cfg)
@@ -246,13 +248,20 @@ def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache):
     )
 
 
-def verify_accept(head_dv, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
+def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
     """The target's head on the verified block, then the longest valid prefix plus one target
     token. -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
-    tlogits_btv = apply_head(head_dv, hidden_btd)
     if cfg.greedy:
-        return accept_greedy(drafts_bg, tlogits_btv)
-    return accept_rejection(drafts_bg, draft_logp_bgv, tlogits_btv, key, cfg)
+        return accept_greedy_choices(drafts_bg, head.argmax(hidden_btd))
+    return accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg)
+
+
+def _pick(head: Head, hidden_bd, key, cfg: DecodeConfig) -> jax.Array:
+    """The next target token per row: the greedy argmax (`Head.argmax`, the one function every
+    greedy target token goes through) or a sample (`sampling.pick`)."""
+    if cfg.greedy:
+        return head.argmax(hidden_bd)
+    return pick(head.logits(hidden_bd), key, cfg)
 
 
 def _commit(
@@ -317,9 +326,9 @@ def _autoregressive(
 ):
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
-    head_dv = unembedding_matrix(target_params, tcfg)
+    head = decoding_head(target_params, tcfg)
     state, _ = _prefill(
-        target_params, head_dv, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ()
+        target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ()
     )
     state = _constrain(state, mesh)
     model = Transformer(tcfg)
@@ -330,7 +339,7 @@ def _autoregressive(
         hidden_b1d, _, cache = model.apply(
             {"params": target_params}, last_b1, start_b[:, None], s.cache, start_b, method="hidden"
         )
-        next_b = pick(apply_head(head_dv, hidden_b1d[:, 0]), _step_key(rng, s.step), cfg)
+        next_b = _pick(head, hidden_b1d[:, 0], _step_key(rng, s.step), cfg)
         s, _ = _commit(s.replace(cache=cache), next_b[:, None], jnp.ones_like(start_b), cfg)
         return _constrain(s, mesh)
 
@@ -350,7 +359,7 @@ _autoregressive_jit = jax.jit(
 
 
 def _init_speculative(
-    target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+    target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
 ) -> _State:
     """Prefill, then the prompt's drafter context K/V (block-independent: all appended now)."""
     bs = cfg.block_size
@@ -358,7 +367,7 @@ def _init_speculative(
     cache_len = p + cfg.max_new_tokens + 2 * bs
     state, taps_bpf = _prefill(
         target_params,
-        head_dv,
+        head,
         tcfg,
         cfg,
         prompt,
@@ -388,7 +397,7 @@ def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
     the committed tokens' taps to the drafter context. bs == 1 is a plain target step (no
     drafting; its taps still feed the context, so drafting can resume at any step)."""
     tcfg, dcfg, cfg = ctx["tcfg"], ctx["dcfg"], ctx["cfg"]
-    tparams, dparams, head_dv = ctx["target_params"], ctx["drafter_params"], ctx["head_dv"]
+    tparams, dparams, head = ctx["target_params"], ctx["drafter_params"], ctx["head"]
     k_draft, k_accept = jax.random.split(_step_key(ctx["rng"], s.step))
     start_b = ctx["prompt_lengths"] + s.n_gen - 1
     anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
@@ -397,7 +406,7 @@ def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
-        drafts_bg, draft_logp_bgv = draft_tokens(head_dv, tcfg, dcfg, cfg, hidden_bgd, k_draft)
+        drafts_bg, draft_logp_bgv = draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft)
         verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
     else:
         verify_bt = anchor_b1
@@ -405,9 +414,9 @@ def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
     vhidden_btd, taps_btf, cache = verify_hidden(tparams, tcfg, dcfg, verify_bt, start_b, s.cache)
     # Accept the longest valid prefix plus one target token.
     if bs > 1:
-        a_b, new_bt = verify_accept(head_dv, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
+        a_b, new_bt = verify_accept(head, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
     else:
-        new_bt = pick(apply_head(head_dv, vhidden_btd[:, 0]), k_accept, cfg)[:, None]
+        new_bt = _pick(head, vhidden_btd[:, 0], k_accept, cfg)[:, None]
         a_b = jnp.zeros_like(start_b)
     # Commit; the target cache length is implied by n_gen (rollback = lower length).
     s, produced_b = _commit(s.replace(cache=cache), new_bt, a_b + 1, cfg, bs)
@@ -438,9 +447,9 @@ def _speculative(
     mesh=None,
 ):
     tcfg, dcfg, cfg = target_config, drafter_config, decode_config
-    head_dv = unembedding_matrix(target_params, tcfg)
+    head = decoding_head(target_params, tcfg)
     state = _init_speculative(
-        target_params, drafter_params, head_dv, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+        target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
     )
     state = _constrain(state, mesh)
     ctx = dict(
@@ -449,7 +458,7 @@ def _speculative(
         cfg=cfg,
         target_params=target_params,
         drafter_params=drafter_params,
-        head_dv=head_dv,
+        head=head,
         rng=rng,
         prompt_lengths=prompt_lengths,
     )

@@ -54,7 +54,11 @@ def accept_greedy(drafts_bg: jax.Array, target_logits_bgv: jax.Array):
     """Greedy verification. drafts [B,G]; target logits [B,G+1,V] (row i predicts the token
     after block slot i). Returns (accepted count a [B], committed tokens [B,G+1]): the first a
     drafts, then the target's own token (the bonus) at index a."""
-    choice_bt = argmax_last(target_logits_bgv)
+    return accept_greedy_choices(drafts_bg, argmax_last(target_logits_bgv))
+
+
+def accept_greedy_choices(drafts_bg: jax.Array, choice_bt: jax.Array):
+    """`accept_greedy` from the target's greedy tokens [B,G+1] instead of its logits."""
     match_bg = drafts_bg == choice_bt[:, :-1]
     a_b = jnp.sum(jnp.cumprod(match_bg.astype(jnp.int32), axis=-1), axis=-1)
     return a_b, _commit_tokens(drafts_bg, a_b, jnp.take_along_axis(choice_bt, a_b[:, None], 1))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
+from dflash_jax.ops.reductions import argmax_last, head_argmax, head_argmax_applies
 
 
 @flax.struct.dataclass
@@ -198,6 +199,31 @@ def unembedding_matrix(params, config: TargetConfig) -> jax.Array:
 def apply_head(head_dv: jax.Array, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] @ head [D,V] -> logits [..., V] in the hidden's dtype."""
     return jnp.einsum("...d,dv->...v", hidden, head_dv.astype(hidden.dtype))
+
+
+@flax.struct.dataclass
+class Head:
+    """The frozen lm_head as the decode loops use it: `dv` [D,V] (`unembedding_matrix`) and,
+    for a tied head, its [V,D] rows `vd` (the embedding itself, no copy), which let greedy
+    decoding take the argmax without materialising the logits (`ops.reductions.head_argmax`)."""
+
+    dv: jax.Array
+    vd: jax.Array | None = None
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        return apply_head(self.dv, hidden)
+
+    def argmax(self, hidden: jax.Array) -> jax.Array:
+        """The greedy token of every final-normed hidden [..., D] -> int32 [...]."""
+        if head_argmax_applies(self.vd, self.dv.shape[1]):
+            return head_argmax(hidden, self.dv, self.vd)
+        return argmax_last(self.logits(hidden))
+
+
+def decoding_head(params, config: TargetConfig) -> Head:
+    """The `Head` of a target for the decode loops (inside jit: the [D,V] copy is per call)."""
+    vd = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else None
+    return Head(dv=unembedding_matrix(params, config), vd=vd)
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
