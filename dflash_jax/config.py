@@ -391,8 +391,9 @@ class DecodeConfig:
     adaptive: bool = False
     step_kinds: tuple[int, ...] = ()  # () with adaptive: 1, 4, 8 and block_size (those <= it)
     adaptive_rate: float = 0.2  # weight of the newest step in the acceptance estimates
-    adaptive_prior: float = 0.5  # initial per-position acceptance estimate
+    adaptive_prior: float = 0.3  # initial per-position acceptance estimate (see adaptive.py)
     probe_every: int = 16  # after this many plain steps in a row, draft once to re-measure
+    probe_backoff: int = 4  # a failed probe doubles the wait, up to probe_every * this
     # Send committed tokens to the host handler (`decoding.loop.set_stream_handler`) each step.
     stream: bool = False
 
@@ -415,6 +416,8 @@ class DecodeConfig:
             )
         if self.probe_every < 1:
             raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
+        if self.probe_backoff < 1:
+            raise ConfigError(f"probe_backoff={self.probe_backoff} must be at least 1")
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

@@ -13,6 +13,7 @@ speedup = mean(TPOT_AR) / mean(TPOT_DFlash), a ratio of means. tau counts the bo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -117,7 +118,7 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
         stop_token_ids=cfg.stop_token_ids,
     )
     prefill = _timed(target, None, prompt, lengths, prefill_cfg, warmed)
-    ar_cfg = DecodeConfig(**{**cfg.__dict__, "block_size": 1})
+    ar_cfg = dataclasses.replace(cfg, block_size=1, adaptive=False, step_kinds=())
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
     df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
     n_ar, n_df = int(ar.output.lengths[0]), int(df.output.lengths[0])

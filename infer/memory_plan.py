@@ -176,7 +176,7 @@ def plan_decode(cfg, mesh) -> dict:
     from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import loop
     from dflash_jax.models.drafter import init_drafter_params
-    from dflash_jax.models.target import init_params
+    from dflash_jax.models.target import Head, init_params
     from dflash_jax.training.trainer import drafter_config_for
 
     dtype = jnp.dtype(FLAGS.dtype)
@@ -204,7 +204,7 @@ def plan_decode(cfg, mesh) -> dict:
     fn, placed, _ = loop.on_mesh(loop._speculative_jit, mesh, args, statics)
 
     def carry(target, drafter, prompt, lengths, rng):
-        head = jnp.zeros((tcfg.hidden_size, tcfg.vocab_size), dtype)
+        head = Head(dv=jnp.zeros((tcfg.hidden_size, tcfg.vocab_size), dtype))
         return loop._init_speculative(
             target, drafter, head, tcfg, dcfg, decode, prompt, lengths, rng
         )

@@ -22,6 +22,8 @@ def test_config_kinds_and_validation():
         DecodeConfig(block_size=8, adaptive=True, step_kinds=(1, 4))
     with pytest.raises(ConfigError, match="probe_every"):
         DecodeConfig(adaptive=True, probe_every=0)
+    with pytest.raises(ConfigError, match="probe_backoff"):
+        DecodeConfig(adaptive=True, probe_backoff=0)
 
 
 def test_expected_tokens_and_choice():
@@ -91,8 +93,9 @@ def test_probe_brings_drafting_back_once_drafts_succeed():
     tcfg, tp, dcfg, dp = _bigram_pair(chain=24)
     prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
     cfg = DecodeConfig(
-        max_new_tokens=64, block_size=8, adaptive=True, probe_every=3, adaptive_rate=0.5
-    )
+        max_new_tokens=64, block_size=8, adaptive=True, probe_every=3, adaptive_rate=0.5,
+        probe_backoff=1,
+    )  # fmt: skip
     key = jax.random.key(0)
     ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=cfg)
     out = speculative_decode(
@@ -202,3 +205,44 @@ def test_calibrated_costs_are_measured_once_and_cached(monkeypatch, tmp_path):
     np.testing.assert_allclose(again, costs, rtol=1e-3)
     assert not calls  # read from the cache
     assert (tmp_path / "step_costs.json").is_file()
+
+
+def test_failed_probes_back_off_and_a_hit_resets_the_wait():
+    cfg = DecodeConfig(block_size=8, adaptive=True, probe_every=3, probe_backoff=4)
+    active = jnp.array([True, True])
+    miss, hit = jnp.array([0, 0]), jnp.array([0, 2])
+    wait = jnp.int32(3)
+    waits = []
+    for _ in range(4):
+        wait = adaptive.next_probe_wait(wait, jnp.int32(4), miss, active, cfg)
+        waits.append(int(wait))
+    assert waits == [6, 12, 12, 12]  # doubled, capped at probe_every * probe_backoff
+    assert int(adaptive.next_probe_wait(wait, jnp.int32(1), miss, active, cfg)) == 12  # plain
+    assert int(adaptive.next_probe_wait(wait, jnp.int32(4), hit, active, cfg)) == 3
+    # A finished row's count does not reset it.
+    done1 = jnp.array([True, False])
+    assert int(adaptive.next_probe_wait(wait, jnp.int32(4), hit, done1, cfg)) == 12
+    # The choice probes only once the run of plain steps reaches the wait.
+    alpha = jnp.zeros((1, 7))
+    one = jnp.array([True])
+    costs = jnp.array([1.0, 2.0, 3.0])
+    assert int(adaptive.choose_kind(alpha, one, 11, costs, -1, cfg, jnp.int32(12))) == 0
+    assert int(adaptive.choose_kind(alpha, one, 12, costs, -1, cfg, jnp.int32(12))) == 1
+
+
+def test_hopeless_drafter_probes_less_often_with_backoff():
+    tcfg, tp, dcfg, dp = _bigram_pair(chain=30)  # every draft fails on the chain
+    prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
+    key = jax.random.key(0)
+    probes = {}
+    for backoff in (1, 4):
+        cfg = DecodeConfig(
+            max_new_tokens=29, block_size=8, adaptive=True, probe_every=3, probe_backoff=backoff
+        )
+        out = speculative_decode(
+            tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg,
+            decode_config=cfg, step_costs=(1.0, 1.5, 2.0),
+        )  # fmt: skip
+        steps = int(out.num_steps[0])
+        probes[backoff] = int((np.asarray(out.block_sizes[0, :steps]) > 1).sum())
+    assert probes[4] < probes[1]

@@ -36,3 +36,22 @@ def test_breakdown_reports_every_phase_and_floor():
     assert out["gemm_floor_step_s"] > 0 and out["gemm_floor_ar_s"] > 0
     assert np.isclose(out["phases_sum_s"], sum(out[f"phase_{p}_s"] for p in breakdown.PHASES))
     assert out["break_even_tau"] == out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
+
+
+def test_benchmark_turn_in_adaptive_mode_times_a_plain_ar_baseline():
+    """The AR baseline of an adaptive run is a plain decode (no step kinds), and its output
+    equals the adaptive DFlash run's."""
+    from absl import flags
+
+    from dflash_jax.decoding.adaptive import default_step_costs
+    from infer import benchmark
+
+    flags.FLAGS.mark_as_parsed()
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    target = types.SimpleNamespace(config=tcfg, params=tp)
+    drafter = types.SimpleNamespace(config=dcfg, params=dp)
+    cfg = DecodeConfig(max_new_tokens=12, block_size=8, adaptive=True)
+    costs = default_step_costs(cfg.step_kinds)
+    stats, answer = benchmark.run_turn(target, drafter, list(range(3, 12)), cfg, set(), costs)
+    assert stats["outputs_identical"] and len(answer) == stats["ar_tokens"] == 12
+    assert set(stats["block_sizes"]) <= set(cfg.step_kinds)

@@ -72,6 +72,7 @@ class _State:
     drf_len: jax.Array | None = None  # [B], = start after every step
     alpha: jax.Array | None = None  # [B, T-1] adaptive: per-position acceptance estimates
     plain_run: jax.Array | None = None  # [] adaptive: plain steps in a row
+    probe_wait: jax.Array | None = None  # [] adaptive: plain steps before the next probe
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -90,6 +91,7 @@ _CARRY_AXES = {
     "drf_len": ("batch",),
     "alpha": ("batch", None),
     "plain_run": (),
+    "probe_wait": (),
 }
 
 
@@ -191,15 +193,21 @@ def _prefill(
 # `decoding.breakdown` times each one apart at real shapes).
 
 
+def context_rows(drafter_params, dcfg, drf_len_b, taps_btf):
+    """The drafter's context K/V rows for taps [B,T,F] placed at each row's drf_len.
+    -> (ks, vs): per drafter layer [B,Kv,T,H]."""
+    t = taps_btf.shape[1]
+    positions_bt = drf_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return Drafter(dcfg).apply(
+        {"params": drafter_params}, taps_btf, positions_bt, method="context_kv"
+    )
+
+
 def append_context(drafter_params, dcfg, ctx_k, ctx_v, drf_len_b, taps_btf, count_b):
     """Appends the context K/V of taps [B,T,F] (the committed tokens' target taps) at each
     row's drf_len; rows past `count` are written too, then masked and overwritten later.
     -> (ctx_k, ctx_v, drf_len + count)."""
-    t = taps_btf.shape[1]
-    positions_bt = drf_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    ks, vs = Drafter(dcfg).apply(
-        {"params": drafter_params}, taps_btf, positions_bt, method="context_kv"
-    )
+    ks, vs = context_rows(drafter_params, dcfg, drf_len_b, taps_btf)
     ctx_k = tuple(write_rows(c, k, drf_len_b) for c, k in zip(ctx_k, ks, strict=True))
     ctx_v = tuple(write_rows(c, v, drf_len_b) for c, v in zip(ctx_v, vs, strict=True))
     return ctx_k, ctx_v, drf_len_b + count_b
@@ -233,9 +241,10 @@ def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key):
     return sample(row_keys(key, hidden_bgd.shape[0]), draft_logp_bgv), draft_logp_bgv
 
 
-def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache):
+def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_write=False):
     """The target on [anchor, drafts] at positions start.., writing its K/V at start.
-    -> (final-normed hidden [B,T,D], taps [B,T,F], cache)."""
+    -> (final-normed hidden [B,T,D], taps [B,T,F], cache); defer_write: the cache is left
+    as it was and the new K/V rows take its place (`Transformer.hidden`)."""
     positions_bt = start_b[:, None] + jnp.arange(verify_bt.shape[1], dtype=jnp.int32)[None, :]
     return Transformer(tcfg).apply(
         {"params": target_params},
@@ -244,6 +253,8 @@ def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache):
         cache,
         start_b,
         dcfg.target_layer_ids,
+        None,
+        defer_write,
         method="hidden",
     )
 
@@ -327,9 +338,7 @@ def _autoregressive(
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
     head = decoding_head(target_params, tcfg)
-    state, _ = _prefill(
-        target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ()
-    )
+    state, _ = _prefill(target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
     state = _constrain(state, mesh)
     model = Transformer(tcfg)
 
@@ -389,13 +398,19 @@ def _init_speculative(
         drf_len=drf_len_b,
         alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
         plain_run=jnp.int32(0),
+        probe_wait=jnp.int32(cfg.probe_every),
     )
 
 
-def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
-    """One loop step with block size `bs`: draft bs-1 tokens, verify, accept, commit, then append
-    the committed tokens' taps to the drafter context. bs == 1 is a plain target step (no
-    drafting; its taps still feed the context, so drafting can resume at any step)."""
+def _propose(s: _State, *, bs: int, width: int, ctx: dict) -> dict:
+    """The part of one loop step with block size `bs` that writes no carried buffer: draft bs-1
+    tokens, verify them (the target's K/V rows returned, not written), accept, and the drafter
+    context rows of the verified tokens. Row outputs are padded to `width` (the largest kind),
+    so the adaptive `lax.switch` over kinds has one output shape, and since no branch writes a
+    cache, XLA:CPU copies none into or out of the branches (it copied all 66 SmolLM2 cache
+    buffers per step when the branches wrote them, ~1.2 ms of a 12 ms plain step). bs == 1 is a
+    plain target step (no drafting; its taps still feed the context, so drafting can resume at
+    any step)."""
     tcfg, dcfg, cfg = ctx["tcfg"], ctx["dcfg"], ctx["cfg"]
     tparams, dparams, head = ctx["target_params"], ctx["drafter_params"], ctx["head"]
     k_draft, k_accept = jax.random.split(_step_key(ctx["rng"], s.step))
@@ -410,25 +425,64 @@ def _speculative_step(s: _State, *, bs: int, ctx: dict) -> _State:
         verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
     else:
         verify_bt = anchor_b1
-    # Verify with the target, writing its K/V at start.
-    vhidden_btd, taps_btf, cache = verify_hidden(tparams, tcfg, dcfg, verify_bt, start_b, s.cache)
+    # Verify with the target; its K/V rows for slots start.. come back unwritten.
+    vhidden_btd, taps_btf, kv_rows = verify_hidden(
+        tparams, tcfg, dcfg, verify_bt, start_b, s.cache, defer_write=True
+    )
     # Accept the longest valid prefix plus one target token.
     if bs > 1:
         a_b, new_bt = verify_accept(head, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
     else:
         new_bt = _pick(head, vhidden_btd[:, 0], k_accept, cfg)[:, None]
         a_b = jnp.zeros_like(start_b)
-    # Commit; the target cache length is implied by n_gen (rollback = lower length).
-    s, produced_b = _commit(s.replace(cache=cache), new_bt, a_b + 1, cfg, bs)
-    ctx_k, ctx_v, drf_len_b = append_context(
-        dparams, dcfg, s.ctx_k, s.ctx_v, s.drf_len, taps_btf, produced_b
+    ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
+
+    def pad(x, axis):  # rows of this kind -> `width` rows (the tail is never read)
+        extra = [(0, 0)] * x.ndim
+        extra[axis] = (0, width - x.shape[axis])
+        return jnp.pad(x, extra)
+
+    out = dict(
+        new=pad(new_bt, 1),
+        accepted=a_b,
+        k=tuple(pad(r, 2) for r in kv_rows.k),
+        v=tuple(pad(r, 2) for r in kv_rows.v),
+        ctx_k=tuple(pad(r, 2) for r in ctx_ks),
+        ctx_v=tuple(pad(r, 2) for r in ctx_vs),
+        kind=jnp.int32(bs),
     )
-    s = s.replace(ctx_k=ctx_k, ctx_v=ctx_v, drf_len=drf_len_b)
     if cfg.adaptive:
         alpha = s.alpha
-        if bs > 1:
-            alpha = adaptive.update_estimates(alpha, a_b, produced_b, bs, cfg.adaptive_rate)
-        s = s.replace(alpha=alpha, plain_run=jnp.where(bs == 1, s.plain_run + 1, 0))
+        if bs > 1:  # the estimates move on what this step tried (commit caps nothing here)
+            tried_b = jnp.where(s.done, 0, a_b + 1)
+            alpha = adaptive.update_estimates(alpha, a_b, tried_b, bs, cfg.adaptive_rate)
+        out["alpha"] = alpha
+    return out
+
+
+def _apply(s: _State, out: dict, cfg: DecodeConfig, prompt_lengths) -> _State:
+    """Writes what `_propose` returned: commits the accepted tokens, the target's K/V rows at
+    the anchor's slot and the committed tokens' drafter context rows (one in-place scatter per
+    buffer, outside any branch)."""
+    start_b = prompt_lengths + s.n_gen - 1
+    active_b = ~s.done
+    kind = out["kind"]
+    # Commit; the target cache length is implied by n_gen (rollback = lower length).
+    s, produced_b = _commit(s, out["new"], out["accepted"] + 1, cfg, kind)
+    cache = KVCache(
+        k=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.k, out["k"], strict=True)),
+        v=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.v, out["v"], strict=True)),
+    )
+    ctx_k = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_k, out["ctx_k"], strict=True))
+    ctx_v = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_v, out["ctx_v"], strict=True))
+    s = s.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, drf_len=s.drf_len + produced_b)
+    if cfg.adaptive:
+        wait = adaptive.next_probe_wait(s.probe_wait, kind, out["accepted"], active_b, cfg)
+        s = s.replace(
+            alpha=out["alpha"],
+            plain_run=jnp.where(kind == 1, s.plain_run + 1, 0),
+            probe_wait=wait,
+        )
     return s
 
 
@@ -462,14 +516,20 @@ def _speculative(
         rng=rng,
         prompt_lengths=prompt_lengths,
     )
+    width = cfg.block_size
     if not cfg.adaptive:
-        step = functools.partial(_speculative_step, bs=cfg.block_size, ctx=ctx)
+        propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:
-        branches = [functools.partial(_speculative_step, bs=b, ctx=ctx) for b in cfg.step_kinds]
+        branches = [functools.partial(_propose, bs=b, width=width, ctx=ctx) for b in cfg.step_kinds]
 
-        def step(s: _State) -> _State:
-            k = adaptive.choose_kind(s.alpha, ~s.done, s.plain_run, step_costs, forced_kind, cfg)
+        def propose(s: _State) -> dict:
+            k = adaptive.choose_kind(
+                s.alpha, ~s.done, s.plain_run, step_costs, forced_kind, cfg, s.probe_wait
+            )
             return jax.lax.switch(k, branches, s)
+
+    def step(s: _State) -> _State:
+        return _apply(s, propose(s), cfg, prompt_lengths)
 
     def body(s: _State) -> _State:
         return _constrain(step(s), mesh)

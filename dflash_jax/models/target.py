@@ -72,24 +72,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.mlp = MLP(c.intermediate_size, dtype)
 
-    def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None):
+    def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None, defer_write=False):
         """x [B,T,D]. With a cache ((k, v), each [B,K,S,H]) the T new tokens are written at
         cache_lengths[b] + t and query t sees slots <= cache_lengths[b] + t (cache_lengths None:
         an empty cache, written from slot 0); without, attention is causal over the T tokens.
-        -> (x [B,T,D], updated cache or None)."""
+        -> (x [B,T,D], updated cache or None). defer_write: the cache is left unwritten and the
+        new rows (k, v) [B,K,T,H] are returned in its place."""
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
         k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
         impl = self.config.attention_impl
         if layer_cache is not None and cache_lengths is not None:
-            new_cache = (
-                write_rows(layer_cache[0], k_bkth, cache_lengths),
-                write_rows(layer_cache[1], v_bkth, cache_lengths),
-            )
+            new_cache = None
+            if not defer_write:
+                new_cache = (
+                    write_rows(layer_cache[0], k_bkth, cache_lengths),
+                    write_rows(layer_cache[1], v_bkth, cache_lengths),
+                )
             attn_btnh = cached_attention(
                 q_btnh, layer_cache, new_cache, (k_bkth, v_bkth), cache_lengths, impl=impl
             )
-            layer_cache = new_cache
+            layer_cache = (k_bkth, v_bkth) if defer_write else new_cache
         else:
             # No cache, or an empty one (prefill): the new tokens attend among themselves.
             zeros_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
@@ -155,9 +158,12 @@ class Transformer(nn.Module):
         cache_lengths: jax.Array | None = None,
         tap_layers: tuple[int, ...] = (),
         logit_indices: jax.Array | None = None,
+        defer_cache_write: bool = False,
     ):
         """`__call__` without the lm_head: (final-normed hidden [B,T or M,D], taps, cache). The
-        decode loop applies the head itself (`unembedding_matrix`)."""
+        decode loop applies the head itself (`Head`). defer_cache_write (with cache_lengths):
+        the cache is not written; its place in the result holds the new rows, a `KVCache` of
+        [B,K,T,H] per layer, for the caller to write (`write_rows`) where it suits it."""
         c = self.config
         for l in tap_layers:
             if not 0 <= l < c.num_layers:
@@ -167,7 +173,9 @@ class Transformer(nn.Module):
         taps, new_k, new_v = {}, [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x_btd, layer_cache = layer(x_btd, cos, sin, layer_cache, cache_lengths)
+            x_btd, layer_cache = layer(
+                x_btd, cos, sin, layer_cache, cache_lengths, defer_cache_write
+            )
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])

@@ -129,7 +129,7 @@ def causal_attention(
 def cached_attention(
     q: jax.Array,
     old_cache: tuple[jax.Array, jax.Array],
-    new_cache: tuple[jax.Array, jax.Array],
+    new_cache: tuple[jax.Array, jax.Array] | None,
     new_kv: tuple[jax.Array, jax.Array],
     cache_lengths: jax.Array,
     *,
@@ -138,8 +138,9 @@ def cached_attention(
     """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
     query t sees the cache slots before cache_lengths[b] and the new tokens up to itself.
 
-    q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write; new_kv:
-    the new tokens' (k, v) [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H].
+    q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write (None: not
+    written yet, see `Transformer.hidden(defer_cache_write=True)`); new_kv: the new tokens'
+    (k, v) [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H].
 
     XLA scores the old cache and the new block apart (`append_attention`, one joint softmax),
     over the live part of the cache only (`live_window`): the written cache then has a single
@@ -152,6 +153,12 @@ def cached_attention(
         _log_once(f"attention_impl={impl} on tpu: the target attention uses xla (no TPU kernel)")
     elif kernel != "xla":
         hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
+        if new_cache is None:  # the caller writes the cache later (a deferred write)
+            from dflash_jax.models.target import write_rows  # noqa: PLC0415 (import cycle)
+
+            new_cache = tuple(
+                write_rows(c, n, cache_lengths) for c, n in zip(old_cache, new_kv, strict=True)
+            )
         k, v = new_cache
         return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
     return live_window(
