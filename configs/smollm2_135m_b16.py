@@ -1,9 +1,14 @@
 """The default drafter for SmolLM2-135M-Instruct, sized for a 2-core CPU (fp32).
 
-3 Qwen3-style layers at the target's width (576, 9/3 heads, head_dim 64, FFN 1536), 5 taps at
+1 Qwen3-style layer at the target's width (576, 9/3 heads, head_dim 64, FFN 1536), 5 taps at
 the reference rule's layers [1, 8, 14, 20, 27] of 30, block 16, 384-token rows (128-token prompt
 + 256-token response, the longest generate_data writes for it), 64 anchors per row, 8 rows a
 step. Real tau is measured on the shipped dev set (code, math, chat).
+
+Recipe from the ablation (`python -m train.ablate`, 8 CPU-minutes per arm, real tau on the dev
+set; README "Training"): 1 layer beat 3 (twice the steps for the same CPU time, and no worse
+per step), lr 1e-3 beat 3e-3, the sampled softmax beat the full CE at equal time, and neither
+init_from_target nor gamma 4 helped tau at this budget.
 
 CPU budget choices (measured in dflash_jax/training/trainer.py's docstring): taps cached on disk
 after one target pass, and a sampled softmax with 4096 uniform negatives instead of the full
@@ -26,7 +31,7 @@ def get_config():
     cfg.compute_dtype = "float32"  # bf16 is slower than fp32 on CPU
     cfg.drafter.hidden_size = 576
     cfg.drafter.intermediate_size = 1536
-    cfg.drafter.num_layers = 3
+    cfg.drafter.num_layers = 1
     cfg.drafter.num_heads = 9
     cfg.drafter.num_kv_heads = 3
     cfg.drafter.head_dim = 64

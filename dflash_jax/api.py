@@ -57,9 +57,12 @@ def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.n
     return prompt, np.array([len(t) for t in token_lists], np.int32)
 
 
-# The decode block size `generate` and `infer.generate` use when none is given, on a CPU, where
-# every verified token costs compute (README, "Choosing the block size"); on accelerators the
-# drafter's trained size.
+# How `generate` and `infer.generate` decode when the user does not say. Measured on our 2-core
+# CPU with the shipped SmolLM2 drafter (README, "Why DFlash is not yet faster on this CPU"):
+# adaptive ran at 0.95-1.0x the target's speed where fixed block 8 ran at 0.5-0.6x and block 16
+# at 0.35-0.45x, because a CPU pays for every verified token. So on CPU: adaptive, with the
+# trained block as the largest kind. On GPU/TPU, where a block costs about one AR step: the
+# trained block, fixed.
 CPU_DEFAULT_BLOCK_SIZE = 16
 
 
@@ -69,6 +72,23 @@ def default_block_size(target, drafter) -> int:
     if jax.default_backend() == "cpu":
         return min(trained, CPU_DEFAULT_BLOCK_SIZE)
     return trained
+
+
+# The prompt-lookup step kinds an adaptive decode adds when the user does not say (those <= its
+# block size): copies cost a verify and nothing else, and where text repeats they are accepted
+# whole (README, "Adaptive steps").
+DEFAULT_LOOKUP_KINDS = (8, 16)
+
+
+def default_adaptive(target, drafter) -> bool:
+    """Whether to decode with the adaptive draft length when the user does not say: on CPU."""
+    return drafter is not None and jax.default_backend() == "cpu"
+
+
+def baseline_config(cfg: DecodeConfig) -> DecodeConfig:
+    """The target-only config matching `cfg`: same sampling, stops and lengths, no drafting
+    (block 1, not adaptive). What the benchmark and --compare_ar time DFlash against."""
+    return dataclasses.replace(cfg, block_size=1, adaptive=False, step_kinds=(), lookup_kinds=())
 
 
 def stop_token_ids(target) -> tuple[int, ...]:
@@ -212,15 +232,22 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     block_size: int | None = None,
+    adaptive: bool | None = None,
+    lookup_kinds: tuple[int, ...] | None = None,
     seed: int = 0,
     chat: bool = True,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
-    and returns the generated texts (stop token removed)."""
+    and returns the generated texts (stop token removed). block_size / adaptive None: the
+    measured defaults (`default_block_size`, `default_adaptive`); adaptive step costs are
+    calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
+    prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if block_size is None:
         block_size = default_block_size(target, drafter) if drafter is not None else 1
+    if adaptive is None:
+        adaptive = default_adaptive(target, drafter) and block_size > 1
     cfg = DecodeConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -228,9 +255,22 @@ def generate(
         top_p=top_p,
         block_size=block_size,
         stop_token_ids=stop_token_ids(target),
+        adaptive=bool(adaptive and drafter is not None),
+        lookup_kinds=(
+            ()
+            if not (adaptive and drafter is not None)
+            else tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+            if lookup_kinds is None
+            else tuple(lookup_kinds)
+        ),
     )
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
-    out = timed_decode(target, drafter, prompt, lengths, seed, cfg).output
+    kw = {}
+    if cfg.adaptive:
+        from dflash_jax.decoding.adaptive import calibrate_step_costs  # noqa: PLC0415 (cycle)
+
+        kw["step_costs"] = calibrate_step_costs(target, drafter, prompt, lengths, cfg)
+    out = timed_decode(target, drafter, prompt, lengths, seed, cfg, **kw).output
     return [
         target.tokenizer.decode(toks[:n], skip_special_tokens=True)
         for toks, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True)

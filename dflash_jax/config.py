@@ -394,6 +394,11 @@ class DecodeConfig:
     adaptive_prior: float = 0.3  # initial per-position acceptance estimate (see adaptive.py)
     probe_every: int = 16  # after this many plain steps in a row, draft once to re-measure
     probe_backoff: int = 4  # a failed probe doubles the wait, up to probe_every * this
+    # Prompt-lookup step kinds (adaptive only; decoding/lookup.py): block sizes whose drafts are
+    # copied from the prompt and the text so far (the longest suffix match of up to
+    # `lookup_ngram` tokens, then what followed it) instead of drafted; verified the same way.
+    lookup_kinds: tuple[int, ...] = ()
+    lookup_ngram: int = 3
     # Send committed tokens to the host handler (`decoding.loop.set_stream_handler`) each step.
     stream: bool = False
 
@@ -416,6 +421,15 @@ class DecodeConfig:
             )
         if self.probe_every < 1:
             raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
+        lookup = tuple(sorted({int(b) for b in self.lookup_kinds}))
+        if lookup and (not self.adaptive or min(lookup) < 2 or max(lookup) > self.block_size):
+            raise ConfigError(
+                f"lookup_kinds={self.lookup_kinds} need adaptive=True and block sizes in "
+                f"[2, block_size={self.block_size}]"
+            )
+        object.__setattr__(self, "lookup_kinds", lookup)
+        if self.lookup_ngram < 1:
+            raise ConfigError(f"lookup_ngram={self.lookup_ngram} must be at least 1")
         if self.probe_backoff < 1:
             raise ConfigError(f"probe_backoff={self.probe_backoff} must be at least 1")
         if self.temperature < 0:
@@ -427,6 +441,13 @@ class DecodeConfig:
         if self.block_size < 1:
             raise ConfigError(f"block_size={self.block_size} must be at least 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def all_kinds(self) -> tuple[int, ...]:
+        """Every adaptive step kind, in the order of the controller's costs and of a forced
+        kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes
+        (how `DecodeOutput.block_sizes` records them)."""
+        return self.step_kinds + tuple(-b for b in self.lookup_kinds)
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,6 @@ speedup = mean(TPOT_AR) / mean(TPOT_DFlash), a ratio of means. tau counts the bo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -30,6 +29,7 @@ from dflash_jax.decoding.lookup import prompt_lookup_taus
 from infer import common
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 flags.DEFINE_string(
     "dataset",
     "humaneval",
@@ -118,7 +118,7 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
         stop_token_ids=cfg.stop_token_ids,
     )
     prefill = _timed(target, None, prompt, lengths, prefill_cfg, warmed)
-    ar_cfg = dataclasses.replace(cfg, block_size=1, adaptive=False, step_kinds=())
+    ar_cfg = api.baseline_config(cfg)
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
     df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
     n_ar, n_df = int(ar.output.lengths[0]), int(df.output.lengths[0])
@@ -149,7 +149,8 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
 
 
 def kind_mix(turns: list[dict]) -> dict:
-    """Share of DFlash steps run at each block size (1 = plain target steps, adaptive mode)."""
+    """Share of DFlash steps run at each block size (adaptive mode: 1 = plain target steps,
+    -b = prompt-lookup steps of block b)."""
     kinds = np.asarray([k for t in turns for k in t["block_sizes"]], int)
     return {str(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
 
@@ -188,8 +189,8 @@ def calibrate(target, drafter, ids, cfg: DecodeConfig) -> np.ndarray:
     prompt), measured once per machine and cached (`adaptive.calibrate_step_costs`)."""
     prompt, lengths = api.pad_prompts([ids])
     costs = adaptive.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
-    pretty = ", ".join(f"{b}: {c:.2f}" for b, c in zip(cfg.step_kinds, costs, strict=True))
-    print(f"step costs in AR steps (block size: cost): {pretty}")
+    pretty = ", ".join(f"{b}: {c:.2f}" for b, c in zip(cfg.all_kinds, costs, strict=True))
+    print(f"step costs in AR steps (block size, -b = lookup: cost): {pretty}")
     return costs
 
 
@@ -285,7 +286,11 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
         turn = max(turns, key=lambda t: t["steps"])
         steps = range(len(turn["taus"]))
         ax4.bar(steps, turn["taus"], color="#4477aa", label="tau (tokens committed)")
-        ax4.step(steps, turn["block_sizes"], where="mid", color="#ee6677", label="block size")
+        ax4.step(
+            steps, turn["block_sizes"], where="mid", color="#ee6677",
+            label="block size (< 0: copied by lookup)",
+        )  # fmt: skip
+        ax4.axhline(0, color="#999999", lw=0.5)
         ax4.set_xlabel("step")
         ax4.set_title(f"adaptive steps, longest turn (mix {agg['step_kind_mix']})", fontsize=9)
         ax4.legend(fontsize=7)
@@ -303,6 +308,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
+    common.enable_compilation_cache()
     common.distributed.initialize()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
@@ -347,7 +353,7 @@ def main(argv):
             )
     agg = aggregate(turns, block)
     if step_costs is not None:
-        agg["step_kinds"] = list(cfg.step_kinds)
+        agg["step_kinds"] = list(cfg.all_kinds)
         agg["step_costs"] = [float(c) for c in step_costs]
     if FLAGS.breakdown:
         agg.update(run_breakdown(target, drafter, turns, cfg))

@@ -10,6 +10,7 @@ import dataclasses
 
 from absl import app, flags
 
+from dflash_jax.api import DEFAULT_LOOKUP_KINDS
 from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
 from infer import distributed as distributed
 from infer.logs import quiet_library_logs as quiet_library_logs
@@ -56,17 +57,36 @@ flags.DEFINE_enum(
     "on CPU). A case the kernels lack is refused under 'pallas', done by xla under 'auto'.",
 )  # fmt: skip
 flags.DEFINE_bool(
-    "adaptive", False,
+    "adaptive", None,
     "Adaptive draft length: every step picks a block size among --step_kinds (1 = a plain "
     "target step) by expected tokens per unit of cost, measured for this machine by a short "
-    "calibration on the first prompt (cached under ~/.cache/dflash_jax).",
+    "calibration on the first prompt (cached under ~/.cache/dflash_jax). Unset: on for "
+    "infer.generate on CPU (measured fastest there, see the README), off elsewhere and for "
+    "infer.benchmark.",
 )  # fmt: skip
 flags.DEFINE_list(
     "step_kinds", [],
     "With --adaptive: the block sizes to choose from, e.g. 1,4,8,16 (the largest is the block "
     "size); empty = 1, 4, 8 and the block size.",
 )  # fmt: skip
+flags.DEFINE_list(
+    "lookup_kinds", None,
+    "With --adaptive: block sizes of prompt-lookup steps, whose drafts are copied from the "
+    "prompt and the text so far (decoding/lookup.py) and verified like the drafter's; the "
+    "controller tracks how often a copy would be accepted after every step. Unset: "
+    f"{list(DEFAULT_LOOKUP_KINDS)} (those <= the block size); empty (--lookup_kinds=) for none.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "compilation_cache", "~/.cache/dflash_jax/xla",
+    "Directory of JAX's persistent compilation cache: the decode loops compile once per shape "
+    "and machine, later runs load them (empty: off).",
+)  # fmt: skip
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
+flags.register_validator(
+    "lookup_kinds",
+    lambda kinds: kinds is None or all(k.strip().isdigit() and int(k) >= 2 for k in kinds),
+    "--lookup_kinds must be integers >= 2, e.g. 8,16",
+)
 flags.register_validator(
     "step_kinds",
     lambda kinds: all(k.strip().isdigit() and int(k) >= 1 for k in kinds),
@@ -80,11 +100,16 @@ def decode_config(
     block_size: int, stop_token_ids: tuple[int, ...], adaptive: bool | None = None
 ) -> DecodeConfig:
     """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
-    adaptive = FLAGS.adaptive if adaptive is None else adaptive
+    adaptive = bool(FLAGS.adaptive) if adaptive is None else adaptive
+    if FLAGS.lookup_kinds is None:
+        lookup = tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+    else:
+        lookup = tuple(int(k) for k in FLAGS.lookup_kinds)
     return DecodeConfig(
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
         top_p=FLAGS.top_p, block_size=block_size, stop_token_ids=stop_token_ids,
         adaptive=adaptive, step_kinds=tuple(int(k) for k in FLAGS.step_kinds) if adaptive else (),
+        lookup_kinds=lookup if adaptive else (),
     )  # fmt: skip
 
 
@@ -100,6 +125,19 @@ def with_attention_impl(target, drafter=None):
             drafter, config=dataclasses.replace(drafter.config, attention_impl=impl)
         )
     return target, drafter
+
+
+def enable_compilation_cache() -> None:
+    """Points JAX's persistent compilation cache at --compilation_cache (every compile over a
+    second is kept), so that a second run of a script skips the loop compiles."""
+    if not FLAGS.compilation_cache:
+        return
+    import os
+
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from dflash_jax.decoding import adaptive
 from infer import common
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 flags.DEFINE_string("prompt", None, "The user prompt (required).")
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the target's chat template.")
 flags.DEFINE_bool("compare_ar", False, "Also run the target alone; report speedup and identity.")
@@ -40,6 +41,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
+    common.enable_compilation_cache()
     common.distributed.initialize()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required (and must not be empty)")
@@ -56,7 +58,15 @@ def main(argv):
         )
         block = FLAGS.block_size or (api.default_block_size(target, drafter) if drafter else 1)
         cfg = common.decode_config(
-            block, api.stop_token_ids(target), FLAGS.adaptive and drafter is not None
+            block,
+            api.stop_token_ids(target),
+            drafter is not None
+            and block > 1
+            and (
+                FLAGS.adaptive
+                if FLAGS.adaptive is not None
+                else api.default_adaptive(target, drafter)
+            ),
         )
         prompt, lengths = api.pad_prompts(
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
@@ -104,10 +114,10 @@ def main(argv):
         kinds = np.asarray(run.output.block_sizes[0, :steps])
         result["step_kind_mix"] = {str(k): int((kinds == k).sum()) for k in np.unique(kinds)}
         result["step_costs"] = {
-            str(b): float(c) for b, c in zip(cfg.step_kinds, step_costs, strict=True)
+            str(b): float(c) for b, c in zip(cfg.all_kinds, step_costs, strict=True)
         }
     if FLAGS.compare_ar and drafter is not None:
-        ar = api.timed_decode(target, None, prompt, lengths, FLAGS.seed, cfg)
+        ar = api.timed_decode(target, None, prompt, lengths, FLAGS.seed, api.baseline_config(cfg))
         ar_n = int(ar.output.lengths[0])
         result.update(
             ar_tokens_per_s=ar_n / ar.run_s,

@@ -21,6 +21,7 @@ from dflash_jax import api
 from infer import common
 
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 flags.DEFINE_string("prompt", None, "The user prompt (required).")
 flags.DEFINE_integer("repeats", 5, "Timed runs per mode (the median is kept).", lower_bound=1)
 
@@ -29,6 +30,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
+    common.enable_compilation_cache()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required")
     with common.usage_errors():

@@ -246,3 +246,117 @@ def test_hopeless_drafter_probes_less_often_with_backoff():
         steps = int(out.num_steps[0])
         probes[backoff] = int((np.asarray(out.block_sizes[0, :steps]) > 1).sum())
     assert probes[4] < probes[1]
+
+
+def test_device_lookup_proposal_equals_the_host_rule():
+    """The loop's jitted copy proposer follows the host rule the benchmark's baseline uses:
+    the longest earlier suffix match (latest occurrence), continued periodically."""
+    from dflash_jax.decoding import lookup
+
+    rng = np.random.default_rng(0)
+    prompts, gens, plens, ngens = [], [], [], []
+    for _ in range(40):
+        plen, ngen = int(rng.integers(1, 12)), int(rng.integers(1, 10))
+        text = rng.integers(0, 5, plen + ngen).tolist()  # a small alphabet: many matches
+        prompts.append(text[:plen] + [0] * (12 - plen))
+        gens.append(text[plen:] + [0] * (10 - ngen))
+        plens.append(plen)
+        ngens.append(ngen)
+    prop, found = lookup.device_proposal(
+        jnp.array(prompts), jnp.array(plens), jnp.array(gens), jnp.array(ngens), 7, 3
+    )
+    for b in range(40):
+        text = prompts[b][: plens[b]] + gens[b][: ngens[b]]
+        want = lookup.proposal(text, 7, 3)
+        assert bool(found[b]) == bool(want)
+        if want:
+            assert np.asarray(prop[b]).tolist() == want
+    assert lookup.proposal([1, 2, 3, 1, 2, 3, 1], 5, 3) == [2, 3, 1, 2, 3]  # periodic
+    assert lookup.proposal([4, 5, 6], 3, 3) == []
+
+
+def _cycle_pair(cycle: int, vocab: int = 32):
+    """`_bigram_pair`'s target, but its greedy text cycles 1 -> 2 -> ... -> cycle -> 1: a copy
+    of the previous period is always right, and the drafter (always 0) is always wrong."""
+    tcfg, tp, dcfg, dp = _bigram_pair(chain=2, vocab=vocab)
+    d = tcfg.hidden_size
+    nxt = np.zeros(vocab, np.int64)
+    nxt[1:cycle] = np.arange(2, cycle + 1)
+    nxt[cycle] = 1
+    head = np.zeros((d, vocab), np.float32)
+    head[np.arange(vocab), nxt] = 1.0
+    tp["lm_head"]["kernel"] = jnp.asarray(head)
+    return tcfg, tp, dcfg, dp
+
+
+def test_lookup_kinds_are_lossless_and_take_over_on_repeated_text():
+    tcfg, tp, dcfg, dp = _cycle_pair(cycle=5)
+    prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
+    key = jax.random.key(0)
+    cfg = DecodeConfig(
+        max_new_tokens=60, block_size=8, adaptive=True, lookup_kinds=(4, 8), probe_every=4
+    )
+    assert cfg.all_kinds == (1, 4, 8, -4, -8)
+    ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=cfg)
+    out = speculative_decode(
+        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
+        step_costs=(1.0, 1.5, 2.0, 1.4, 1.9),
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert np.asarray(ar.tokens[0, :10]).tolist() == [2, 3, 4, 5, 1, 2, 3, 4, 5, 1]
+    steps = int(out.num_steps[0])
+    kinds = np.asarray(out.block_sizes[0, :steps])
+    acc = np.asarray(out.acceptance_lengths[0, :steps])
+    assert (kinds < 0).sum() > steps // 2 and (acc[kinds == -8] == 8).sum() >= 3
+    assert steps < 25  # 59 for the target alone
+    # Without lookup kinds the same controller can only fall back to plain steps.
+    plain = speculative_decode(
+        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg,
+        decode_config=DecodeConfig(max_new_tokens=60, block_size=8, adaptive=True),
+        step_costs=(1.0, 1.5, 2.0),
+    )  # fmt: skip
+    np.testing.assert_array_equal(plain.tokens, ar.tokens)
+    assert int(plain.num_steps[0]) > 50
+    with pytest.raises(ConfigError, match="lookup_kinds"):
+        DecodeConfig(block_size=8, lookup_kinds=(4,))  # needs adaptive
+    with pytest.raises(ConfigError, match="lookup_kinds"):
+        DecodeConfig(block_size=8, adaptive=True, lookup_kinds=(16,))
+
+
+def test_lookup_estimates_follow_what_any_step_committed():
+    alpha = jnp.full((2, 7), 0.5)
+    copy = jnp.array([[3, 4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9]])
+    new = jnp.array([[3, 4, 9, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]])
+    produced, found = jnp.array([3, 1]), jnp.array([True, True])
+    out = np.asarray(adaptive.update_lookup_estimates(alpha, copy, new, produced, found, 0.5))
+    np.testing.assert_allclose(out[0], [0.75, 0.75, 0.25, 0.5, 0.5, 0.5, 0.5])
+    # A plain step observes position 1 only; the copy matched all of it, so the positions past
+    # it rise to its estimate (never fall).
+    np.testing.assert_allclose(out[1], [0.75] * 7)
+    none = adaptive.update_lookup_estimates(alpha, copy, new, produced, ~found, 0.5)
+    np.testing.assert_allclose(np.asarray(none), np.asarray(alpha))
+
+
+def test_adaptive_sampling_with_copied_drafts_is_lossless():
+    """Every step after the prefill is a prompt-lookup step of block 4 (a deterministic
+    proposal, verified by rejection sampling): the law of (t1, t2, t3) is the target's."""
+    vocab = 8
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=1.0, seed=4, block_size=4)
+    prompt = np.array([0, 3, 7], np.int32)  # the copy's first token is right 22% of the time
+    n = 30000
+    cfg = DecodeConfig(
+        max_new_tokens=3, block_size=4, temperature=1.0, adaptive=True, step_kinds=(1, 4),
+        lookup_kinds=(4,), adaptive_prior=0.0, probe_every=100,
+    )  # fmt: skip
+    out = speculative_decode(
+        tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(6),
+        target_config=tcfg, drafter_config=dcfg, decode_config=cfg, step_costs=(1.0, 9.0, 0.5),
+    )  # fmt: skip
+    kinds, acc = np.asarray(out.block_sizes), np.asarray(out.acceptance_lengths)
+    assert (kinds[:, 0] == -4).all()
+    assert (acc[:, 0] == 2).mean() > 0.15 and (acc[:, 0] == 1).mean() > 0.5  # both paths
+    toks = np.asarray(out.tokens)
+    emp = np.zeros((vocab,) * 3)
+    np.add.at(emp, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
+    tv = 0.5 * np.abs(emp / n - _exact_three_token_law(tcfg, tp, prompt)).sum()
+    assert tv < 0.09, tv

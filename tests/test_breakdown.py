@@ -38,20 +38,28 @@ def test_breakdown_reports_every_phase_and_floor():
     assert out["break_even_tau"] == out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
 
 
-def test_benchmark_turn_in_adaptive_mode_times_a_plain_ar_baseline():
-    """The AR baseline of an adaptive run is a plain decode (no step kinds), and its output
-    equals the adaptive DFlash run's."""
-    from absl import flags
+def test_baseline_of_an_adaptive_config_is_a_plain_decode_with_the_same_output():
+    """The AR baseline the benchmark times against an adaptive run is a valid target-only
+    config (it was a ConfigError), and its output equals the adaptive DFlash run's."""
+    import jax
 
-    from dflash_jax.decoding.adaptive import default_step_costs
-    from infer import benchmark
+    from dflash_jax import api
+    from dflash_jax.decoding import autoregressive_decode, speculative_decode
 
-    flags.FLAGS.mark_as_parsed()
     tcfg, tp, dcfg, dp = make_pair("qwen3")
-    target = types.SimpleNamespace(config=tcfg, params=tp)
-    drafter = types.SimpleNamespace(config=dcfg, params=dp)
-    cfg = DecodeConfig(max_new_tokens=12, block_size=8, adaptive=True)
-    costs = default_step_costs(cfg.step_kinds)
-    stats, answer = benchmark.run_turn(target, drafter, list(range(3, 12)), cfg, set(), costs)
-    assert stats["outputs_identical"] and len(answer) == stats["ar_tokens"] == 12
-    assert set(stats["block_sizes"]) <= set(cfg.step_kinds)
+    cfg = DecodeConfig(
+        max_new_tokens=12, block_size=8, adaptive=True, temperature=0.0, lookup_kinds=(4,)
+    )
+    base = api.baseline_config(cfg)
+    assert (base.block_size, base.adaptive, base.all_kinds) == (1, False, ())
+    assert (base.max_new_tokens, base.temperature) == (cfg.max_new_tokens, cfg.temperature)
+    prompt, lens = np.arange(3, 12, dtype=np.int32)[None], np.array([9], np.int32)
+    key = jax.random.key(0)
+    ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=base)
+    sp = speculative_decode(
+        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
+        step_costs=(1.0, 1.5, 2.0, 1.4),
+    )  # fmt: skip
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    kinds = np.asarray(sp.block_sizes[0, : int(sp.num_steps[0])])
+    assert set(kinds.tolist()) <= set(cfg.all_kinds)

@@ -42,7 +42,7 @@ def default_step_costs(kinds: tuple[int, ...], platform: str | None = None) -> n
     every verified token. GPU/TPU: 1.1 for every drafting kind, since a 16-token verify costs
     about one AR step there and the draft about a tenth of one (dflash-spec §11)."""
     platform = platform or jax.default_backend()
-    b = np.asarray(kinds, np.float32)
+    b = np.abs(np.asarray(kinds, np.float32))  # a lookup kind (-b) costs its verify
     if platform == "cpu":
         costs = 1.0 + 0.12 * (b - 1.0)
     else:
@@ -58,14 +58,27 @@ def expected_tokens(alpha_bg: jax.Array, kinds: tuple[int, ...]) -> jax.Array:
 
 
 def choose_kind(
-    alpha_bg, active_b, plain_run, costs_k, forced_kind, cfg: DecodeConfig, probe_wait=None
+    alpha_bg,
+    active_b,
+    plain_run,
+    costs_k,
+    forced_kind,
+    cfg: DecodeConfig,
+    probe_wait=None,
+    lookup_alpha_bg=None,
+    found_b=None,
 ):
-    """Index into cfg.step_kinds of the kind to run now (see the module docstring): a probe
+    """Index into cfg.all_kinds of the kind to run now (see the module docstring): a probe
     once `plain_run` reaches `probe_wait` (default cfg.probe_every); `forced_kind` >= 0
-    overrides the choice (calibration)."""
+    overrides the choice (calibration). Lookup kinds are valued with `lookup_alpha_bg`, and
+    only for rows where a copy was `found_b`."""
     probe_wait = cfg.probe_every if probe_wait is None else probe_wait
     kinds = cfg.step_kinds
-    value_bk = expected_tokens(alpha_bg, kinds) / costs_k[None, :]
+    value_bk = expected_tokens(alpha_bg, kinds)
+    if cfg.lookup_kinds:
+        gain_bk = expected_tokens(lookup_alpha_bg, cfg.lookup_kinds) - 1.0
+        value_bk = jnp.concatenate([value_bk, 1.0 + gain_bk * found_b[:, None]], axis=-1)
+    value_bk = value_bk / costs_k[None, :]
     weight_b = active_b.astype(jnp.float32)
     value_k = jnp.sum(value_bk * weight_b[:, None], 0) / jnp.maximum(jnp.sum(weight_b), 1.0)
     k = jnp.argmax(value_k).astype(jnp.int32)
@@ -97,6 +110,30 @@ def update_estimates(alpha_bg, a_b, produced_b, block_size: int, rate: float):
     return jnp.where(tried_bg, (1.0 - rate) * alpha_bg + rate * hit_bg, alpha_bg)
 
 
+def update_lookup_estimates(alpha_bg, proposal_bg, new_bt, produced_b, found_b, rate: float):
+    """Moves the lookup estimates after any step, whatever kind ran: the copy proposed before
+    the step is compared with the tokens the step committed (the target's), so position j
+    counts as tried when j <= produced and the copy matched positions 1..j-1. Plain and drafter
+    steps keep the estimates fresh this way at no cost; rows without a copy keep theirs. When
+    the copy matched everything committed, the positions past it (not observed) are raised to
+    the last observed one's estimate: otherwise a short kind that always succeeds would never
+    let a longer one look worth trying."""
+    g = alpha_bg.shape[1]
+    t = min(g, new_bt.shape[1], proposal_bg.shape[1])
+    match_bt = proposal_bg[:, :t] == new_bt[:, :t]
+    a_b = jnp.sum(jnp.cumprod(match_bt.astype(jnp.int32), axis=-1), axis=-1)
+    j_g = jnp.arange(1, g + 1)
+    tried_bg = (j_g[None, :] <= produced_b[:, None]) & (a_b[:, None] >= j_g[None, :] - 1)
+    tried_bg &= found_b[:, None]
+    hit_bg = (a_b[:, None] >= j_g[None, :]).astype(alpha_bg.dtype)
+    alpha_bg = jnp.where(tried_bg, (1.0 - rate) * alpha_bg + rate * hit_bg, alpha_bg)
+    last_b = jnp.clip(produced_b, 1, g) - 1
+    last_alpha_b = jnp.take_along_axis(alpha_bg, last_b[:, None], 1)
+    beyond_bg = (j_g[None, :] > produced_b[:, None]) & (a_b >= produced_b)[:, None]
+    beyond_bg &= found_b[:, None] & (produced_b > 0)[:, None]
+    return jnp.where(beyond_bg, jnp.maximum(alpha_bg, last_alpha_b), alpha_bg)
+
+
 def _cache_file() -> Path:
     root = os.environ.get("DFLASH_JAX_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_jax"
@@ -114,7 +151,8 @@ def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
         str(getattr(drafter, "source", "")),
         str(tuple(prompt_shape)),
         str(cfg.max_new_tokens),
-        str(cfg.step_kinds),
+        str(cfg.all_kinds),
+        str(cfg.lookup_ngram),
         str(cfg.greedy),
         device.platform,
         device.device_kind,
@@ -150,25 +188,36 @@ def calibrate_step_costs(
             table = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             table = {}
-        if key in table and len(table[key]) == len(cfg.step_kinds):
+        if key in table and len(table[key]) == len(cfg.all_kinds):
             return np.asarray(table[key], np.float32)
     no_stop = dataclasses.replace(cfg, stop_token_ids=(), stream=False)
     prefill_cfg = dataclasses.replace(
-        no_stop, max_new_tokens=1, block_size=1, adaptive=False, step_kinds=()
+        no_stop,
+        max_new_tokens=1,
+        block_size=1,
+        adaptive=False,
+        step_kinds=(),
+        lookup_kinds=(),
     )
 
+    warm = set()
+
     def best(drafter_or_none, c, **kw):
+        # The first run of each executable compiles or warms up and is not counted; the forced
+        # kind is an input, so every kind shares one executable (and one warm-up).
+        first = (drafter_or_none is None, c) not in warm
+        warm.add((drafter_or_none is None, c))
         runs = [
             api.timed_decode(target, drafter_or_none, prompt, prompt_lengths, 0, c, **kw)
-            for _ in range(repeats + 1)  # the first one compiles or warms up
+            for _ in range(repeats + int(first))
         ]
-        return min(runs[1:], key=lambda r: r.run_s)
+        return min(runs[int(first) :], key=lambda r: r.run_s)
 
     prefill = best(None, prefill_cfg).run_s
     ar = best(None, no_stop)
     ar_step = max(ar.run_s - prefill, 1e-9) / max(int(np.max(ar.output.num_steps)), 1)
     costs = []
-    for index in range(len(cfg.step_kinds)):
+    for index in range(len(cfg.all_kinds)):
         run = best(drafter, no_stop, forced_kind=index)
         steps = max(int(np.max(np.asarray(run.output.num_steps))), 1)
         costs.append(max(run.run_s - prefill, 1e-9) / steps / ar_step)

@@ -1,23 +1,32 @@
-"""Prompt lookup: the free baseline every drafter is compared with (`infer.benchmark`).
+"""Prompt lookup: a proposer that copies, as a step kind of the adaptive loop and as the free
+baseline every drafter is compared with (`infer.benchmark`).
 
-The proposer copies: it finds the longest suffix (up to `max_ngram` tokens) of the text so far
-(prompt + answer) that occurred earlier, and proposes the tokens that followed its latest earlier
-occurrence. Simulated offline on the target's own greedy answer: a step commits the matching
-prefix of the proposal plus one target token, exactly as a verify step would, so the tau it
-reports is what a copying drafter would reach on the same text at the same block size.
+It finds the longest suffix (up to `max_ngram` tokens) of the text so far (prompt + answer)
+that occurred earlier, and proposes what followed its latest earlier occurrence. A proposal that
+runs into the end of the text continues periodically (the span between the match and the end
+repeats), which is what a loop of repeated lines does next. `proposal` is the host version
+(the benchmark's offline baseline on the target's own greedy answer), `device_proposal` the
+jitted one the loop drafts with (`DecodeConfig.lookup_kinds`); both follow the same rule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 
-def _proposal(context: Sequence[int], length: int, max_ngram: int) -> list[int]:
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        suffix = list(context[-n:])
-        for start in range(len(context) - n - 1, -1, -1):
-            if list(context[start : start + n]) == suffix:
-                return list(context[start + n : start + n + length])
+
+def proposal(context: Sequence[int], length: int, max_ngram: int) -> list[int]:
+    """`length` proposed tokens after `context`, or [] when no suffix occurred before."""
+    context = list(context)
+    end = len(context) - 1
+    for n in range(min(max_ngram, end), 0, -1):
+        suffix = context[-n:]
+        for last in range(end - 1, n - 2, -1):  # the candidate occurrence ends at `last`
+            if context[last - n + 1 : last + 1] == suffix:
+                period = end - last
+                return [context[last + 1 + m % period] for m in range(length)]
     return []
 
 
@@ -30,9 +39,8 @@ def prompt_lookup_taus(
     context = list(prompt) + list(answer[:1])
     done, taus = 1, []
     while done < len(answer):
-        proposal = _proposal(context, block_size - 1, max_ngram)
         accepted = 0
-        for token in proposal:
+        for token in proposal(context, block_size - 1, max_ngram):
             if done + accepted < len(answer) and token == answer[done + accepted]:
                 accepted += 1
             else:
@@ -42,3 +50,45 @@ def prompt_lookup_taus(
         done += step
         taus.append(step)
     return taus
+
+
+def device_proposal(prompt_bp, prompt_len_b, gen_bw, n_gen_b, length: int, max_ngram: int):
+    """`proposal` for every row on device. The text of row b is prompt[b, :prompt_len] then
+    gen[b, :n_gen]. -> (proposal [B, length] int32, found [B] bool; rows without a match
+    propose zeros)."""
+    b, p = prompt_bp.shape
+    n = p + gen_bw.shape[1]
+    i_n = jnp.arange(n, dtype=jnp.int32)
+    from_gen_bn = i_n[None, :] - prompt_len_b[:, None]
+    text_bn = jnp.where(
+        from_gen_bn < 0,
+        jnp.pad(prompt_bp, ((0, 0), (0, n - p))),
+        jnp.take_along_axis(gen_bw, jnp.clip(from_gen_bn, 0, gen_bw.shape[1] - 1), 1),
+    )
+    end_b = prompt_len_b + n_gen_b - 1  # index of the last token (the anchor)
+    # run[b, i]: how many of the last max_ngram tokens match the ones ending at i (consecutive).
+    run_bn = jnp.zeros((b, n), jnp.int32)
+    still_bn = jnp.ones((b, n), bool)
+    for k in range(max_ngram):
+        tail_b = jnp.take_along_axis(text_bn, jnp.maximum(end_b - k, 0)[:, None], 1)
+        shifted_bn = jnp.pad(text_bn, ((0, 0), (k, 0)))[:, :n]  # token at i - k
+        ok_bn = (shifted_bn == tail_b) & (i_n[None, :] >= k) & (end_b[:, None] - k >= 1)
+        still_bn &= ok_bn
+        run_bn += still_bn.astype(jnp.int32)
+    valid_bn = (i_n[None, :] < end_b[:, None]) & (run_bn > 0)
+    score_bn = jnp.where(valid_bn, run_bn * n + i_n[None, :], -1)  # longest, then latest
+    last_b = jnp.argmax(score_bn, axis=1).astype(jnp.int32)
+    found_b = jnp.max(score_bn, axis=1) >= 0
+    period_b = jnp.maximum(end_b - last_b, 1)
+    m_l = jnp.arange(length, dtype=jnp.int32)
+    idx_bl = last_b[:, None] + 1 + m_l[None, :] % period_b[:, None]
+    prop_bl = jnp.take_along_axis(text_bn, jnp.clip(idx_bl, 0, n - 1), 1)
+    return jnp.where(found_b[:, None], prop_bl, 0).astype(jnp.int32), found_b
+
+
+def one_hot_logp(proposal_bg: jax.Array, vocab: int) -> jax.Array:
+    """The log-probabilities of a deterministic proposal (0 at the token, -inf elsewhere): with
+    them, rejection sampling accepts a copied token with probability p(token) and draws the
+    bonus from p without it, so sampling stays exact."""
+    hit = proposal_bg[..., None] == jnp.arange(vocab, dtype=jnp.int32)
+    return jnp.where(hit, 0.0, -jnp.inf).astype(jnp.float32)

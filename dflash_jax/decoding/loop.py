@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import adaptive
+from dflash_jax.decoding import adaptive, lookup
 from dflash_jax.decoding.sampling import (
     accept_greedy_choices,
     accept_rejection,
@@ -48,7 +48,8 @@ class DecodeOutput:
     lengths [B]; num_steps [B]: loop steps run for the row (the prefill token is not a step);
     acceptance_lengths [B, max_steps]: tokens committed per step incl. the bonus (tau), 0 after;
     block_sizes [B, max_steps]: the step kind each step ran (its block size; 1 = a plain target
-    step of the adaptive mode), 0 where the row ran no step."""
+    step of the adaptive mode, -b = a prompt-lookup step of block size b), 0 where the row ran
+    no step."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -73,6 +74,7 @@ class _State:
     alpha: jax.Array | None = None  # [B, T-1] adaptive: per-position acceptance estimates
     plain_run: jax.Array | None = None  # [] adaptive: plain steps in a row
     probe_wait: jax.Array | None = None  # [] adaptive: plain steps before the next probe
+    lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -92,6 +94,7 @@ _CARRY_AXES = {
     "alpha": ("batch", None),
     "plain_run": (),
     "probe_wait": (),
+    "lookup_alpha": ("batch", None),
 }
 
 
@@ -399,10 +402,11 @@ def _init_speculative(
         alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
         plain_run=jnp.int32(0),
         probe_wait=jnp.int32(cfg.probe_every),
+        lookup_alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
     )
 
 
-def _propose(s: _State, *, bs: int, width: int, ctx: dict) -> dict:
+def _propose(s: _State, copy_bg=None, *, bs: int, width: int, ctx: dict, copy=False) -> dict:
     """The part of one loop step with block size `bs` that writes no carried buffer: draft bs-1
     tokens, verify them (the target's K/V rows returned, not written), accept, and the drafter
     context rows of the verified tokens. Row outputs are padded to `width` (the largest kind),
@@ -410,13 +414,17 @@ def _propose(s: _State, *, bs: int, width: int, ctx: dict) -> dict:
     cache, XLA:CPU copies none into or out of the branches (it copied all 66 SmolLM2 cache
     buffers per step when the branches wrote them, ~1.2 ms of a 12 ms plain step). bs == 1 is a
     plain target step (no drafting; its taps still feed the context, so drafting can resume at
-    any step)."""
+    any step). copy: a prompt-lookup step, whose drafts are copy_bg's first bs-1 tokens."""
     tcfg, dcfg, cfg = ctx["tcfg"], ctx["dcfg"], ctx["cfg"]
     tparams, dparams, head = ctx["target_params"], ctx["drafter_params"], ctx["head"]
     k_draft, k_accept = jax.random.split(_step_key(ctx["rng"], s.step))
     start_b = ctx["prompt_lengths"] + s.n_gen - 1
     anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
-    if bs > 1:
+    if copy:
+        drafts_bg = copy_bg[:, : bs - 1]
+        draft_logp_bgv = None if cfg.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
+        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
+    elif bs > 1:
         # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
@@ -449,11 +457,11 @@ def _propose(s: _State, *, bs: int, width: int, ctx: dict) -> dict:
         v=tuple(pad(r, 2) for r in kv_rows.v),
         ctx_k=tuple(pad(r, 2) for r in ctx_ks),
         ctx_v=tuple(pad(r, 2) for r in ctx_vs),
-        kind=jnp.int32(bs),
+        kind=jnp.int32(-bs if copy else bs),
     )
     if cfg.adaptive:
         alpha = s.alpha
-        if bs > 1:  # the estimates move on what this step tried (commit caps nothing here)
+        if bs > 1 and not copy:  # move on what this drafting step tried (commit caps nothing)
             tried_b = jnp.where(s.done, 0, a_b + 1)
             alpha = adaptive.update_estimates(alpha, a_b, tried_b, bs, cfg.adaptive_rate)
         out["alpha"] = alpha
@@ -477,12 +485,18 @@ def _apply(s: _State, out: dict, cfg: DecodeConfig, prompt_lengths) -> _State:
     ctx_v = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_v, out["ctx_v"], strict=True))
     s = s.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, drf_len=s.drf_len + produced_b)
     if cfg.adaptive:
-        wait = adaptive.next_probe_wait(s.probe_wait, kind, out["accepted"], active_b, cfg)
+        drafted = jnp.maximum(kind, 1)  # the probe clock counts a lookup step as plain
+        wait = adaptive.next_probe_wait(s.probe_wait, drafted, out["accepted"], active_b, cfg)
         s = s.replace(
             alpha=out["alpha"],
-            plain_run=jnp.where(kind == 1, s.plain_run + 1, 0),
+            plain_run=jnp.where(drafted == 1, s.plain_run + 1, 0),
             probe_wait=wait,
         )
+    if cfg.lookup_kinds:
+        lookup_alpha = adaptive.update_lookup_estimates(
+            s.lookup_alpha, out["copy"], out["new"], produced_b, out["found"], cfg.adaptive_rate
+        )
+        s = s.replace(lookup_alpha=lookup_alpha)
     return s
 
 
@@ -521,12 +535,32 @@ def _speculative(
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:
         branches = [functools.partial(_propose, bs=b, width=width, ctx=ctx) for b in cfg.step_kinds]
+        branches += [
+            functools.partial(_propose, bs=b, width=width, ctx=ctx, copy=True)
+            for b in cfg.lookup_kinds
+        ]
 
         def propose(s: _State) -> dict:
+            copy_bg = found_b = None
+            if cfg.lookup_kinds:  # what a copy would propose now (cheap: token compares)
+                copy_bg, found_b = lookup.device_proposal(
+                    prompt, prompt_lengths, s.gen, s.n_gen, width - 1, cfg.lookup_ngram
+                )
             k = adaptive.choose_kind(
-                s.alpha, ~s.done, s.plain_run, step_costs, forced_kind, cfg, s.probe_wait
+                s.alpha,
+                ~s.done,
+                s.plain_run,
+                step_costs,
+                forced_kind,
+                cfg,
+                s.probe_wait,
+                s.lookup_alpha,
+                found_b,
             )
-            return jax.lax.switch(k, branches, s)
+            out = jax.lax.switch(k, branches, s, copy_bg)
+            if cfg.lookup_kinds:
+                out = dict(out, copy=copy_bg, found=found_b)
+            return out
 
     def step(s: _State) -> _State:
         return _apply(s, propose(s), cfg, prompt_lengths)
@@ -662,12 +696,12 @@ def step_cost_array(cfg: DecodeConfig, step_costs=None) -> jax.Array:
     if not cfg.adaptive:
         return jnp.ones((1,), jnp.float32)
     if step_costs is None:
-        step_costs = adaptive.default_step_costs(cfg.step_kinds)
+        step_costs = adaptive.default_step_costs(cfg.all_kinds)
     step_costs = jnp.asarray(step_costs, jnp.float32)
-    if step_costs.shape != (len(cfg.step_kinds),):
+    if step_costs.shape != (len(cfg.all_kinds),):
         raise ValueError(
             f"step_costs has shape {step_costs.shape}; expected one cost per step kind "
-            f"{cfg.step_kinds}"
+            f"{cfg.all_kinds}"
         )
     return step_costs
 

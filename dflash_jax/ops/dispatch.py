@@ -106,6 +106,10 @@ def block_attention(
         ctx_mask = xla.context_mask(context_lengths, anchors, block_size, k.shape[2], window)
         return xla.block_attention(q, k, v, blk_k, blk_v, ctx_mask, blk_mask)
 
+    if anchors.shape[1] > 1:
+        # Training (many blocks per row over the whole sequence): no live window, whose
+        # lax.switch would keep every width's temporaries (and their gradients) in the program.
+        return over(ctx_k, ctx_v)
     return live_window(over, (ctx_k, ctx_v), jnp.max(context_lengths))
 
 
