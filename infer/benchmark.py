@@ -308,7 +308,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
-    common.enable_compilation_cache()
     common.distributed.initialize()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():

@@ -78,8 +78,8 @@ flags.DEFINE_list(
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
-    "Directory of JAX's persistent compilation cache: the decode loops compile once per shape "
-    "and machine, later runs load them (empty: off).",
+    "infer.generate: directory of JAX's persistent compilation cache, so that the decode loops "
+    "compile once per shape and machine and later runs load them (empty: off).",
 )  # fmt: skip
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 flags.register_validator(
@@ -129,7 +129,9 @@ def with_attention_impl(target, drafter=None):
 
 def enable_compilation_cache() -> None:
     """Points JAX's persistent compilation cache at --compilation_cache (every compile over a
-    second is kept), so that a second run of a script skips the loop compiles."""
+    second is kept), so that a second run of a script skips the loop compiles. For scripts
+    whose executables take their weights as arguments (infer.generate): one that closes over
+    them (the benchmark's --breakdown phases) would write ~300 MB entries, for minutes."""
     if not FLAGS.compilation_cache:
         return
     import os

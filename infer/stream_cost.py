@@ -30,7 +30,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
-    common.enable_compilation_cache()
     if not FLAGS.prompt:
         raise app.UsageError("--prompt is required")
     with common.usage_errors():
