@@ -16,6 +16,11 @@ fresh, and a drafter that starts to succeed later in a generation is taken up ag
 to `probe_every * probe_backoff`; one that does resets it: on text the drafter cannot predict,
 probes cost a few percent less (MT-Bench with the shipped SmolLM2 drafter drafted 8% of steps).
 
+Prompt-lookup kinds (`DecodeConfig.lookup_kinds`, recorded as -b) draft by copying
+(`decoding/lookup.py`) and are valued the same way with their own estimates, which move after
+every step whatever kind ran (`update_lookup_estimates`: the copy proposed before the step
+against the tokens the step committed), and only for rows where a copy exists.
+
 cost(b) is one step of kind b in AR-step units. `calibrate_step_costs` measures it for a
 target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
 as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
