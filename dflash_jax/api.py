@@ -80,6 +80,11 @@ def default_block_size(target, drafter) -> int:
 DEFAULT_LOOKUP_KINDS = (8, 16)
 
 
+def default_lookup_kinds(block_size: int) -> tuple[int, ...]:
+    """The `DEFAULT_LOOKUP_KINDS` an adaptive decode at `block_size` can run."""
+    return tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+
+
 def default_adaptive(target, drafter) -> bool:
     """Whether to decode with the adaptive draft length when the user does not say: on CPU."""
     return drafter is not None and jax.default_backend() == "cpu"
@@ -248,6 +253,9 @@ def generate(
         block_size = default_block_size(target, drafter) if drafter is not None else 1
     if adaptive is None:
         adaptive = default_adaptive(target, drafter) and block_size > 1
+    adaptive = bool(adaptive and drafter is not None)
+    if lookup_kinds is None:
+        lookup_kinds = default_lookup_kinds(block_size)
     cfg = DecodeConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -255,14 +263,8 @@ def generate(
         top_p=top_p,
         block_size=block_size,
         stop_token_ids=stop_token_ids(target),
-        adaptive=bool(adaptive and drafter is not None),
-        lookup_kinds=(
-            ()
-            if not (adaptive and drafter is not None)
-            else tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
-            if lookup_kinds is None
-            else tuple(lookup_kinds)
-        ),
+        adaptive=adaptive,
+        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
     )
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}

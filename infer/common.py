@@ -10,7 +10,7 @@ import dataclasses
 
 from absl import app, flags
 
-from dflash_jax.api import DEFAULT_LOOKUP_KINDS
+from dflash_jax.api import DEFAULT_LOOKUP_KINDS, default_lookup_kinds
 from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
 from infer import distributed as distributed
 from infer.logs import quiet_library_logs as quiet_library_logs
@@ -102,7 +102,7 @@ def decode_config(
     """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
     adaptive = bool(FLAGS.adaptive) if adaptive is None else adaptive
     if FLAGS.lookup_kinds is None:
-        lookup = tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+        lookup = default_lookup_kinds(block_size)
     else:
         lookup = tuple(int(k) for k in FLAGS.lookup_kinds)
     return DecodeConfig(

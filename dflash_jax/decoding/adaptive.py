@@ -107,10 +107,16 @@ def update_estimates(alpha_bg, a_b, produced_b, block_size: int, rate: float):
     """After a drafting step of `block_size` that accepted a_b drafts: every tried position j
     (1-based, j < block_size, a >= j - 1) moves toward (a >= j). Rows that committed nothing
     (already done) keep their estimates."""
-    g = alpha_bg.shape[1]
-    j_g = jnp.arange(1, g + 1)
-    tried_bg = (j_g[None, :] < block_size) & (a_b[:, None] >= j_g[None, :] - 1)
-    tried_bg &= produced_b[:, None] > 0
+    j_g = jnp.arange(1, alpha_bg.shape[1] + 1)
+    tried_bg = (j_g[None, :] < block_size) & (produced_b[:, None] > 0)
+    return _move_tried(alpha_bg, a_b, tried_bg, rate)
+
+
+def _move_tried(alpha_bg, a_b, limit_bg, rate: float):
+    """Moves every position j (1-based) inside `limit_bg` that was tried (the first j-1 drafts
+    were accepted, a >= j - 1) toward whether it was accepted (a >= j)."""
+    j_g = jnp.arange(1, alpha_bg.shape[1] + 1)
+    tried_bg = limit_bg & (a_b[:, None] >= j_g[None, :] - 1)
     hit_bg = (a_b[:, None] >= j_g[None, :]).astype(alpha_bg.dtype)
     return jnp.where(tried_bg, (1.0 - rate) * alpha_bg + rate * hit_bg, alpha_bg)
 
@@ -128,10 +134,8 @@ def update_lookup_estimates(alpha_bg, proposal_bg, new_bt, produced_b, found_b, 
     match_bt = proposal_bg[:, :t] == new_bt[:, :t]
     a_b = jnp.sum(jnp.cumprod(match_bt.astype(jnp.int32), axis=-1), axis=-1)
     j_g = jnp.arange(1, g + 1)
-    tried_bg = (j_g[None, :] <= produced_b[:, None]) & (a_b[:, None] >= j_g[None, :] - 1)
-    tried_bg &= found_b[:, None]
-    hit_bg = (a_b[:, None] >= j_g[None, :]).astype(alpha_bg.dtype)
-    alpha_bg = jnp.where(tried_bg, (1.0 - rate) * alpha_bg + rate * hit_bg, alpha_bg)
+    observed_bg = (j_g[None, :] <= produced_b[:, None]) & found_b[:, None]
+    alpha_bg = _move_tried(alpha_bg, a_b, observed_bg, rate)
     last_b = jnp.clip(produced_b, 1, g) - 1
     last_alpha_b = jnp.take_along_axis(alpha_bg, last_b[:, None], 1)
     beyond_bg = (j_g[None, :] > produced_b[:, None]) & (a_b >= produced_b)[:, None]
