@@ -193,3 +193,63 @@ def test_plot_metrics_writes_a_png(tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no training lines"):
         plot(records[-1:], tmp_path / "n.png", "run")
+
+
+def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, monkeypatch):
+    """More records, same taps: records the finished cache has are copied (we poison them to
+    see it), new ones computed; the old cache survives until the new one is complete."""
+    _corpus(tmp_path / "small.jsonl", num_records=8)
+    _corpus(tmp_path / "other.jsonl", num_records=6, seed=1)  # another cycle: new records
+    small, other = (data.record_source([str(tmp_path / n)]) for n in ("small.jsonl", "other.jsonl"))
+    records = [data.decode_record(r) for r in [*small, *other]]
+    data.write_shard(tmp_path / "large.jsonl", records[:12])  # the same 8 records, then 4 more
+    data.write_shard(tmp_path / "larger.jsonl", records)  # and 2 more
+    layers, cache_dir = (1, 2), tmp_path / "cache"
+
+    def build(name):
+        source = data.record_source([str(tmp_path / name)])
+        return source, tap_cache.build_tap_cache(
+            cache_dir, source, tiny_target, layers, 24, dtype="float32", batch_tokens=48, bucket=8
+        )
+
+    _, small = build("small.jsonl")
+    store = np.memmap(cache_dir / tap_cache.DATA_FILE, np.float32, "r+")
+    store[:] = 7.0  # not what any forward gives
+    store.flush()
+    del store
+    source, large = build("large.jsonl")
+    assert large.fingerprint != small.fingerprint
+    assert not (cache_dir / tap_cache.PREV_DATA_FILE).exists()
+
+    def had(i):  # the corpus repeats itself: later records may equal one of the first 8
+        return tuple(data.decode_record(source[i])["tokens"][:24]) in first_eight
+
+    first_eight = {tuple(data.decode_record(source[i])["tokens"][:24]) for i in range(8)}
+    for i in range(12):
+        tokens = data.decode_record(source[i])["tokens"][:24]
+        taps = large.row(i)[: len(tokens)]
+        if had(i):
+            assert (taps == 7.0).all(), i
+        else:
+            np.testing.assert_allclose(taps, _online_taps(tiny_target, tokens, layers), atol=2e-5)
+
+    # Grown again and killed after its copy batch (the first forward fails): the old cache is
+    # still there, and the rerun keeps the copies and computes the rest.
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tap_cache, "Transformer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build("larger.jsonl")
+    assert json.loads((cache_dir / tap_cache.INDEX_FILE).read_text())["done"] == 1
+    assert (cache_dir / tap_cache.PREV_DATA_FILE).exists()
+    monkeypatch.undo()
+    source, larger = build("larger.jsonl")
+    assert not (cache_dir / tap_cache.PREV_DATA_FILE).exists()
+    for i in range(14):
+        tokens = data.decode_record(source[i])["tokens"][:24]
+        taps = larger.row(i)[: len(tokens)]
+        if had(i):
+            assert (taps == 7.0).all(), i
+        else:
+            np.testing.assert_allclose(taps, _online_taps(tiny_target, tokens, layers), atol=2e-5)

@@ -12,6 +12,11 @@ K*D*2 bytes per token in bf16 (5.6 KiB for SmolLM2, 40 KiB for Qwen3-8B).
 The build is resumable: records are processed in batches of similar length, the array is
 flushed after each batch and `done` counts finished batches. The index names a fingerprint of
 the records, the taps and the target; a cache built for anything else is rebuilt, never read.
+
+It also grows: when the records change (data generation added shards) but the taps, `seq_len`
+and target do not, the finished cache is kept aside as `taps.prev.*` and every record found in
+it (by a digest of its tokens) is copied, not recomputed; only new records pay a forward. The
+old cache is deleted once the new one is complete, so a build killed mid-way still has it.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ from dflash_jax.training.data import decode_record
 
 INDEX_FILE = "taps.json"
 DATA_FILE = "taps.bin"
+PREV_INDEX_FILE = "taps.prev.json"  # a finished cache over other records (see above)
+PREV_DATA_FILE = "taps.prev.bin"
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
-def _fingerprint(lengths, token_digest, tap_layers, seq_len, dtype, target) -> str:
+def _base_fingerprint(tap_layers, seq_len, dtype, target) -> str:
+    """What the taps of one record depend on besides its tokens."""
     h = hashlib.sha256()
-    h.update(json.dumps([list(lengths), token_digest, list(tap_layers), seq_len, dtype]).encode())
+    h.update(json.dumps([list(tap_layers), seq_len, dtype]).encode())
     # The config without run settings (the attention implementation does not change the taps).
     h.update(repr(dataclasses.replace(target.config, attention_impl="auto")).encode())
     # The weights themselves: a cheap, order-sensitive checksum of two tensors.
@@ -48,12 +56,22 @@ def _fingerprint(lengths, token_digest, tap_layers, seq_len, dtype, target) -> s
     return h.hexdigest()[:16]
 
 
+def _fingerprint(lengths, token_digest, base: str) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([list(lengths), token_digest, base]).encode())
+    return h.hexdigest()[:16]
+
+
+def _record_digest(tokens) -> str:
+    return hashlib.sha1(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:20]
+
+
 class TapCache:
     """Read side of a finished cache: `row(index)` -> taps [seq_len, F] (zero past the record)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, index_file=INDEX_FILE, data_file=DATA_FILE):
         directory = Path(directory)
-        meta = json.loads((directory / INDEX_FILE).read_text())
+        meta = json.loads((directory / index_file).read_text())
         if not meta.get("complete"):
             raise ValueError(f"{directory}: the tap cache is incomplete; rebuild it")
         self.seq_len = meta["seq_len"]
@@ -62,27 +80,40 @@ class TapCache:
         self.offsets = np.asarray(meta["offsets"], np.int64)
         self.lengths = np.asarray(meta["lengths"], np.int64)
         self.fingerprint = meta["fingerprint"]
+        self.base = meta.get("base")
+        self.digests = meta.get("digests")
         total = int(self.lengths.sum())
         expected = total * self.features * np.dtype(self.dtype).itemsize
-        size = (directory / DATA_FILE).stat().st_size
+        size = (directory / data_file).stat().st_size
         if size != expected:
             raise ValueError(
-                f"{directory / DATA_FILE}: {size} bytes, expected {expected} for {total} tokens "
+                f"{directory / data_file}: {size} bytes, expected {expected} for {total} tokens "
                 f"x {self.features} features; the cache is corrupt, delete it to rebuild"
             )
-        self._path = directory / DATA_FILE
+        self._path = directory / data_file
         self._data = None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def row(self, index: int) -> np.ndarray:
+    def _rows(self) -> np.ndarray:
         if self._data is None:  # opened lazily: one map per process/worker
             self._data = np.memmap(self._path, self.dtype, "r").reshape(-1, self.features)
-        out = np.zeros((self.seq_len, self.features), self.dtype)
+        return self._data
+
+    def tokens_taps(self, index: int) -> np.ndarray:
+        """Record `index`'s taps [its length, F], unpadded."""
         start, n = self.offsets[index], self.lengths[index]
-        out[:n] = self._data[start : start + n]
+        return self._rows()[start : start + n]
+
+    def row(self, index: int) -> np.ndarray:
+        out = np.zeros((self.seq_len, self.features), self.dtype)
+        out[: self.lengths[index]] = self.tokens_taps(index)
         return out
+
+    def rows_by_digest(self) -> dict[str, int]:
+        """Token digest -> record index (caches written before digests were kept: empty)."""
+        return {d: i for i, d in enumerate(self.digests or ())}
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -101,13 +132,15 @@ def build_tap_cache(
     batch_tokens: int = 8192,
     bucket: int = 64,
 ) -> TapCache:
-    """Computes (or finishes, or reuses) the taps of every record of `source` -> its TapCache."""
+    """Computes (or finishes, extends, or reuses) the taps of every record of `source` -> its
+    TapCache."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokens = [decode_record(source[i])["tokens"][:seq_len] for i in range(len(source))]
     lengths = np.asarray([len(t) for t in tokens], np.int64)
     digest = hashlib.sha256(np.concatenate([np.asarray(t, np.int32) for t in tokens])).hexdigest()
-    fingerprint = _fingerprint(lengths.tolist(), digest, tap_layers, seq_len, dtype, target)
+    base = _base_fingerprint(tap_layers, seq_len, dtype, target)
+    fingerprint = _fingerprint(lengths.tolist(), digest, base)
     features = len(tap_layers) * target.config.hidden_size
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
@@ -116,15 +149,24 @@ def build_tap_cache(
     if meta.get("fingerprint") == fingerprint and meta.get("complete"):
         logging.info("tap cache %s is up to date (%d records)", directory, len(tokens))
         return TapCache(directory)
+    if meta.get("complete") and meta.get("base") == base:
+        # Other records, same taps: keep this cache aside to copy the records both share.
+        data_path.replace(directory / PREV_DATA_FILE)
+        index_path.replace(directory / PREV_INDEX_FILE)
+        meta = {}
+    prev = _previous_cache(directory, base)
     done = meta.get("done", 0) if meta.get("fingerprint") == fingerprint else 0
+    digests = [_record_digest(t) for t in tokens]
     meta = {
         "fingerprint": fingerprint,
+        "base": base,
         "seq_len": seq_len,
         "features": features,
         "dtype": dtype,
         "tap_layers": list(tap_layers),
         "offsets": offsets.tolist(),
         "lengths": lengths.tolist(),
+        "digests": digests,
         "done": done,
         "complete": False,
     }
@@ -136,15 +178,27 @@ def build_tap_cache(
         done = meta["done"] = 0
     store = np.memmap(data_path, np_dtype, "r+").reshape(-1, features)
 
-    # Longest first, so the first (largest) compile happens at once; batches of similar width.
-    order = np.argsort(-lengths, kind="stable")
-    batches: list[np.ndarray] = []
+    # Batch 0 copies the records the previous cache has (when it has any); then batches of
+    # similar width, longest first, so the first (largest) compile happens at once.
+    known = prev.rows_by_digest() if prev is not None else {}
+    reused = [i for i, d in enumerate(digests) if d in known]
+    batches: list[np.ndarray | None] = [None] if reused else []
+    fresh = np.asarray([i for i, d in enumerate(digests) if d not in known], np.int64)
+    order = fresh[np.argsort(-lengths[fresh], kind="stable")]
     i = 0
     while i < len(order):
         width = -(-int(lengths[order[i]]) // bucket) * bucket
         rows = max(1, batch_tokens // width)
         batches.append(order[i : i + rows])
         i += rows
+    if reused:
+        logging.info(
+            "tap cache %s: %d of %d records copied from the previous cache, %d to compute",
+            directory,
+            len(reused),
+            len(tokens),
+            len(fresh),
+        )
 
     tap_config = dataclasses.replace(target.config, num_layers=max(tap_layers) + 1)
 
@@ -161,9 +215,12 @@ def build_tap_cache(
         )
         return taps_btf
 
+    def batch_tokens_done(k: int) -> int:
+        return int(lengths[reused].sum()) if batches[k] is None else int(lengths[batches[k]].sum())
+
     bar = tqdm.tqdm(
         total=int(lengths.sum()),
-        initial=int(sum(lengths[b].sum() for b in batches[:done])),
+        initial=sum(batch_tokens_done(k) for k in range(done)),
         desc="tap cache",
         unit="tok",
         unit_scale=True,
@@ -171,22 +228,42 @@ def build_tap_cache(
     )
     for k in range(done, len(batches)):
         rows = batches[k]
-        width = -(-int(lengths[rows].max()) // bucket) * bucket
-        tokens_bt = np.zeros((len(rows), width), np.int32)
-        for j, r in enumerate(rows):
-            tokens_bt[j, : lengths[r]] = tokens[r]
-        taps_btf = np.asarray(taps_fn(target.params, tokens_bt).astype(np_dtype))
-        for j, r in enumerate(rows):
-            store[offsets[r] : offsets[r] + lengths[r]] = taps_btf[j, : lengths[r]]
+        if rows is None:
+            for r in reused:
+                store[offsets[r] : offsets[r] + lengths[r]] = prev.tokens_taps(known[digests[r]])
+        else:
+            width = -(-int(lengths[rows].max()) // bucket) * bucket
+            tokens_bt = np.zeros((len(rows), width), np.int32)
+            for j, r in enumerate(rows):
+                tokens_bt[j, : lengths[r]] = tokens[r]
+            taps_btf = np.asarray(taps_fn(target.params, tokens_bt).astype(np_dtype))
+            for j, r in enumerate(rows):
+                store[offsets[r] : offsets[r] + lengths[r]] = taps_btf[j, : lengths[r]]
         store.flush()
         meta["done"] = k + 1
         _write_json(index_path, meta)
-        bar.update(int(lengths[rows].sum()))
+        bar.update(batch_tokens_done(k))
     bar.close()
     del store
     meta["complete"] = True
     _write_json(index_path, meta)
+    for name in (PREV_DATA_FILE, PREV_INDEX_FILE):  # the new cache holds all it had
+        (directory / name).unlink(missing_ok=True)
     return TapCache(directory)
+
+
+def _previous_cache(directory: Path, base: str) -> TapCache | None:
+    """The cache kept aside by a build over other records with the same taps, if readable."""
+    if not (directory / PREV_INDEX_FILE).exists():
+        return None
+    try:
+        prev = TapCache(directory, index_file=PREV_INDEX_FILE, data_file=PREV_DATA_FILE)
+    except (ValueError, OSError, KeyError) as e:
+        logging.warning(
+            "tap cache %s: the previous cache is unusable (%s); recomputing", directory, e
+        )
+        return None
+    return prev if prev.base == base and prev.digests else None
 
 
 def _write_json(path: Path, obj: dict) -> None:
