@@ -145,7 +145,15 @@ def test_cached_taps_train_like_online_and_sampled_vocab_learns(tmp_path, tiny_t
         taps="cached",
         tap_cache_dtype="float32",
     )
+    # Built ahead (--taps_only), the cache is then used as it is by the run.
+    with pytest.raises(ValueError, match="taps='cached'"):
+        trainer.build_taps(online, tmp_path / "online")
+    built = trainer.build_taps(cached, tmp_path / "cached")
+    assert len(built) == len(data.record_source([str(tmp_path / "data.jsonl")]))
+    taps_file = tmp_path / "cached" / "tap_cache" / tap_cache.DATA_FILE
+    written = taps_file.stat().st_mtime_ns
     trainer.train(cached, tmp_path / "cached")
+    assert taps_file.stat().st_mtime_ns == written
     a, b = _losses(tmp_path / "online"), _losses(tmp_path / "cached")
     assert list(a) == list(b) == list(range(1, 7))
     np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=1e-4)

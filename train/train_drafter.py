@@ -4,7 +4,8 @@
         [--config.num_steps=2000 --config.data=data/smollm2]
 
 Rerunning with the same workdir resumes from the last checkpoint (same data order, same
-losses). The drafter is exported to `<workdir>/drafter` at every checkpoint; load it with
+losses). With `--taps_only` it only builds (or grows) the tap cache of a `taps="cached"` config
+and exits, e.g. while data generation is still writing shards. The drafter is exported to `<workdir>/drafter` at every checkpoint; load it with
 `dflash_jax.load_drafter("<workdir>/drafter", target)`. Metrics: `<workdir>/metrics.jsonl`.
 
 On a mesh and several processes (every process runs the same command; process 0 logs and
@@ -21,7 +22,7 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-from dflash_jax.training.trainer import train
+from dflash_jax.training.trainer import build_taps, train
 from infer import distributed
 
 FLAGS = flags.FLAGS
@@ -37,6 +38,12 @@ flags.DEFINE_string(
     "Run directory: checkpoints, metrics.jsonl and the exported drafter (<workdir>/drafter). "
     "Rerunning with the same directory resumes from its last checkpoint.",
 )  # fmt: skip
+flags.DEFINE_bool(
+    "taps_only", False,
+    "Only build (or finish, or grow) the tap cache of a config with taps='cached' for the "
+    "data as it is now, then exit; e.g. while train.generate_data is still writing shards. "
+    "Records the cache already has are copied, so the run later computes only new shards.",
+)  # fmt: skip
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -46,6 +53,10 @@ def main(argv):
     if FLAGS.mesh:
         FLAGS.config.mesh = FLAGS.mesh
     distributed.mesh(FLAGS.config.mesh)  # a bad mesh is a usage error before anything loads
+    if FLAGS.taps_only:
+        cache = build_taps(FLAGS.config, FLAGS.workdir)
+        print(f"tap cache: {len(cache)} records, {int(cache.lengths.sum())} tokens")
+        return
     train(FLAGS.config, FLAGS.workdir)
 
 

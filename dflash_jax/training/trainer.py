@@ -292,6 +292,32 @@ def _stepper(mesh, batch_size: int, settings: dict):
     return step
 
 
+def _tap_cache(cfg, workdir: Path, source, target, drafter_config) -> tap_cache.TapCache:
+    return tap_cache.build_tap_cache(
+        Path(cfg.tap_cache_dir) if cfg.tap_cache_dir else workdir / "tap_cache",
+        source,
+        target,
+        drafter_config.target_layer_ids,
+        cfg.seq_len,
+        dtype=cfg.tap_cache_dtype,
+    )
+
+
+def build_taps(cfg: ml_collections.ConfigDict, workdir: str | Path) -> tap_cache.TapCache:
+    """Builds (or finishes, or grows) the run's tap cache for the data as it is now, without
+    training: e.g. while data generation is still adding shards, so that the run itself only
+    computes the taps of the shards written since (`tap_cache` copies the rest)."""
+    check_config(cfg)
+    if cfg.taps != "cached":
+        raise ValueError("building the tap cache needs config.taps='cached'")
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    target = load_target(cfg.target, dtype=cfg.compute_dtype)
+    drafter_config = drafter_config_for(cfg, target.config)
+    source = data.record_source(data.expand_paths(cfg.data))
+    return _tap_cache(cfg, workdir, source, target, drafter_config)
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     """Trains (or resumes) the run in `workdir`; -> the last logged metrics."""
     check_config(cfg)
@@ -312,16 +338,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     epoch_steps = len(train_records) // cfg.batch_size
     num_steps = cfg.num_steps or cfg.num_epochs * epoch_steps
     num_epochs = math.ceil(num_steps * cfg.batch_size / len(train_records))
-    cache = None
-    if cfg.taps == "cached":
-        cache = tap_cache.build_tap_cache(
-            Path(cfg.tap_cache_dir) if cfg.tap_cache_dir else workdir / "tap_cache",
-            source,
-            target,
-            drafter_config.target_layer_ids,
-            cfg.seq_len,
-            dtype=cfg.tap_cache_dtype,
-        )
+    cache = (
+        _tap_cache(cfg, workdir, source, target, drafter_config) if cfg.taps == "cached" else None
+    )
     dataset = data.batched_dataset(
         train_records,
         seq_len=cfg.seq_len,
