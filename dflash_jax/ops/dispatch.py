@@ -3,8 +3,12 @@ of its config (config.ATTENTION_IMPLS) and never names a kernel.
 
   "xla"     ops.attention: the reference that defines every mask.
   "pallas"  GPU: ops.pallas_gpu (Triton lowering) for drafting, training and the target.
-            TPU: ops.pallas_tpu (splash attention) for the drafter's training attention; the
-            decode shapes (fewer than 128 queries) and the target use xla (one log line).
+            TPU (Mosaic):
+              drafter, >= 128 queries (training)   ops.pallas_tpu (splash attention)
+              drafter, < 128 queries (drafting)    ops.pallas_tpu_decode.block_attention
+              target, < 128 queries (verify, AR)   ops.pallas_tpu_decode.causal_attention
+              target, >= 128 queries (prefill)     xla (one log line): the decode kernel keeps
+                                                   all queries in one row tile
             CPU: ops.pallas_gpu in interpret mode (slow; it is how the tests run the kernels).
   "auto"    pallas on GPU and TPU, xla on CPU.
 
@@ -20,9 +24,12 @@ from absl import logging
 
 from dflash_jax.config import ConfigError, check_attention_impl
 from dflash_jax.ops import attention as xla
-from dflash_jax.ops import pallas_gpu, pallas_tpu
+from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
 
 _LOGGED: set[str] = set()
+# The `interpret` argument of the TPU decode kernels: False on a TPU. Tests that fake the "tpu"
+# backend on CPU set it to pallas_tpu_decode.INTERPRET.
+TPU_INTERPRET = False
 
 
 def _backend() -> str:
@@ -36,7 +43,8 @@ def _log_once(message: str) -> None:
 
 
 def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
-    """-> "xla", "gpu", "interpret" or "tpu": what serves this call."""
+    """-> "xla", "gpu", "interpret" or "tpu": what serves this call ("tpu": the caller picks
+    the TPU kernel by shape, see `_tpu_decode`)."""
     check_attention_impl(impl)
     if impl == "xla":
         return "xla"
@@ -47,12 +55,40 @@ def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> s
         if impl == "auto":
             return "xla"
         _log_once(f"attention_impl=pallas on {backend}: Pallas GPU kernels in interpret mode")
-    reason = pallas_gpu.unsupported_reason(q.shape[-1], q.dtype)
-    if reason is None and not q.dtype == k.dtype == v.dtype:
-        reason = f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    reason = _unsupported(pallas_gpu.unsupported_reason, q, k, v)
     if reason is not None:
         return _fall_back(impl, what, reason)
     return "gpu" if backend in ("gpu", "cuda", "rocm") else "interpret"
+
+
+def _tpu_decode(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
+    """-> "tpu" when the TPU decode kernels (ops.pallas_tpu_decode) take these inputs, else
+    "xla" (or ConfigError under "pallas")."""
+    reason = _unsupported(pallas_tpu_decode.unsupported_reason, q, k, v)
+    return "tpu" if reason is None else _fall_back(impl, what, reason)
+
+
+def _target_kernel(impl: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
+    """`_kernel` for the target's attention; on TPU the decode kernel serves fewer than
+    MAX_QUERIES queries and xla the longer prefills (one log line)."""
+    kernel = _kernel(impl, "target attention", q, k, v)
+    if kernel != "tpu":
+        return kernel
+    if q.shape[1] < pallas_tpu_decode.MAX_QUERIES:
+        return _tpu_decode(impl, "target attention", q, k, v)
+    _log_once(
+        f"attention_impl={impl} on tpu: the target attention over {pallas_tpu_decode.MAX_QUERIES}"
+        " or more queries (prefill) uses xla (the TPU decode kernel holds all queries in one "
+        "row tile)"
+    )
+    return "xla"
+
+
+def _unsupported(reason_fn, q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
+    reason = reason_fn(q.shape[-1], q.dtype)
+    if reason is None and not q.dtype == k.dtype == v.dtype:
+        reason = f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    return reason
 
 
 def _fall_back(impl: str, what: str, reason: str) -> str:
@@ -84,22 +120,19 @@ def block_attention(
     anchors + j and sees context slots < min(anchor, context_length)). -> [B,Q,N,H].
     """
     kernel = _kernel(impl, "drafter attention", q, ctx_k, ctx_v)
+    if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
+        s = ctx_k.shape[2]
+        mask = xla.drafter_mask(context_lengths, anchors, block_size, s, causal, window)
+        return pallas_tpu.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask)
     if kernel == "tpu":
-        if q.shape[1] >= pallas_tpu.MIN_QUERIES:
-            mask = xla.drafter_mask(
-                context_lengths, anchors, block_size, ctx_k.shape[2], causal, window
-            )
-            return pallas_tpu.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask)
-        _log_once(
-            f"attention_impl={impl} on tpu: drafter attention over {q.shape[1]} queries uses "
-            f"xla (splash needs {pallas_tpu.MIN_QUERIES}-row query tiles)"
-        )
-    elif kernel != "xla":
+        kernel = _tpu_decode(impl, "drafter attention", q, ctx_k, ctx_v)
+    if kernel != "xla":
         lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
-        return pallas_gpu.block_attention(
-            q, ctx_k, ctx_v, blk_k, blk_v, lo, hi, block_size=block_size, causal=causal,
-            window=window, interpret=kernel == "interpret",
-        )  # fmt: skip
+        args = (q, ctx_k, ctx_v, blk_k, blk_v, lo, hi)
+        opts = dict(block_size=block_size, causal=causal, window=window)
+        if kernel == "tpu":
+            return pallas_tpu_decode.block_attention(*args, **opts, interpret=TPU_INTERPRET)
+        return pallas_gpu.block_attention(*args, **opts, interpret=kernel == "interpret")
     blk_mask = xla.block_mask(block_size, causal, window)
 
     def over(k, v):
@@ -121,12 +154,9 @@ def causal_attention(
 
     q [B,T,N,H]; k/v [B,K,S,H]; offsets [B] int32. -> [B,T,N,H].
     """
-    kernel = _kernel(impl, "target attention", q, k, v)
-    if kernel == "tpu":
-        _log_once(f"attention_impl={impl} on tpu: the target attention uses xla (no TPU kernel)")
-    elif kernel != "xla":
-        hi = xla.causal_cache_bounds(offsets, q.shape[1])
-        return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
+    kernel = _target_kernel(impl, q, k, v)
+    if kernel != "xla":
+        return _causal_kernel(kernel, q, k, v, xla.causal_cache_bounds(offsets, q.shape[1]))
     return xla.attention(q, k, v, xla.causal_cache_mask(offsets, q.shape[1], k.shape[2]))
 
 
@@ -152,10 +182,8 @@ def cached_attention(
     XLA:CPU duplicate the write into both readers, each on its own copy of the whole buffer
     (four cache copies per layer per step at batch 1). The kernels read the written cache.
     """
-    kernel = _kernel(impl, "target attention", q, old_cache[0], old_cache[1])
-    if kernel == "tpu":
-        _log_once(f"attention_impl={impl} on tpu: the target attention uses xla (no TPU kernel)")
-    elif kernel != "xla":
+    kernel = _target_kernel(impl, q, old_cache[0], old_cache[1])
+    if kernel != "xla":
         hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
         if new_cache is None:  # the caller writes the cache later (a deferred write)
             from dflash_jax.models.target import write_rows  # noqa: PLC0415 (import cycle)
@@ -163,13 +191,18 @@ def cached_attention(
             new_cache = tuple(
                 write_rows(c, n, cache_lengths) for c, n in zip(old_cache, new_kv, strict=True)
             )
-        k, v = new_cache
-        return pallas_gpu.causal_attention(q, k, v, hi, interpret=kernel == "interpret")
+        return _causal_kernel(kernel, q, *new_cache, hi)
     return live_window(
         lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths),
         old_cache,
         jnp.max(cache_lengths),
     )
+
+
+def _causal_kernel(kernel: str, q, k, v, hi_bt) -> jax.Array:
+    if kernel == "tpu":
+        return pallas_tpu_decode.causal_attention(q, k, v, hi_bt, interpret=TPU_INTERPRET)
+    return pallas_gpu.causal_attention(q, k, v, hi_bt, interpret=kernel == "interpret")
 
 
 def live_window(fn, cache, live, min_window: int = 64, max_windows: int = 8):

@@ -4,9 +4,9 @@
 Keys are [context (S) ; blocks (Q)] concatenated, the mask is `drafter_mask` [B,Q,S+Q]; splash
 skips the kv tiles that mask leaves empty (it cannot shrink its grid). GQA: one MQA splash
 kernel per kv head over its G query heads. Sequences are padded to the 128-row tiles splash
-needs (padding rows and keys are masked, then dropped). Decode shapes (one block of 16
-queries) would fill an eighth of a tile and rebuild the mask metadata every step: the dispatch
-keeps them on xla.
+needs (padding rows and keys are masked, then dropped). This module serves MIN_QUERIES or more
+queries (training). Decode shapes (one block of 16 queries) would fill an eighth of a tile and
+rebuild the mask metadata every step: ops.pallas_tpu_decode serves them (see ops/dispatch.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,257 @@
+"""Pallas TPU (Mosaic) kernels for the decode attentions: drafting one block and verifying.
+
+  `block_attention`   the drafter over its context cache plus its own block (`drafter_mask`),
+                      for fewer than MAX_QUERIES queries (drafting: one block of <= 16).
+  `causal_attention`  the target's T < MAX_QUERIES queries over its cache (`causal_cache_mask`):
+                      verifying a block, one autoregressive step, a short prefill.
+Longer query runs (training, long prefill) are not decode shapes: see ops/dispatch.py.
+
+One kernel serves both. The G query heads of a kv head and the T queries are folded into the
+rows of one tile, m = t*G + g ([B,K,M,H], M = T*G padded to the dtype's sublane tile), so a
+program's rows share one kv head (GQA without repeating K/V). Row m (query t = m // G) sees
+cache/context slot s iff lo[t] <= s < hi[t] (`context_bounds`, `causal_cache_bounds`); the
+bounds enter as [B,M,128] int32 copies, one per lane, so the mask is an elementwise compare
+against each 128-slot tile. The drafter's block keys (Q <= 127, padded to one 128-key tile)
+are seen under the static `block_mask` rule of their own block.
+
+Grid (B, K, C [+1]): C = ceil(S / 128) cache tiles, then, for the drafter, one step for the
+block keys. The tile axis is sequential ("arbitrary"): an online softmax in fp32 is carried in
+VMEM scratch (running max and sum, lane-replicated [M,128], and the [M,H] accumulator) and the
+output is written at the last step; B and K are "parallel" (megacore). Only live tiles are
+read: each row's live tile range [first, last] comes in by scalar prefetch (SMEM), the K/V
+index_maps clamp every step into it, so a dead step repeats a live tile's block index (the one
+before it, or the first live one) and the pipeline issues no DMA for it, and `pl.when` skips
+its compute. Rows of different lengths share one batch. A partial last tile (S not a multiple
+of 128) is read past the array's end (unspecified values on TPU): those slots are masked and
+their values zeroed, so no copy of the cache is padded.
+
+Scores and softmax in fp32, matmuls in the input dtype with fp32 accumulation. A row that sees
+no key returns zeros. Forward only (decoding needs no gradient).
+
+Interpret mode: `interpret=INTERPRET` runs the kernels on CPU through Pallas' TPU interpreter
+(`pltpu.InterpretParams`, jax 0.10.2 and 0.11), which simulates HBM/VMEM, the DMAs and the
+scalar prefetch, and fills the part of a partial tile past the array with NaN: a kernel that
+let such a slot through would return NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dflash_jax.ops.attention import NEG_INF, block_mask
+
+TILE = 128  # cache slots per grid step: one lane width, so scores line up with the m/l scratch
+MAX_QUERIES = TILE  # queries per call: rows = queries x G in one row tile; block keys in one tile
+HEAD_DIMS = (64, 128)
+DTYPES = ("float32", "bfloat16")
+INTERPRET = pltpu.InterpretParams()
+
+
+def unsupported_reason(head_dim: int, dtype) -> str | None:
+    """Why the kernels cannot take these inputs, or None when they can (the query count is
+    the dispatch's routing, not a refusal)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} (the Pallas TPU decode kernels take {HEAD_DIMS})"
+    if jnp.dtype(dtype).name not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the Pallas TPU decode kernels take {DTYPES})"
+    return None
+
+
+def block_attention(
+    q_bqnh: jax.Array,
+    ctx_k: jax.Array,
+    ctx_v: jax.Array,
+    blk_k: jax.Array,
+    blk_v: jax.Array,
+    lo_bq: jax.Array,
+    hi_bq: jax.Array,
+    *,
+    block_size: int,
+    causal: bool = False,
+    window: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """`ops.attention.block_attention` as a kernel, for Q < MAX_QUERIES (drafting).
+
+    q [B,Q,N,H] (Q = blocks x block_size); ctx_k/ctx_v [B,K,S,H]; blk_k/blk_v [B,K,Q,H];
+    lo/hi [B,Q] int32 from `context_bounds`. -> [B,Q,N,H] in q's dtype.
+    """
+    q_len = q_bqnh.shape[1]
+    if q_len % block_size or blk_k.shape[2] != q_len or q_len >= MAX_QUERIES:
+        raise ValueError(
+            f"block attention needs Q={q_len} < {MAX_QUERIES} queries = blocks x "
+            f"block_size={block_size} and as many block keys, got {blk_k.shape[2]}"
+        )
+    # Block keys: one tile of TILE keys; each query sees its own block under `block_mask`.
+    block_q = jnp.arange(q_len) // block_size
+    visible_qq = (block_q[:, None] == block_q[None, :]) & jnp.tile(
+        block_mask(block_size, causal, window), (q_len // block_size,) * 2
+    )
+    pad = ((0, 0), (0, 0), (0, TILE - q_len), (0, 0))
+    block = (jnp.pad(blk_k, pad), jnp.pad(blk_v, pad), visible_qq)
+    return _attend(q_bqnh, ctx_k, ctx_v, lo_bq, hi_bq, block, interpret)
+
+
+def causal_attention(
+    q_btnh: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    hi_bt: jax.Array,
+    *,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """The target's attention over its cache as a kernel, for T < MAX_QUERIES (verify).
+
+    q [B,T,N,H]; k/v [B,K,S,H] (the new rows already written); hi [B,T] from
+    `causal_cache_bounds` (query t sees slots s < hi[b,t]). -> [B,T,N,H] in q's dtype.
+    """
+    if q_btnh.shape[1] >= MAX_QUERIES:
+        raise ValueError(f"causal attention takes < {MAX_QUERIES} queries, got {q_btnh.shape}")
+    return _attend(q_btnh, k_bksh, v_bksh, jnp.zeros_like(hi_bt), hi_bt, None, interpret)
+
+
+def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
+    """block: None, or (blk_k, blk_v [B,K,TILE,H], visible [T,T] bool: query vs block key)."""
+    b, t, n, h = q_btnh.shape
+    kh, s = k_bksh.shape[1], k_bksh.shape[2]
+    g = n // kh
+    m = t * g
+    m_pad = _round_up(m, 32 // jnp.dtype(q_btnh.dtype).itemsize)  # sublane tile: 8 fp32, 16 bf16
+    num_tiles = pl.cdiv(s, TILE)
+
+    q_bkmh = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, m, h)
+    q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
+
+    def per_row(x_bt):
+        """Per-query bounds [B,T] -> [B,M_pad,TILE]: rows t*G .. t*G+G-1 get query t's,
+        copied on every lane; padding rows the empty range [0, 0)."""
+        x_bm = jnp.pad(jnp.repeat(x_bt.astype(jnp.int32), g, axis=1), ((0, 0), (0, m_pad - m)))
+        return jnp.broadcast_to(x_bm[:, :, None], (b, m_pad, TILE))
+
+    tile_first, tile_last = _live_tiles(lo_bt, hi_bt, s)  # scalar prefetch
+    cache_tile = lambda b_, k_, c, first, last: (b_, k_, _tile_index(c, first[b_], last[b_]), 0)
+    per_bk = lambda rows: pl.BlockSpec((None, None, rows, h), lambda b_, k_, c, *_: (b_, k_, 0, 0))
+    per_b = pl.BlockSpec((None, m_pad, TILE), lambda b_, k_, c, *_: (b_, 0, 0))
+    in_specs = [
+        per_bk(m_pad),
+        pl.BlockSpec((None, None, TILE, h), cache_tile),
+        pl.BlockSpec((None, None, TILE, h), cache_tile),
+        per_b,
+        per_b,
+    ]
+    args = [q_bkmh, k_bksh, v_bksh, per_row(lo_bt), per_row(hi_bt)]
+    if block is not None:
+        blk_k, blk_v, visible_tt = block
+        visible_mu = jnp.repeat(visible_tt.astype(jnp.int32), g, axis=0)
+        visible_mu = jnp.pad(visible_mu, ((0, m_pad - m), (0, TILE - t)))
+        in_specs += [per_bk(TILE), per_bk(TILE), pl.BlockSpec((m_pad, TILE), lambda *_: (0, 0))]
+        args += [blk_k.astype(k_bksh.dtype), blk_v.astype(v_bksh.dtype), visible_mu]
+
+    out_bkmh = pl.pallas_call(
+        functools.partial(
+            _kernel, scale=h**-0.5, num_keys=s, num_tiles=num_tiles, with_block=block is not None
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, kh, num_tiles + (block is not None)),
+            in_specs=in_specs,
+            out_specs=per_bk(m_pad),
+            scratch_shapes=[
+                pltpu.VMEM((m_pad, TILE), jnp.float32),  # running max, lane-replicated
+                pltpu.VMEM((m_pad, TILE), jnp.float32),  # running sum, lane-replicated
+                pltpu.VMEM((m_pad, h), jnp.float32),  # accumulator
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, kh, m_pad, h), q_btnh.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)
+        ),
+        interpret=interpret,
+        name="dflash_decode_attention",
+    )(tile_first, tile_last, *args)
+    out_bkmh = out_bkmh[:, :, :m]
+    return out_bkmh.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _live_tiles(lo_bt, hi_bt, num_keys: int):
+    """The cache tiles each row reads: [first, last] over its queries' slot ranges, clipped to
+    the cache; a row that sees no slot gets last = first - 1 (nothing is live; `_tile_index`
+    stays on `first`). -> two [B] int32."""
+    slot_lo = jnp.min(lo_bt, axis=1).astype(jnp.int32)
+    slot_hi = jnp.minimum(jnp.max(hi_bt, axis=1), num_keys).astype(jnp.int32)
+    first = jnp.minimum(slot_lo // TILE, pl.cdiv(num_keys, TILE) - 1)
+    last = jnp.where(slot_hi > slot_lo, (slot_hi - 1) // TILE, first - 1)
+    return first, last
+
+
+def _tile_index(c, first, last):
+    """The cache tile grid step c reads: c clamped into the row's live tiles [first, last]
+    (`first` when there is none). Dead steps repeat the index of the step before (or after,
+    for the tiles before `first`), so the pipeline fetches each live tile once and no other."""
+    return jnp.maximum(jnp.minimum(c, last), first)
+
+
+def _kernel(
+    first_ref, last_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, scale, num_keys, num_tiles,
+    with_block,
+):  # fmt: skip
+    if with_block:
+        bk_ref, bv_ref, bvis_ref, o_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, m_ref, l_ref, acc_ref = refs
+    b, c = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(c == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def attend(k, v, visible):
+        scores = lax.dot_general(
+            q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        scores = jnp.where(visible, scores * scale, NEG_INF)
+        m_prev = m_ref[...]  # [M,TILE] like the scores (TILE = lane width): elementwise below
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+        # where, not exp alone: a row with nothing visible yet has m_next = NEG_INF = score.
+        p = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+    @pl.when((c >= first_ref[b]) & (c <= last_ref[b]))
+    def _cache_tile():
+        slots = c * TILE + lax.broadcasted_iota(jnp.int32, lo_ref.shape, 1)
+        visible = (slots >= lo_ref[...]) & (slots < hi_ref[...])
+        v = v_ref[...]
+        if num_keys % TILE:  # the last tile runs past the cache: unspecified values there
+            visible &= slots < num_keys
+            v_slots = c * TILE + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            v = jnp.where(v_slots < num_keys, v, jnp.zeros_like(v))
+        attend(k_ref[...], v, visible)
+
+    if with_block:
+
+        @pl.when(c == num_tiles)
+        def _block_keys():
+            attend(bk_ref[...], bv_ref[...], bvis_ref[...] != 0)
+
+    @pl.when(c == pl.num_programs(2) - 1)
+    def _finish():
+        l = l_ref[...][:, :1]
+        o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)

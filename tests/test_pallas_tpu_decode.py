@@ -1,0 +1,255 @@
+"""The Pallas TPU decode kernels (ops/pallas_tpu_decode.py) vs the XLA reference (ops/attention.py),
+in Pallas' TPU interpret mode on CPU, and the dispatch routing the decode shapes to them on a
+faked "tpu" backend.
+
+Caches hold S = 300 slots: three 128-slot tiles, the last one partial (the interpreter fills its
+tail past the array with NaN). The rows of one batch have different live lengths: 1 (or the
+T queries), exactly one tile, the full buffer, one in between, and none (drafting only). Every
+whole tile a row's mask leaves empty is filled with NaN in the kernel's inputs (the reference
+gets the clean arrays): a kernel that used such a tile would return NaN. Values match to 1e-5
+in fp32; bf16 is compared with the fp32 reference on the same bf16 inputs.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import ConfigError
+from dflash_jax.models.target import write_rows
+from dflash_jax.ops import attention as xla
+from dflash_jax.ops import dispatch, pallas_tpu_decode
+
+S = 300
+TILE = pallas_tpu_decode.TILE
+KV_HEADS = 2
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _normal(rng, shape, dtype):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+def _poison_unseen_tiles(x_bksh, seen_bs):
+    """NaN in every tile outside [tile of the first seen slot, tile of the last] of each row
+    (all of them when the row sees nothing)."""
+    x = np.array(x_bksh.astype(jnp.float32))
+    for b, seen_s in enumerate(np.asarray(seen_bs)):
+        slots = np.flatnonzero(seen_s)
+        tile_s = np.arange(x.shape[2]) // TILE
+        dead = np.ones_like(tile_s, bool)
+        if slots.size:
+            dead = (tile_s < slots[0] // TILE) | (tile_s > slots[-1] // TILE)
+        x[b, :, dead] = np.nan
+    return jnp.asarray(x, x_bksh.dtype)
+
+
+def _check(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "t,groups,h,dtype",
+    [(1, 1, 64, jnp.float32), (16, 3, 128, jnp.float32), (16, 4, 64, jnp.bfloat16)],
+)
+def test_verify_kernel_matches_xla(t, groups, h, dtype):
+    rng = np.random.default_rng(t * 10 + groups)
+    b = 4
+    q = _normal(rng, (b, t, KV_HEADS * groups, h), dtype)
+    k, v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
+    # Live lengths offsets + t: t (1 when t = 1), one tile, the whole buffer, in between.
+    offsets = jnp.array([0, TILE - t, S - t, 77], jnp.int32)
+    mask = xla.causal_cache_mask(offsets, t, S)
+    f32 = lambda x: x.astype(jnp.float32)
+    want = xla.attention(f32(q), f32(k), f32(v), mask)
+    seen = mask.any(axis=1)
+    kernel = jax.jit(
+        lambda q, k, v, offsets: pallas_tpu_decode.causal_attention(
+            q, k, v, xla.causal_cache_bounds(offsets, t), interpret=pallas_tpu_decode.INTERPRET
+        )
+    )
+    got = kernel(q, _poison_unseen_tiles(k, seen), _poison_unseen_tiles(v, seen), offsets)
+    assert got.dtype == dtype
+    _check(got, want, dtype)
+
+
+@pytest.mark.parametrize(
+    "blocks,j,groups,h,dtype,causal,window",
+    [
+        (1, 16, 1, 64, jnp.float32, False, None),
+        (1, 16, 3, 128, jnp.float32, True, 40),
+        (2, 8, 4, 64, jnp.bfloat16, False, 40),
+    ],
+)
+def test_draft_kernel_matches_xla(blocks, j, groups, h, dtype, causal, window):
+    rng = np.random.default_rng(blocks * 100 + groups)
+    b, q_len = 5, blocks * j
+    q = _normal(rng, (b, q_len, KV_HEADS * groups, h), dtype)
+    ctx_k, ctx_v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
+    blk_k, blk_v = (_normal(rng, (b, KV_HEADS, q_len, h), dtype) for _ in range(2))
+    # Context lengths: 1, one tile, the whole buffer, an anchor inside the context, none.
+    lengths = jnp.array([1, TILE, S, 200, 0], jnp.int32)
+    last = jnp.array([1, TILE, S, 150, 0], jnp.int32)
+    anchors = jnp.stack([last // 2, last], axis=1)[:, -blocks:]
+    ctx_mask = xla.context_mask(lengths, anchors, j, S, window)
+    blk_mask = xla.block_mask(j, causal, window)
+    f32 = lambda x: x.astype(jnp.float32)
+    want = xla.block_attention(*map(f32, (q, ctx_k, ctx_v, blk_k, blk_v)), ctx_mask, blk_mask)
+    seen = ctx_mask.any(axis=1)
+
+    @jax.jit
+    def kernel(q, ctx_k, ctx_v, blk_k, blk_v, lengths, anchors):
+        lo, hi = xla.context_bounds(lengths, anchors, j, window)
+        return pallas_tpu_decode.block_attention(
+            q, ctx_k, ctx_v, blk_k, blk_v, lo, hi, block_size=j, causal=causal, window=window,
+            interpret=pallas_tpu_decode.INTERPRET,
+        )  # fmt: skip
+
+    poisoned = [_poison_unseen_tiles(x, seen) for x in (ctx_k, ctx_v)]
+    got = kernel(q, *poisoned, blk_k, blk_v, lengths, anchors)
+    assert got.dtype == dtype
+    _check(got, want, dtype)
+
+
+def test_each_row_fetches_and_computes_only_its_live_tiles():
+    """The schedule behind the kernels' K/V index_maps and `pl.when` (the NaN tests above cannot
+    tell a skipped DMA from a skipped compute): over the grid's tile steps, a row's tile indices
+    are exactly the tiles its mask touches, in order (the pipeline fetches a block only when its
+    index changes), and the steps that compute are those tiles. A row that sees nothing repeats
+    one index (the pipeline always fetches a block) and computes nothing."""
+    t = 16
+    lengths = jnp.array([1, TILE, S, 200, 0], jnp.int32)
+    anchors = jnp.array([[1], [TILE], [S], [150], [0]], jnp.int32)
+    offsets = jnp.array([0, TILE - t, S - t, 77, 0], jnp.int32)
+    cases = [
+        (*xla.context_bounds(lengths, anchors, t, None), xla.context_mask(lengths, anchors, t, S)),
+        (*xla.context_bounds(lengths, anchors, t, 40), xla.context_mask(lengths, anchors, t, S, 40)),
+        (jnp.zeros((5, t), jnp.int32), xla.causal_cache_bounds(offsets, t), xla.causal_cache_mask(offsets, t, S)),
+    ]  # fmt: skip
+    steps = np.arange(-(-S // TILE) + 1)  # the draft grid's last step is the block keys'
+    for lo, hi, mask in cases:
+        first, last = map(np.asarray, pallas_tpu_decode._live_tiles(lo, hi, S))
+        for b, seen_s in enumerate(np.asarray(mask.any(axis=1))):
+            live = sorted({int(x) for x in np.flatnonzero(seen_s) // TILE})
+            tiles = [int(pallas_tpu_decode._tile_index(c, first[b], last[b])) for c in steps]
+            assert tiles == sorted(tiles), (b, tiles)
+            assert sorted(set(tiles)) == (live or [first[b]]), (b, tiles, live)
+            computed = steps[(steps >= first[b]) & (steps <= last[b])]
+            assert computed.tolist() == live, (b, computed, live)
+
+
+def test_kernels_lower_to_mosaic_for_tpu():
+    """The Pallas TPU lowering (block shapes, scalar prefetch, the body's ops) accepts both
+    kernels for both head dims and dtypes; Mosaic's own compilation needs a TPU."""
+    sd = jax.ShapeDtypeStruct
+    b, t, groups = 2, 16, 4
+
+    def verify(q, k, v, offsets):
+        return pallas_tpu_decode.causal_attention(q, k, v, xla.causal_cache_bounds(offsets, t))
+
+    def draft(q, k, v, bk, bv, lengths, anchors):
+        lo, hi = xla.context_bounds(lengths, anchors, t, 40)
+        return pallas_tpu_decode.block_attention(
+            q, k, v, bk, bv, lo, hi, block_size=t, causal=True, window=40
+        )
+
+    for h in pallas_tpu_decode.HEAD_DIMS:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            q = sd((b, t, KV_HEADS * groups, h), dtype)
+            cache, block = sd((b, KV_HEADS, 1000, h), dtype), sd((b, KV_HEADS, t, h), dtype)
+            vec, col = sd((b,), jnp.int32), sd((b, 1), jnp.int32)
+            for fn, args in ((verify, (q, cache, cache, vec)), (draft, (q, cache, cache, block, block, vec, col))):  # fmt: skip
+                text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+                assert text.count("tpu_custom_call") == 1, (fn.__name__, h, dtype)
+
+
+# --- dispatch on a faked TPU -----------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_tpu(monkeypatch):
+    """dispatch sees a "tpu" backend and runs the TPU kernels in interpret mode; -> the calls
+    made to the decode kernels, by name."""
+    monkeypatch.setattr(dispatch, "_backend", lambda: "tpu")
+    monkeypatch.setattr(dispatch, "TPU_INTERPRET", pallas_tpu_decode.INTERPRET)
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    calls = []
+    for name in ("block_attention", "causal_attention"):
+        kernel = getattr(pallas_tpu_decode, name)
+        spy = lambda *a, _name=name, _kernel=kernel, **kw: calls.append(_name) or _kernel(*a, **kw)
+        monkeypatch.setattr(pallas_tpu_decode, name, spy)
+    return calls
+
+
+def test_dispatch_routes_decode_shapes_to_the_tpu_kernels(fake_tpu):
+    rng = np.random.default_rng(3)
+    b, j, t, n, h, s = 2, 16, 4, 4, 64, 130
+    dtype = jnp.float32
+    cache = [_normal(rng, (b, KV_HEADS, s, h), dtype) for _ in range(2)]
+    new_kv = [_normal(rng, (b, KV_HEADS, t, h), dtype) for _ in range(2)]
+    lengths = jnp.array([5, s - t], jnp.int32)
+
+    # Drafting: one block over the context cache.
+    q = _normal(rng, (b, j, n, h), dtype)
+    blk = [_normal(rng, (b, KV_HEADS, j, h), dtype) for _ in range(2)]
+    draft = lambda impl: jax.jit(
+        lambda *a: dispatch.block_attention(*a, block_size=j, window=64, impl=impl)
+    )(q, *cache, *blk, lengths, lengths[:, None])
+    _check(draft("pallas"), draft("xla"), dtype)
+    assert fake_tpu == ["block_attention"]
+
+    # Verifying: T new rows appended to the target cache, written or not yet.
+    q = _normal(rng, (b, t, n, h), dtype)
+    written = [write_rows(c, new, lengths) for c, new in zip(cache, new_kv, strict=True)]
+    verify = lambda new_cache, impl: jax.jit(
+        lambda q, cache, new_cache, new_kv, lengths: dispatch.cached_attention(
+            q, cache, new_cache, new_kv, lengths, impl=impl
+        )
+    )(q, cache, new_cache, new_kv, lengths)
+    want = verify(written, "xla")
+    _check(verify(None, "pallas"), want, dtype)  # a deferred write
+    causal = jax.jit(lambda *a: dispatch.causal_attention(*a, impl="auto"))
+    _check(causal(q, *written, lengths), want, dtype)
+    assert fake_tpu == ["block_attention", "causal_attention", "causal_attention"]
+
+
+def test_dispatch_keeps_long_prefill_on_xla_with_one_log_line(fake_tpu, caplog):
+    rng = np.random.default_rng(4)
+    t = pallas_tpu_decode.MAX_QUERIES
+    q = _normal(rng, (1, t, 2, 64), jnp.float32)
+    k, v = (_normal(rng, (1, 1, t, 64), jnp.float32) for _ in range(2))
+    zeros = jnp.zeros((1,), jnp.int32)
+    with caplog.at_level(logging.WARNING):
+        got = dispatch.causal_attention(q, k, v, zeros, impl="pallas")
+        dispatch.causal_attention(q, k, v, zeros, impl="pallas")
+    assert fake_tpu == []
+    assert len([r for r in caplog.records if "(prefill) uses xla" in r.getMessage()]) == 1
+    _check(got, xla.attention(q, k, v, xla.causal_cache_mask(zeros, t, t)), jnp.float32)
+
+
+def test_unsupported_head_dim_refused_under_pallas_and_logged_under_auto(fake_tpu, caplog):
+    rng = np.random.default_rng(5)
+    q = _normal(rng, (1, 4, 2, 32), jnp.float32)
+    k, v = (_normal(rng, (1, 1, 6, 32), jnp.float32) for _ in range(2))
+    offsets = jnp.array([2], jnp.int32)
+    with pytest.raises(ConfigError, match="head_dim=32"):
+        dispatch.causal_attention(q, k, v, offsets, impl="pallas")
+    blk = [_normal(rng, (1, 1, 4, 32), jnp.float32) for _ in range(2)]
+    with pytest.raises(ConfigError, match="drafter attention with head_dim=32"):
+        dispatch.block_attention(
+            q, k, v, *blk, offsets, offsets[:, None], block_size=4, impl="pallas"
+        )
+    with caplog.at_level(logging.WARNING):
+        got = dispatch.causal_attention(q, k, v, offsets, impl="auto")
+        dispatch.causal_attention(q, k, v, offsets, impl="auto")
+    assert [r.getMessage() for r in caplog.records if "head_dim=32" in r.getMessage()] == [
+        "attention_impl=auto: target attention uses xla (head_dim=32 (the Pallas TPU decode "
+        f"kernels take {pallas_tpu_decode.HEAD_DIMS}))"
+    ]
+    assert fake_tpu == []
+    want = xla.attention(q, k, v, xla.causal_cache_mask(offsets, 4, 6))
+    np.testing.assert_array_equal(got, want)
