@@ -261,3 +261,16 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
             assert (taps == 7.0).all(), i
         else:
             np.testing.assert_allclose(taps, _online_taps(tiny_target, tokens, layers), atol=2e-5)
+
+    # A half-built cache whose batch plan is not this build's (e.g. its previous cache was
+    # deleted meanwhile) is started over, not resumed: every row is then a real forward.
+    meta_path = cache_dir / tap_cache.INDEX_FILE
+    meta = json.loads(meta_path.read_text())
+    meta.update(done=2, complete=False, plan="another plan")
+    meta_path.write_text(json.dumps(meta))
+    _, rebuilt = build("larger.jsonl")
+    for i in range(14):
+        tokens = data.decode_record(source[i])["tokens"][:24]
+        np.testing.assert_allclose(
+            rebuilt.row(i)[: len(tokens)], _online_taps(tiny_target, tokens, layers), atol=2e-5
+        )

@@ -155,11 +155,32 @@ def build_tap_cache(
         index_path.replace(directory / PREV_INDEX_FILE)
         meta = {}
     prev = _previous_cache(directory, base)
-    done = meta.get("done", 0) if meta.get("fingerprint") == fingerprint else 0
     digests = [_record_digest(t) for t in tokens]
+
+    # Batch 0 copies the records the previous cache has (when it has any); then batches of
+    # similar width, longest first, so the first (largest) compile happens at once.
+    known = prev.rows_by_digest() if prev is not None else {}
+    reused = [i for i, d in enumerate(digests) if d in known]
+    batches: list[np.ndarray | None] = [None] if reused else []
+    fresh = np.asarray([i for i, d in enumerate(digests) if d not in known], np.int64)
+    order = fresh[np.argsort(-lengths[fresh], kind="stable")]
+    i = 0
+    while i < len(order):
+        width = -(-int(lengths[order[i]]) // bucket) * bucket
+        rows = max(1, batch_tokens // width)
+        batches.append(order[i : i + rows])
+        i += rows
+    # `done` counts batches of this plan: a resumed build with another plan (the previous cache
+    # gone, another batch_tokens) starts over rather than trust rows it did not write.
+    plan = hashlib.sha256(
+        json.dumps([None if b is None else b.tolist() for b in batches]).encode()
+    ).hexdigest()[:16]
+    same = meta.get("fingerprint") == fingerprint and meta.get("plan") == plan
+    done = meta.get("done", 0) if same else 0
     meta = {
         "fingerprint": fingerprint,
         "base": base,
+        "plan": plan,
         "seq_len": seq_len,
         "features": features,
         "dtype": dtype,
@@ -177,20 +198,6 @@ def build_tap_cache(
             f.truncate(total_bytes)
         done = meta["done"] = 0
     store = np.memmap(data_path, np_dtype, "r+").reshape(-1, features)
-
-    # Batch 0 copies the records the previous cache has (when it has any); then batches of
-    # similar width, longest first, so the first (largest) compile happens at once.
-    known = prev.rows_by_digest() if prev is not None else {}
-    reused = [i for i, d in enumerate(digests) if d in known]
-    batches: list[np.ndarray | None] = [None] if reused else []
-    fresh = np.asarray([i for i, d in enumerate(digests) if d not in known], np.int64)
-    order = fresh[np.argsort(-lengths[fresh], kind="stable")]
-    i = 0
-    while i < len(order):
-        width = -(-int(lengths[order[i]]) // bucket) * bucket
-        rows = max(1, batch_tokens // width)
-        batches.append(order[i : i + rows])
-        i += rows
     if reused:
         logging.info(
             "tap cache %s: %d of %d records copied from the previous cache, %d to compute",
