@@ -1,0 +1,91 @@
+r"""What each adaptive step kind costs, in AR steps of the same run.
+
+  python -m infer.step_cost --prompt="Write a Python function that checks whether a number \
+      is prime." --max_new_tokens=128 --repeats=5 --output=results/step_cost.json
+
+Decodes the prompt with the target alone (AR) and with the adaptive loop forced to run one step
+kind at every step (`speculative_decode`'s forced kind, the executable the real decode uses:
+the kind is an input), alternately, --repeats times each after a warm-up, compilation
+excluded, stop tokens ignored so every run takes the same number of steps, and the prefill
+(timed as a one-token decode) subtracted. Prints (and writes
+with --output) one JSON object: the median per-step time of each and its ratio to the AR step.
+The "1" kind is a plain target step inside the adaptive loop, so its ratio is what the loop's
+machinery (the kind switch, the drafter context row, the lookup proposal) adds to an AR step.
+Unlike the controller's calibration (one run per kind, cached), every figure here is a median
+of interleaved runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+from dflash_jax import api
+from infer import common
+
+FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.DEFINE_string("prompt", None, "The user prompt (required).")
+flags.DEFINE_integer("repeats", 5, "Timed runs per kind (the median is kept).", lower_bound=1)
+flags.DEFINE_string("output", None, "Write the JSON object to this file as well.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    common.quiet_library_logs()
+    if not FLAGS.prompt:
+        raise app.UsageError("--prompt is required")
+    with common.usage_errors():
+        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        if drafter is None:
+            raise app.UsageError("--drafter=none has no step kinds to time")
+        block = FLAGS.block_size or api.default_block_size(target, drafter)
+        cfg = common.decode_config(block, (), adaptive=True)
+        prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, FLAGS.prompt)])
+        api.check_inputs(target, drafter, prompt, lengths, cfg)
+    cfg = dataclasses.replace(cfg, stream=False)
+    runs = [("ar", None, -1)] + [
+        (str(kind), drafter, index) for index, kind in enumerate(cfg.all_kinds)
+    ]
+    # Prefill (and the drafter's prompt context) is timed apart and subtracted: a decode of one
+    # token runs no loop step.
+    first_only = dataclasses.replace(cfg, max_new_tokens=1)
+
+    def seconds(d, index, c):
+        run = api.timed_decode(target, d, prompt, lengths, FLAGS.seed, c, forced_kind=index)
+        return run.run_s, int(np.max(run.output.num_steps))
+
+    per_step: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    steps = {}
+    for _, d, index in runs:  # compile and warm up
+        seconds(d, index, cfg)
+        seconds(d, index, first_only)
+    for _ in range(FLAGS.repeats):
+        for name, d, index in runs:
+            total, steps[name] = seconds(d, index, cfg)
+            prefill, _ = seconds(d, index, first_only)
+            per_step[name].append(max(total - prefill, 0.0) / max(steps[name], 1))
+    median = {name: float(np.median(times)) for name, times in per_step.items()}
+    result = {
+        "block_size": block,
+        "kinds": list(cfg.all_kinds),
+        "steps": steps,
+        "step_s": median,
+        "ar_steps": {name: median[name] / median["ar"] for name in median if name != "ar"},
+        "repeats": FLAGS.repeats,
+        "max_new_tokens": cfg.max_new_tokens,
+    }
+    text = json.dumps(result)
+    print(text)
+    if FLAGS.output:
+        Path(FLAGS.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(FLAGS.output).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
