@@ -5,7 +5,8 @@
 
 Rerunning with the same workdir resumes from the last checkpoint (same data order, same
 losses). With `--taps_only` it only builds (or grows) the tap cache of a `taps="cached"` config
-and exits, e.g. while data generation is still writing shards. The drafter is exported to `<workdir>/drafter` at every checkpoint; load it with
+and exits, e.g. while data generation is still writing shards. The drafter is exported to
+`<workdir>/drafter` at every checkpoint; load it with
 `dflash_jax.load_drafter("<workdir>/drafter", target)`. Metrics: `<workdir>/metrics.jsonl`.
 
 On a mesh and several processes (every process runs the same command; process 0 logs and
