@@ -55,7 +55,7 @@ def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> s
         if impl == "auto":
             return "xla"
         _log_once(f"attention_impl=pallas on {backend}: Pallas GPU kernels in interpret mode")
-    reason = _unsupported(pallas_gpu.unsupported_reason, q, k, v)
+    reason = _unsupported(pallas_gpu, "Pallas GPU kernels", q, k, v)
     if reason is not None:
         return _fall_back(impl, what, reason)
     return "gpu" if backend in ("gpu", "cuda", "rocm") else "interpret"
@@ -64,7 +64,7 @@ def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> s
 def _tpu_decode(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
     """-> "tpu" when the TPU decode kernels (ops.pallas_tpu_decode) take these inputs, else
     "xla" (or ConfigError under "pallas")."""
-    reason = _unsupported(pallas_tpu_decode.unsupported_reason, q, k, v)
+    reason = _unsupported(pallas_tpu_decode, "Pallas TPU decode kernels", q, k, v)
     return "tpu" if reason is None else _fall_back(impl, what, reason)
 
 
@@ -84,11 +84,17 @@ def _target_kernel(impl: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:
     return "xla"
 
 
-def _unsupported(reason_fn, q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
-    reason = reason_fn(q.shape[-1], q.dtype)
-    if reason is None and not q.dtype == k.dtype == v.dtype:
-        reason = f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
-    return reason
+def _unsupported(kernels, name: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
+    """Why the kernels of module `kernels` (its HEAD_DIMS and DTYPES) cannot take these
+    inputs, or None when they can (the query count is the caller's routing, not a refusal)."""
+    head_dim, dtype = q.shape[-1], jnp.dtype(q.dtype).name
+    if head_dim not in kernels.HEAD_DIMS:
+        return f"head_dim={head_dim} (the {name} take {kernels.HEAD_DIMS})"
+    if dtype not in kernels.DTYPES:
+        return f"dtype {dtype} (the {name} take {kernels.DTYPES})"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    return None
 
 
 def _fall_back(impl: str, what: str, reason: str) -> str:

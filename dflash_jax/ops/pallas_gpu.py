@@ -94,15 +94,6 @@ class _Spec:
     interpret: bool
 
 
-def unsupported_reason(head_dim: int, dtype) -> str | None:
-    """Why the kernels cannot take these inputs, or None when they can."""
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim={head_dim} (the Pallas GPU kernels take {HEAD_DIMS})"
-    if jnp.dtype(dtype).name not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (the Pallas GPU kernels take {DTYPES})"
-    return None
-
-
 def block_attention(
     q_bqnh: jax.Array,
     ctx_k: jax.Array,

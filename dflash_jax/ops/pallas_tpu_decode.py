@@ -53,16 +53,6 @@ DTYPES = ("float32", "bfloat16")
 INTERPRET = pltpu.InterpretParams()
 
 
-def unsupported_reason(head_dim: int, dtype) -> str | None:
-    """Why the kernels cannot take these inputs, or None when they can (the query count is
-    the dispatch's routing, not a refusal)."""
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim={head_dim} (the Pallas TPU decode kernels take {HEAD_DIMS})"
-    if jnp.dtype(dtype).name not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (the Pallas TPU decode kernels take {DTYPES})"
-    return None
-
-
 def block_attention(
     q_bqnh: jax.Array,
     ctx_k: jax.Array,
