@@ -208,8 +208,10 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
     see it), new ones computed; the old cache survives until the new one is complete."""
     _corpus(tmp_path / "small.jsonl", num_records=8)
     _corpus(tmp_path / "other.jsonl", num_records=6, seed=1)  # another cycle: new records
-    small, other = (data.record_source([str(tmp_path / n)]) for n in ("small.jsonl", "other.jsonl"))
-    records = [data.decode_record(r) for r in [*small, *other]]
+    small_src, other_src = (
+        data.record_source([str(tmp_path / n)]) for n in ("small.jsonl", "other.jsonl")
+    )
+    records = [data.decode_record(r) for r in [*small_src, *other_src]]
     data.write_shard(tmp_path / "large.jsonl", records[:12])  # the same 8 records, then 4 more
     data.write_shard(tmp_path / "larger.jsonl", records)  # and 2 more
     layers, cache_dir = (1, 2), tmp_path / "cache"
@@ -220,7 +222,22 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
             cache_dir, source, tiny_target, layers, 24, dtype="float32", batch_tokens=48, bucket=8
         )
 
+    def assert_rows(source, cache, copied):
+        """Each row is the poison 7.0 where `copied(tokens)`, else the record's online taps."""
+        for i in range(len(source)):
+            tokens = data.decode_record(source[i])["tokens"][:24]
+            taps = cache.row(i)[: len(tokens)]
+            if copied(tokens):
+                assert (taps == 7.0).all(), i
+            else:
+                np.testing.assert_allclose(
+                    taps, _online_taps(tiny_target, tokens, layers), atol=2e-5
+                )
+
     _, small = build("small.jsonl")
+    # The corpus repeats itself: later records may equal one of the first 8, and are copied.
+    in_small = {tuple(data.decode_record(r)["tokens"][:24]) for r in small_src}
+    was_copied = lambda tokens: tuple(tokens) in in_small  # noqa: E731
     store = np.memmap(cache_dir / tap_cache.DATA_FILE, np.float32, "r+")
     store[:] = 7.0  # not what any forward gives
     store.flush()
@@ -228,18 +245,7 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
     source, large = build("large.jsonl")
     assert large.fingerprint != small.fingerprint
     assert not (cache_dir / tap_cache.PREV_DATA_FILE).exists()
-
-    def had(i):  # the corpus repeats itself: later records may equal one of the first 8
-        return tuple(data.decode_record(source[i])["tokens"][:24]) in first_eight
-
-    first_eight = {tuple(data.decode_record(source[i])["tokens"][:24]) for i in range(8)}
-    for i in range(12):
-        tokens = data.decode_record(source[i])["tokens"][:24]
-        taps = large.row(i)[: len(tokens)]
-        if had(i):
-            assert (taps == 7.0).all(), i
-        else:
-            np.testing.assert_allclose(taps, _online_taps(tiny_target, tokens, layers), atol=2e-5)
+    assert_rows(source, large, was_copied)
 
     # Grown again and killed after its copy batch (the first forward fails): the old cache is
     # still there, and the rerun keeps the copies and computes the rest.
@@ -254,13 +260,7 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
     monkeypatch.undo()
     source, larger = build("larger.jsonl")
     assert not (cache_dir / tap_cache.PREV_DATA_FILE).exists()
-    for i in range(14):
-        tokens = data.decode_record(source[i])["tokens"][:24]
-        taps = larger.row(i)[: len(tokens)]
-        if had(i):
-            assert (taps == 7.0).all(), i
-        else:
-            np.testing.assert_allclose(taps, _online_taps(tiny_target, tokens, layers), atol=2e-5)
+    assert_rows(source, larger, was_copied)
 
     # A half-built cache whose batch plan is not this build's (e.g. its previous cache was
     # deleted meanwhile) is started over, not resumed: every row is then a real forward.
@@ -269,8 +269,4 @@ def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, mo
     meta.update(done=2, complete=False, plan="another plan")
     meta_path.write_text(json.dumps(meta))
     _, rebuilt = build("larger.jsonl")
-    for i in range(14):
-        tokens = data.decode_record(source[i])["tokens"][:24]
-        np.testing.assert_allclose(
-            rebuilt.row(i)[: len(tokens)], _online_taps(tiny_target, tokens, layers), atol=2e-5
-        )
+    assert_rows(source, rebuilt, lambda tokens: False)
