@@ -52,7 +52,9 @@ flags.DEFINE_bool(
     False,
     "Also time, in the same run, the GEMM floors (1 row through the target's weight matrices; "
     "a block of rows through the target's and the drafter's) and each phase of one DFlash step "
-    "at this run's shapes; print them as a table and add them to the JSON aggregate.",
+    "at this run's shapes; print them as a table and add them to the JSON aggregate. The "
+    "floors are timed before and after the prompts and averaged (the machine's speed drifts; "
+    "both are kept, with their ratio as `gemm_floor_drift`).",
 )
 flags.DEFINE_integer(
     "breakdown_repeats", 20, "Timed calls per phase and floor (the median is kept).", lower_bound=3
@@ -215,6 +217,12 @@ def run_breakdown(target, drafter, turns: list[dict], cfg: DecodeConfig) -> dict
     return out
 
 
+def gemm_floors(target, drafter, block_size: int) -> dict:
+    return breakdown.gemm_floors(
+        target.params, target.config, drafter.params, block_size, FLAGS.breakdown_repeats
+    )
+
+
 def breakdown_table(agg: dict) -> str:
     """The phases and floors as a text table, each also as a multiple of its floor."""
     ms = lambda s: f"{1e3 * s:8.2f} ms"
@@ -230,6 +238,12 @@ def breakdown_table(agg: dict) -> str:
     lines = [f"{'':28s}{'time':>11s}  {'x floor':>8s}"]
     lines += [f"{name:28s}{ms(t)}  {t / floor:8.2f}" for name, t, floor in rows]
     lines.append(f"break-even tau (step floor / AR floor): {agg['break_even_tau']:.2f}")
+    if "gemm_floor_drift" in agg:
+        drift = agg["gemm_floor_drift"]
+        lines.append(
+            "floors: mean of before and after the prompts "
+            f"(after/before: AR {drift['ar']:.2f}, step {drift['step']:.2f})"
+        )
     return "\n".join(lines)
 
 
@@ -327,6 +341,7 @@ def main(argv):
         )
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
+    floors_before = gemm_floors(target, drafter, block) if FLAGS.breakdown else None
     warmed, turns, step_costs = set(), [], None
     for conv_id, user_turns in enumerate(
         tqdm(
@@ -356,6 +371,7 @@ def main(argv):
         agg["step_costs"] = [float(c) for c in step_costs]
     if FLAGS.breakdown:
         agg.update(run_breakdown(target, drafter, turns, cfg))
+        agg.update(breakdown.bracket_floors(floors_before, agg))
     result = {
         "dataset": FLAGS.dataset,
         "temperature": FLAGS.temperature,

@@ -63,3 +63,14 @@ def test_baseline_of_an_adaptive_config_is_a_plain_decode_with_the_same_output()
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
     kinds = np.asarray(sp.block_sizes[0, : int(sp.num_steps[0])])
     assert set(kinds.tolist()) <= set(cfg.all_kinds)
+
+
+def test_floors_bracketing_a_run_are_averaged_and_their_drift_kept():
+    before = {"gemm_floor_ar_s": 0.02, "gemm_floor_step_s": 0.06}
+    after = {"gemm_floor_ar_s": 0.03, "gemm_floor_step_s": 0.06, "phase_commit_s": 1.0}
+    out = breakdown.bracket_floors(before, after)
+    assert np.isclose(out["gemm_floor_ar_s"], 0.025) and np.isclose(out["gemm_floor_step_s"], 0.06)
+    assert out["gemm_floor_ar_before_s"] == 0.02 and out["gemm_floor_ar_after_s"] == 0.03
+    assert np.isclose(out["gemm_floor_drift"]["ar"], 1.5) and out["gemm_floor_drift"]["step"] == 1
+    assert np.isclose(out["break_even_tau"], 0.06 / 0.025)
+    assert "phase_commit_s" not in out  # only the floors and what derives from them

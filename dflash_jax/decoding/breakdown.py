@@ -130,6 +130,23 @@ def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, re
     return out
 
 
+def bracket_floors(before: dict, after: dict) -> dict:
+    """The floors as the mean of their timings before and after the prompts (the AR and DFlash
+    steps they are compared with were timed in between), each timing kept, their after/before
+    ratio as `gemm_floor_drift`, and the break-even tau from the means."""
+    out = {}
+    for name in ("gemm_floor_ar_s", "gemm_floor_step_s"):
+        out[f"{name[:-2]}_before_s"] = before[name]
+        out[f"{name[:-2]}_after_s"] = after[name]
+        out[name] = (before[name] + after[name]) / 2
+    out["gemm_floor_drift"] = {
+        "ar": after["gemm_floor_ar_s"] / before["gemm_floor_ar_s"],
+        "step": after["gemm_floor_step_s"] / before["gemm_floor_step_s"],
+    }
+    out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
+    return out
+
+
 def phase_fns(
     target_params,
     drafter_params,
