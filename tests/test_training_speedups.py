@@ -198,9 +198,25 @@ def test_plot_metrics_writes_a_png(tmp_path):
         for s in (1, 2, 3)
     ] + [{"step": 3, "tau_eval": 1.2}]
     plot(records, tmp_path / "m.png", "run")
+    # With blocks and two measured points the plot adds the projection to tau = 3.
+    with_blocks = [dict(r, blocks=100 * r["step"]) for r in records]
+    with_blocks.append({"step": 6, "blocks": 600, "tau_eval": 1.4})
+    plot(with_blocks, tmp_path / "p.png", "run")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no training lines"):
         plot(records[-1:], tmp_path / "n.png", "run")
+
+
+def test_tau_projection_recovers_a_power_law_and_refuses_flat_curves():
+    from dflash_jax.training.plots import tau_projection
+
+    points = [(x, 1 + 0.002 * x**0.5) for x in (1e4, 4e4, 1.6e5)]  # tau 1.2, 1.4, 1.8
+    fit = tau_projection(points, goal=3.0)
+    assert np.isclose(fit["p"], 0.5) and np.isclose(fit["c"], 0.002)
+    assert np.isclose(fit["x_goal"], 1e6)  # 0.002 * sqrt(1e6) = 2
+    assert tau_projection(points[:1], goal=3.0) is None  # one point: no curve
+    assert tau_projection([(1e4, 1.3), (4e4, 1.3)], goal=3.0) is None  # not rising
 
 
 def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, monkeypatch):

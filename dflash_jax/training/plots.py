@@ -7,9 +7,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def tau_projection(points: list[tuple[float, float]], goal: float) -> dict | None:
+    """A power law tau - 1 = c * x**p fitted (least squares in log-log) to measured (x, tau)
+    points, x being blocks trained, and the x where it reaches `goal`. None with fewer than two
+    points above tau = 1 or a curve that does not rise. An extrapolation from a short curve,
+    whose learning rate also decays: a rough budget, not a promise.
+    -> {"c", "p", "x_goal"}"""
+    pts = [(x, t) for x, t in points if x > 0 and t > 1]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    lx = np.log([x for x, _ in pts])
+    ly = np.log([t - 1 for _, t in pts])
+    p, log_c = np.polyfit(lx, ly, 1)
+    if p <= 1e-6:
+        return None
+    c = float(np.exp(log_c))
+    return {"c": c, "p": float(p), "x_goal": float(((goal - 1) / c) ** (1 / p))}
 
 
 def plot(records: list[dict], output: Path, title: str) -> None:
@@ -40,6 +60,17 @@ def plot(records: list[dict], output: Path, title: str) -> None:
             "o-",
             label="measured (speculative_decode, held-out prompts)",
         )
+        measured = [(x_of(r), r["tau_eval"]) for r in evals]
+        fit = tau_projection(measured, goal=3.0) if by_blocks else None
+        if fit:
+            xs = np.geomspace(min(x_of(r) for r in evals), fit["x_goal"], 50)
+            ax_tau.plot(
+                xs,
+                1 + fit["c"] * xs ** fit["p"],
+                ":",
+                label=f"power-law fit to measured: tau 3 at {fit['x_goal']:.3g} blocks",
+            )
+            ax_tau.set_xscale("log")
     ax_tau.set(xlabel=x_label, ylabel="τ (tokens per verify)", title="learning curve")
     ax_tau.legend()
     last = train[-1]
