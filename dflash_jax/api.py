@@ -90,6 +90,19 @@ def default_adaptive(target, drafter) -> bool:
     return drafter is not None and jax.default_backend() == "cpu"
 
 
+def decode_mode(
+    target, drafter, block_size: int | None = None, adaptive: bool | None = None
+) -> tuple[int, bool]:
+    """(block size, adaptive) for a decode, each None replaced by its measured default
+    (`default_block_size`, `default_adaptive`): what `generate` and `infer.generate` run.
+    Without a drafter: block 1, never adaptive; a block of 1 is never adaptive either."""
+    if block_size is None:
+        block_size = default_block_size(target, drafter) if drafter is not None else 1
+    if adaptive is None:
+        adaptive = default_adaptive(target, drafter)
+    return block_size, bool(adaptive and drafter is not None and block_size > 1)
+
+
 def baseline_config(cfg: DecodeConfig) -> DecodeConfig:
     """The target-only config matching `cfg`: same sampling, stops and lengths, no drafting
     (block 1, not adaptive). What the benchmark and --compare_ar time DFlash against."""
@@ -244,16 +257,12 @@ def generate(
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
     and returns the generated texts (stop token removed). block_size / adaptive None: the
-    measured defaults (`default_block_size`, `default_adaptive`); adaptive step costs are
+    measured defaults (`decode_mode`); adaptive step costs are
     calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
     prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`)."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if block_size is None:
-        block_size = default_block_size(target, drafter) if drafter is not None else 1
-    if adaptive is None:
-        adaptive = default_adaptive(target, drafter) and block_size > 1
-    adaptive = bool(adaptive and drafter is not None)
+    block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
     if lookup_kinds is None:
         lookup_kinds = default_lookup_kinds(block_size)
     cfg = DecodeConfig(

@@ -56,18 +56,10 @@ def main(argv):
                 mesh=common.distributed.mesh(),
             )
         )
-        block = FLAGS.block_size or (api.default_block_size(target, drafter) if drafter else 1)
-        cfg = common.decode_config(
-            block,
-            api.stop_token_ids(target),
-            drafter is not None
-            and block > 1
-            and (
-                FLAGS.adaptive
-                if FLAGS.adaptive is not None
-                else api.default_adaptive(target, drafter)
-            ),
+        block, is_adaptive = api.decode_mode(
+            target, drafter, FLAGS.block_size or None, FLAGS.adaptive
         )
+        cfg = common.decode_config(block, api.stop_token_ids(target), is_adaptive)
         prompt, lengths = api.pad_prompts(
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
         )

@@ -360,3 +360,19 @@ def test_adaptive_sampling_with_copied_drafts_is_lossless():
     np.add.at(emp, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
     tv = 0.5 * np.abs(emp / n - _exact_three_token_law(tcfg, tp, prompt)).sum()
     assert tv < 0.09, tv
+
+
+def test_decode_mode_defaults_and_overrides():
+    """What `generate` and `infer.generate` decode with when the user says nothing, or part."""
+    import types
+
+    from dflash_jax import api
+
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=16))
+    cpu = jax.default_backend() == "cpu"
+    assert api.decode_mode(None, drafter) == (16, cpu)  # adaptive by default on CPU only
+    assert api.decode_mode(None, None) == (1, False)  # no drafter: the target alone
+    assert api.decode_mode(None, None, adaptive=True) == (1, False)
+    assert api.decode_mode(None, drafter, block_size=8, adaptive=False) == (8, False)
+    assert api.decode_mode(None, drafter, block_size=1, adaptive=True) == (1, False)
+    assert api.decode_mode(None, drafter, adaptive=True) == (16, True)
