@@ -10,6 +10,7 @@ import dataclasses
 
 from absl import app, flags
 
+from dflash_jax import api
 from dflash_jax.api import DEFAULT_LOOKUP_KINDS, default_lookup_kinds
 from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
 from infer import distributed as distributed
@@ -150,3 +151,16 @@ def usage_errors():
         yield
     except (ConfigError, ValueError, OSError) as e:
         raise app.UsageError(f"{type(e).__name__}: {e}") from e
+
+
+def load_for_prompt(prompt_text: str | None):
+    """What the one-prompt timing scripts (infer.step_cost, infer.stream_cost) start with: the
+    prompt is required, the flags' target and drafter are loaded, and the prompt is rendered in
+    the target's chat template and padded. Bad input is a usage error.
+    -> (target, drafter or None, prompt [1,P], lengths [1])."""
+    if not prompt_text:
+        raise app.UsageError("--prompt is required")
+    with usage_errors():
+        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, prompt_text)])
+    return target, drafter, prompt, lengths

@@ -38,15 +38,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
-    if not FLAGS.prompt:
-        raise app.UsageError("--prompt is required")
+    target, drafter, prompt, lengths = common.load_for_prompt(FLAGS.prompt)
+    if drafter is None:
+        raise app.UsageError("--drafter=none has no step kinds to time")
     with common.usage_errors():
-        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
-        if drafter is None:
-            raise app.UsageError("--drafter=none has no step kinds to time")
         block = FLAGS.block_size or api.default_block_size(target, drafter)
         cfg = common.decode_config(block, (), adaptive=True)
-        prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, FLAGS.prompt)])
         api.check_inputs(target, drafter, prompt, lengths, cfg)
     cfg = dataclasses.replace(cfg, stream=False)
     runs = [("ar", None, -1)] + [

@@ -30,13 +30,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     common.quiet_library_logs()
-    if not FLAGS.prompt:
-        raise app.UsageError("--prompt is required")
+    target, drafter, prompt, lengths = common.load_for_prompt(FLAGS.prompt)
     with common.usage_errors():
-        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
         block = FLAGS.block_size or (api.default_block_size(target, drafter) if drafter else 1)
         cfg = common.decode_config(block, api.stop_token_ids(target), adaptive=False)
-        prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, FLAGS.prompt)])
         api.check_inputs(target, drafter, prompt, lengths, cfg)
     streamed_cfg = dataclasses.replace(cfg, stream=True)
     per_step = {"plain": [], "streamed": []}
