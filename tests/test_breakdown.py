@@ -74,3 +74,36 @@ def test_floors_bracketing_a_run_are_averaged_and_their_drift_kept():
     assert np.isclose(out["gemm_floor_drift"]["ar"], 1.5) and out["gemm_floor_drift"]["step"] == 1
     assert np.isclose(out["break_even_tau"], 0.06 / 0.025)
     assert "phase_commit_s" not in out  # only the floors and what derives from them
+
+
+def _largest_constant(lowered) -> int:
+    """Elements in the largest constant of a lowered function's StableHLO."""
+    import re
+
+    sizes = [1]
+    for shape in re.findall(r"stablehlo\.constant dense<[^>]*>\s*:\s*tensor<([0-9x]+)x\w+>",
+                            lowered.as_text()):  # fmt: skip
+        sizes.append(int(np.prod([int(d) for d in shape.split("x")])))
+    return max(sizes)
+
+
+def test_floors_and_phases_take_the_weights_as_arguments():
+    """Weights closed over by a timed step become constants of its executable, which XLA:CPU
+    multiplies faster than the decode's argument params: every timed step must take them as
+    arguments, so no weight-sized constant may appear in its program."""
+    import jax
+
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    smallest_weight = min(x.size for x in jax.tree.leaves(tp) if x.ndim >= 2)
+    prompt, lengths = np.ones((1, 16), np.int32), np.array([9], np.int32)
+    cfg = DecodeConfig(max_new_tokens=16, block_size=8)
+    fns = breakdown.phase_fns(tp, dp, prompt, lengths, tcfg, dcfg, cfg, live_length=14)
+    assert set(fns) == set(breakdown.PHASES)
+    fns.update(breakdown.floor_fns(tp, tcfg, dp, rows=8))
+    for name, (step, carry, weights) in fns.items():
+        lowered = jax.jit(lambda c, w, step=step: step(c, *w)).lower(carry, weights)
+        assert _largest_constant(lowered) < smallest_weight, name
+    # The check itself: a step closing over the params does carry them as constants.
+    step, carry, weights = fns["verify_body"]
+    closed = jax.jit(lambda c: step(c, *weights)).lower(carry)
+    assert _largest_constant(closed) >= smallest_weight

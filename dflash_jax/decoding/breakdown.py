@@ -39,22 +39,25 @@ PHASES = (
 )
 
 
-def _loop_time(step, carry, repeats: int) -> float:
-    """Seconds per call of `step` (carry -> carry), run `repeats` times inside one jitted
-    `fori_loop` compiled as the decode loop is: no per-call dispatch, and buffers the step
-    updates are updated in place. Median of 3 timed runs, after a compiling one."""
+def _loop_time(step, carry, repeats: int, weights=()) -> float:
+    """Seconds per call of `step` (carry, *weights -> carry), run `repeats` times inside one
+    jitted `fori_loop` compiled as the decode loop is: no per-call dispatch, buffers the step
+    updates are updated in place, and the weights are arguments of the jitted function, as the
+    decode's params are. (Closed over, they would be constants of the executable, which XLA:CPU
+    multiplies faster: 16 rows through SmolLM2's matrices took ~9% less time that way, a floor
+    no decode can reach.) Median of 3 timed runs, after a compiling one."""
     run = jax.jit(
-        lambda c: jax.lax.fori_loop(0, repeats, lambda i, c: step(c), c),
+        lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c),
         donate_argnums=0,
         compiler_options=loop.LOOP_COMPILER_OPTIONS,
     )
     # Own copies: the loop donates its carry, and phases share their inputs.
     carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
-    carry = jax.block_until_ready(run(carry))
+    carry = jax.block_until_ready(run(carry, weights))
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(carry))
+        carry = jax.block_until_ready(run(carry, weights))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / repeats
 
@@ -94,40 +97,49 @@ def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array,
     return x_rd, sink
 
 
-def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20) -> dict:
-    """{"gemm_floor_ar_s", "gemm_floor_step_s"}: 1 row through the target's matrices and its
-    head; `rows` rows through the target's, the drafter's (`fc` included) and the head for
-    rows - 1 draft rows. Timed like the phases (`_loop_time`)."""
+def floor_fns(target_params, tcfg: TargetConfig, drafter_params, rows: int) -> dict:
+    """The two GEMM floors as loop steps: {"gemm_floor_ar_s": 1 row through the target's
+    matrices and its head, "gemm_floor_step_s": `rows` rows through the target's, the
+    drafter's (`fc` included) and the head for rows - 1 draft rows}, each
+    (step, carry, weights) with step(carry, *weights) -> carry, as `phase_fns`."""
     head_dv = jax.jit(unembedding_matrix, static_argnums=1)(target_params, tcfg)
     t_layers = [_layer_matrices(target_params[f"layers_{i}"]) for i in range(tcfg.num_layers)]
     d = tcfg.hidden_size
     dtype = jnp.dtype(tcfg.dtype)
 
-    def ar(carry):
+    def ar(carry, t_layers, head_dv):
         x_1d, sink = carry
         y_1d, s = _through(x_1d, t_layers)
         out = jnp.max(y_1d @ head_dv) + s
         return _tie(x_1d, out), sink + out
 
-    out = {"gemm_floor_ar_s": _loop_time(ar, (jnp.full((1, d), 0.01, dtype), 0.0), repeats)}
     n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
     d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
     fc_fd = drafter_params["fc"]["kernel"]
 
-    def step(carry):
+    def step(carry, t_layers, d_layers, fc_fd, head_dv):
         x_td, taps_tf, sink = carry
         verify_td, s_t = _through(x_td, t_layers)
         draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
         out = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
         return _tie(x_td, out), _tie(taps_tf, out), sink + out
 
-    init = (
+    step_init = (
         jnp.full((rows, d), 0.01, dtype),
         jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype),
         0.0,
     )
-    out["gemm_floor_step_s"] = _loop_time(step, init, repeats)
-    return out
+    return {
+        "gemm_floor_ar_s": (ar, (jnp.full((1, d), 0.01, dtype), 0.0), (t_layers, head_dv)),
+        "gemm_floor_step_s": (step, step_init, (t_layers, d_layers, fc_fd, head_dv)),
+    }
+
+
+def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20) -> dict:
+    """{"gemm_floor_ar_s", "gemm_floor_step_s"} (`floor_fns`), timed like the phases
+    (`_loop_time`, weights as arguments)."""
+    fns = floor_fns(target_params, tcfg, drafter_params, rows)
+    return {name: _loop_time(step, carry, repeats, w) for name, (step, carry, w) in fns.items()}
 
 
 def bracket_floors(before: dict, after: dict) -> dict:
@@ -160,7 +172,7 @@ def phase_fns(
     """The phases of one speculative step, each as a loop step (carry -> carry) with its initial
     carry, at the shapes of a real decode of `prompt` (cache buffers as `speculative_decode`
     allocates them) with every row's caches `live_length` slots long.
-    -> {phase: (step, carry)}."""
+    -> {phase: (step, carry, weights)}: step(carry, *weights) -> carry."""
     bs = cfg.block_size
     rng = jax.random.key(0)
 
@@ -198,54 +210,51 @@ def phase_fns(
         head, vhidden
     )
 
-    # Each phase as a step of a loop carry; see `_loop_time` and `_tie`.
-    def drafter_layers(c):
+    # Each phase as a step of a loop carry, the weights (target params, drafter params, head)
+    # its arguments; see `_loop_time` and `_tie`.
+    def drafter_layers(c, tp, dp, head):
         s, anchor, sink = c
-        h = loop.draft_hidden(
-            drafter_params, target_params, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len,
-            start_b, bs,
-        )  # fmt: skip
+        h = loop.draft_hidden(dp, tp, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs)
         # The block's anchor carries the dependency (the same token every call).
         return s, _tie(anchor.astype(jnp.float32), h).astype(jnp.int32), sink
 
-    def drafter_head(c):
+    def drafter_head(c, tp, dp, head):
         h, sink = c
         d, _ = loop.draft_tokens(head, tcfg, dcfg, cfg, h, key)
         return _tie(h, d), sink
 
-    def verify_body(c):
+    def verify_body(c, tp, dp, head):
         cache, tokens_bt, sink = c
-        vh, tp_, cache = loop.verify_hidden(target_params, tcfg, dcfg, tokens_bt, start_b, cache)
+        vh, taps_btf, cache = loop.verify_hidden(tp, tcfg, dcfg, tokens_bt, start_b, cache)
         # The tokens carry the dependency too, or XLA hoists layer 0's projections.
-        tokens_bt = _tie(tokens_bt.astype(jnp.float32), (vh, tp_)).astype(jnp.int32)
+        tokens_bt = _tie(tokens_bt.astype(jnp.float32), (vh, taps_btf)).astype(jnp.int32)
         return cache, tokens_bt, sink
 
-    def verify_head_accept(c):
+    def verify_head_accept(c, tp, dp, head):
         vh, sink = c
         a, new = loop.verify_accept(head, cfg, vh, drafts, draft_logp, key)
         return _tie(vh, (a, new)), sink
 
-    def commit(c):
+    def commit(c, tp, dp, head):
         s, sink = c
         s, produced = loop._commit(s, new_bt, a_b + 1, cfg, bs)
         return s, _tie(sink, produced)
 
-    def append_context(c):
+    def append_context(c, tp, dp, head):
         ctx_k, ctx_v, taps_btf = c
-        ctx_k, ctx_v, _ = loop.append_context(
-            drafter_params, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1
-        )
+        ctx_k, ctx_v, _ = loop.append_context(dp, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1)
         # The taps carry the dependency, or XLA hoists their K/V out of the loop.
         return ctx_k, ctx_v, _tie(taps_btf, (ctx_k[0][:, :, 0], ctx_v[0][:, :, 0]))
 
     zero = jnp.float32(0.0)
+    weights = (target_params, drafter_params, head)
     return {
-        "drafter_layers": (drafter_layers, (state, anchor_b1, zero)),
-        "drafter_head": (drafter_head, (hidden, zero)),
-        "verify_body": (verify_body, (state.cache, verify_bt, zero)),
-        "verify_head_accept": (verify_head_accept, (vhidden, zero)),
-        "commit": (commit, (state, zero)),
-        "append_context": (append_context, (state.ctx_k, state.ctx_v, taps)),
+        "drafter_layers": (drafter_layers, (state, anchor_b1, zero), weights),
+        "drafter_head": (drafter_head, (hidden, zero), weights),
+        "verify_body": (verify_body, (state.cache, verify_bt, zero), weights),
+        "verify_head_accept": (verify_head_accept, (vhidden, zero), weights),
+        "commit": (commit, (state, zero), weights),
+        "append_context": (append_context, (state.ctx_k, state.ctx_v, taps), weights),
     }
 
 
@@ -253,7 +262,10 @@ def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
     """{"phase_<name>_s": seconds per call} for every phase in PHASES (`_loop_time` over
     `repeats` calls); the arguments are `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {f"phase_{name}_s": _loop_time(*fns[name], repeats) for name in PHASES}
+    return {
+        f"phase_{name}_s": _loop_time(fns[name][0], fns[name][1], repeats, fns[name][2])
+        for name in PHASES
+    }
 
 
 def breakdown(
