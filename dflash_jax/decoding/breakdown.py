@@ -39,7 +39,7 @@ PHASES = (
 )
 
 
-def _loop_time(step, carry, repeats: int, weights=()) -> float:
+def _loop_time(step, carry, weights, repeats: int) -> float:
     """Seconds per call of `step` (carry, *weights -> carry), run `repeats` times inside one
     jitted `fori_loop` compiled as the decode loop is: no per-call dispatch, buffers the step
     updates are updated in place, and the weights are arguments of the jitted function, as the
@@ -139,7 +139,7 @@ def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, re
     """{"gemm_floor_ar_s", "gemm_floor_step_s"} (`floor_fns`), timed like the phases
     (`_loop_time`, weights as arguments)."""
     fns = floor_fns(target_params, tcfg, drafter_params, rows)
-    return {name: _loop_time(step, carry, repeats, w) for name, (step, carry, w) in fns.items()}
+    return {name: _loop_time(*fn, repeats) for name, fn in fns.items()}
 
 
 def bracket_floors(before: dict, after: dict) -> dict:
@@ -262,10 +262,7 @@ def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
     """{"phase_<name>_s": seconds per call} for every phase in PHASES (`_loop_time` over
     `repeats` calls); the arguments are `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {
-        f"phase_{name}_s": _loop_time(fns[name][0], fns[name][1], repeats, fns[name][2])
-        for name in PHASES
-    }
+    return {f"phase_{name}_s": _loop_time(*fns[name], repeats) for name in PHASES}
 
 
 def breakdown(
