@@ -4,17 +4,18 @@ call `speculative_decode` directly."""
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import dataclasses
 import time
 
 import jax
 import numpy as np
 
-from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import loop
-from dflash_jax.decoding.loop import DecodeOutput
+from dflash_jax.decoding import calibration
+from dflash_jax.decoding.runner import TimedRun as TimedRun
+from dflash_jax.decoding.runner import check_inputs as check_inputs
+from dflash_jax.decoding.runner import timed_decode as timed_decode
 
 MIN_BUCKET = 32
 
@@ -136,23 +137,13 @@ def load_pair(
     return target, drafter
 
 
-@dataclasses.dataclass
-class TimedRun:
-    output: DecodeOutput
-    compile_s: float  # lowering + XLA compilation (0 when the executable was cached)
-    run_s: float  # device time of the call, synchronised
-
-
-_COMPILED: dict = {}
-
-
 class TokenStream:
-    """Collects the tokens a `DecodeConfig(stream=True)` decode sends, per row; with a tokenizer
-    and `on_text(row, text)`, also reports each row's newly decoded text as it grows (decoding the
-    whole row each time, so multi-token characters come out whole).
+    """Collects the tokens a streamed decode sends (`timed_decode(..., on_tokens=stream)`), per
+    row; with a tokenizer and `on_text(row, text)`, also reports each row's newly decoded text as
+    it grows (decoding the whole row each time, so multi-token characters come out whole).
 
-        with dj.api.streaming(TokenStream(tok, lambda row, text: print(text, end=""))):
-            out = dj.speculative_decode(..., decode_config=DecodeConfig(..., stream=True))
+        stream = TokenStream(tok, lambda row, text: print(text, end=""))
+        run = dj.api.timed_decode(target, drafter, prompt, lengths, 0, cfg, on_tokens=stream)
     """
 
     def __init__(self, tokenizer=None, on_text=None):
@@ -174,70 +165,22 @@ class TokenStream:
                     self._text[row] = text
 
 
-@contextlib.contextmanager
-def streaming(handler):
-    """Routes streamed tokens (decodes with `DecodeConfig(stream=True)`) to `handler` while the
-    block runs (see `loop.set_stream_handler`)."""
-    loop.set_stream_handler(handler)
-    try:
-        yield handler
-    finally:
-        loop.set_stream_handler(None)
-
-
-def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
-    """The checks `speculative_decode`/`autoregressive_decode` make, without running them:
-    raises ConfigError/ValueError naming the problem."""
-    if drafter is not None:
-        loop.check_decode_inputs(target.config, drafter.config, cfg)
-    loop.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
-
-
-def timed_decode(
-    target,
-    drafter,
-    prompt,
-    lengths,
-    seed: int,
-    cfg: DecodeConfig,
-    *,
-    step_costs=None,
-    forced_kind: int = -1,
-    mesh=None,
-) -> TimedRun:
-    """Runs `speculative_decode` (or `autoregressive_decode` when drafter is None) with
-    compilation timed apart from execution. Compiled executables are cached per shape/config.
-    Adaptive mode: `step_costs` as in `speculative_decode`; `forced_kind` >= 0 runs that step
-    kind at every step (calibration). `mesh`: where to run; by default the target's (loaded
-    with one), else the one set by `jax.set_mesh`, else one device."""
-    rng = jax.random.key(seed)
-    prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
-    check_inputs(target, drafter, prompt, lengths, cfg)
-    if drafter is None:
-        fn, args = loop._autoregressive_jit, (target.params, prompt, lengths, rng)
-        statics = dict(target_config=target.config, decode_config=loop.autoregressive_config(cfg))
-    else:
-        fn = loop._speculative_jit
-        costs = loop.step_cost_array(cfg, step_costs)
-        args = (target.params, drafter.params, prompt, lengths, rng, costs, np.int32(forced_kind))
-        statics = dict(
-            target_config=target.config, drafter_config=drafter.config, decode_config=cfg
-        )
-    if mesh is None:
-        mesh = getattr(target, "mesh", None)
-    if mesh is None:
-        mesh = sharding.current_mesh()
-    if mesh is not None:
-        fn, args, statics = loop.on_mesh(fn, mesh, args, statics)
-    key = (fn, prompt.shape, tuple(sorted((k, v) for k, v in statics.items())))
-    compile_s = 0.0
-    if key not in _COMPILED:
-        t0 = time.perf_counter()
-        _COMPILED[key] = fn.lower(*args, **statics).compile()
-        compile_s = time.perf_counter() - t0
+def compile_decodes(
+    target, drafter, prompt, lengths, cfg: DecodeConfig, *, with_target_alone: bool = False
+) -> float:
+    """Compiles what `timed_decode` will run for `prompt` under `cfg` (the speculative decode,
+    or the target alone when drafter is None; with_target_alone: that too) side by side in
+    threads, since XLA compiles outside the GIL; each then runs only its prefill. -> seconds."""
+    jobs = [drafter] + ([None] if with_target_alone and drafter is not None else [])
     t0 = time.perf_counter()
-    out = jax.block_until_ready(_COMPILED[key](*args))
-    return TimedRun(out, compile_s, time.perf_counter() - t0)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [
+            pool.submit(timed_decode, target, d, prompt, lengths, 0, cfg, step_limit=0)
+            for d in jobs
+        ]
+        for future in futures:
+            future.result()
+    return time.perf_counter() - t0
 
 
 def generate(
@@ -278,9 +221,7 @@ def generate(
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}
     if cfg.adaptive:
-        from dflash_jax.decoding.adaptive import calibrate_step_costs  # noqa: PLC0415 (cycle)
-
-        kw["step_costs"] = calibrate_step_costs(target, drafter, prompt, lengths, cfg)
+        kw["step_costs"] = calibration.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
     out = timed_decode(target, drafter, prompt, lengths, seed, cfg, **kw).output
     return [
         target.tokenizer.decode(toks[:n], skip_special_tokens=True)

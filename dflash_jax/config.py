@@ -399,8 +399,6 @@ class DecodeConfig:
     # `lookup_ngram` tokens, then what followed it) instead of drafted; verified the same way.
     lookup_kinds: tuple[int, ...] = ()
     lookup_ngram: int = 3
-    # Send committed tokens to the host handler (`decoding.loop.set_stream_handler`) each step.
-    stream: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -6,7 +6,7 @@ r"""Benchmark DFlash against the target alone: same prompts, same process, same 
 Protocol (dflash-spec §6): batch 1; the baseline is `autoregressive_decode` (block size 1, no
 drafter) on the same prompts; compilation is excluded (ahead-of-time compile, then one warm-up
 run per compiled shape); every timing is synchronised. The target prefill is excluded from both
-paths by subtracting a prefill-only run (max_new_tokens=1) of the same prompt; the drafter's
+paths by subtracting the AR run's prefill (its start half, timed apart); the drafter's
 prompt pass stays in DFlash's time (conservative). Per prompt, TPOT = decode time / (tokens - 1);
 speedup = mean(TPOT_AR) / mean(TPOT_DFlash), a ratio of means. tau counts the bonus token.
 """
@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import adaptive, breakdown
+from dflash_jax.decoding import breakdown, calibration
 from dflash_jax.decoding.lookup import prompt_lookup_taus
 from infer import common
 
@@ -111,29 +111,21 @@ def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
 
 def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
     prompt, lengths = api.pad_prompts([ids])
-    prefill_cfg = DecodeConfig(
-        max_new_tokens=1,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        block_size=1,
-        stop_token_ids=cfg.stop_token_ids,
-    )
-    prefill = _timed(target, None, prompt, lengths, prefill_cfg, warmed)
     ar_cfg = api.baseline_config(cfg)
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
+    prefill_s = ar.start_s  # the AR decode's start half: the target prefill and nothing else
     df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
     n_ar, n_df = int(ar.output.lengths[0]), int(df.output.lengths[0])
     steps = int(df.output.num_steps[0])
     taus = np.asarray(df.output.acceptance_lengths[0, :steps]).tolist()
     ar_answer = np.asarray(ar.output.tokens[0, :n_ar]).tolist()
     lookup = prompt_lookup_taus(ids, ar_answer, cfg.block_size)
-    tpot = lambda run, n: (max(run.run_s - prefill.run_s, 1e-9) / (n - 1)) if n > 1 else None
+    tpot = lambda run, n: (max(run.run_s - prefill_s, 1e-9) / (n - 1)) if n > 1 else None
     return {
         "prompt_tokens": len(ids),
         "ar_tokens": n_ar,
         "dflash_tokens": n_df,
-        "prefill_s": prefill.run_s,
+        "prefill_s": prefill_s,
         "ar_s": ar.run_s,
         "dflash_s": df.run_s,
         "ar_tpot_s": tpot(ar, n_ar),
@@ -188,9 +180,9 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
 
 def calibrate(target, drafter, ids, cfg: DecodeConfig) -> np.ndarray:
     """Adaptive mode: each step kind's cost in AR steps at this run's shapes (the first
-    prompt), measured once per machine and cached (`adaptive.calibrate_step_costs`)."""
+    prompt), measured once per machine and cached (`calibration.calibrate_step_costs`)."""
     prompt, lengths = api.pad_prompts([ids])
-    costs = adaptive.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
+    costs = calibration.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
     pretty = ", ".join(f"{b}: {c:.2f}" for b, c in zip(cfg.all_kinds, costs, strict=True))
     print(f"step costs in AR steps (block size, -b = lookup: cost): {pretty}")
     return costs

@@ -198,7 +198,8 @@ def plan_decode(cfg, mesh) -> dict:
         jax.ShapeDtypeStruct((b,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
         jax.ShapeDtypeStruct((1,), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),  # forced kind
+        jax.ShapeDtypeStruct((), jnp.int32),  # step limit
     )
     statics = dict(target_config=tcfg, drafter_config=dcfg, decode_config=decode)
     fn, placed, _ = loop.on_mesh(loop._speculative_jit, mesh, args, statics)

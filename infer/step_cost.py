@@ -17,7 +17,6 @@ of interleaved runs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -45,28 +44,24 @@ def main(argv):
         block = FLAGS.block_size or api.default_block_size(target, drafter)
         cfg = common.decode_config(block, (), adaptive=True)
         api.check_inputs(target, drafter, prompt, lengths, cfg)
-    cfg = dataclasses.replace(cfg, stream=False)
     runs = [("ar", None, -1)] + [
         (str(kind), drafter, index) for index, kind in enumerate(cfg.all_kinds)
     ]
-    # Prefill (and the drafter's prompt context) is timed apart and subtracted: a decode of one
-    # token runs no loop step.
-    first_only = dataclasses.replace(cfg, max_new_tokens=1)
 
-    def seconds(d, index, c):
-        run = api.timed_decode(target, d, prompt, lengths, FLAGS.seed, c, forced_kind=index)
-        return run.run_s, int(np.max(run.output.num_steps))
+    # Prefill (and the drafter's prompt context), the decode's start half, is timed apart and
+    # subtracted.
+    def seconds(d, index):
+        run = api.timed_decode(target, d, prompt, lengths, FLAGS.seed, cfg, forced_kind=index)
+        return run.run_s - run.start_s, int(np.max(run.output.num_steps))
 
     per_step: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     steps = {}
     for _, d, index in runs:  # compile and warm up
-        seconds(d, index, cfg)
-        seconds(d, index, first_only)
+        seconds(d, index)
     for _ in range(FLAGS.repeats):
         for name, d, index in runs:
-            total, steps[name] = seconds(d, index, cfg)
-            prefill, _ = seconds(d, index, first_only)
-            per_step[name].append(max(total - prefill, 0.0) / max(steps[name], 1))
+            loop_s, steps[name] = seconds(d, index)
+            per_step[name].append(max(loop_s, 0.0) / max(steps[name], 1))
     median = {name: float(np.median(times)) for name, times in per_step.items()}
     result = {
         "block_size": block,

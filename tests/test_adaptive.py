@@ -163,45 +163,74 @@ def test_adaptive_sampling_is_lossless_across_a_kind_switch():
 
 @pytest.mark.parametrize("adaptive_mode", [False, True])
 def test_streamed_tokens_are_the_output(adaptive_mode):
-    """Every row's streamed tokens, in order, are exactly its output; streaming changes none."""
+    """Every row's streamed tokens (the loop run a few steps at a time), in order, are exactly
+    its output, and the output is the one-call jitted decode's: streaming changes nothing."""
+    import types
+
     from dflash_jax import api
 
     tcfg, tp, dcfg, dp = make_pair("qwen3")
-    cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode, stream=True)
+    target = types.SimpleNamespace(config=tcfg, params=tp)
+    drafter = types.SimpleNamespace(config=dcfg, params=dp)
+    cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode)
     key = jax.random.key(0)
-    kw = dict(target_config=tcfg, drafter_config=dcfg)
-    with api.streaming(api.TokenStream()) as spec_stream:
-        sp = speculative_decode(tp, dp, PROMPT, LENS, key, decode_config=cfg, **kw)
-        jax.effects_barrier()
-    with api.streaming(api.TokenStream()) as ar_stream:
-        ar = autoregressive_decode(tp, PROMPT, LENS, key, target_config=tcfg, decode_config=cfg)
-        jax.effects_barrier()
-    quiet = speculative_decode(
-        tp, dp, PROMPT, LENS, key, decode_config=DecodeConfig(**{**cfg.__dict__, "stream": False}),
-        **kw,
-    )  # fmt: skip
-    np.testing.assert_array_equal(sp.tokens, quiet.tokens)
-    for out, stream in ((sp, spec_stream), (ar, ar_stream)):
+    whole = speculative_decode(
+        tp, dp, PROMPT, LENS, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg
+    )
+    for d, reference in ((drafter, whole), (None, None)):
+        stream = api.TokenStream()
+        run = api.timed_decode(target, d, PROMPT, LENS, 0, cfg, on_tokens=stream, chunk_steps=3)
+        if reference is not None:
+            np.testing.assert_array_equal(run.output.tokens, reference.tokens)
+            np.testing.assert_array_equal(
+                run.output.acceptance_lengths, reference.acceptance_lengths
+            )
         for row in range(PROMPT.shape[0]):
-            n = int(out.lengths[row])
-            assert stream.rows[row] == np.asarray(out.tokens[row, :n]).tolist()
+            n = int(run.output.lengths[row])
+            assert stream.rows[row] == np.asarray(run.output.tokens[row, :n]).tolist()
+
+
+@pytest.mark.parametrize("adaptive_mode", [False, True])
+def test_a_step_limit_stops_the_loop_without_recompiling(adaptive_mode):
+    """step_limit=k runs k loop steps: the tokens are a prefix of the whole decode's, and the
+    limited and whole runs share one executable (the limit is an input)."""
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode)
+    kw = dict(target_config=tcfg, drafter_config=dcfg, decode_config=cfg)
+    key = jax.random.key(0)
+    from dflash_jax.decoding import loop
+
+    whole = speculative_decode(tp, dp, PROMPT, LENS, key, **kw)
+    compiled = loop._speculative_jit._cache_size()
+    short = speculative_decode(tp, dp, PROMPT, LENS, key, step_limit=2, **kw)
+    assert loop._speculative_jit._cache_size() == compiled
+    assert np.all(np.asarray(short.num_steps) <= 2) and np.any(np.asarray(short.num_steps) == 2)
+    for row in range(PROMPT.shape[0]):
+        n = int(short.lengths[row])
+        assert n < int(whole.lengths[row])
+        np.testing.assert_array_equal(short.tokens[row, :n], whole.tokens[row, :n])
+    ar_short = autoregressive_decode(
+        tp, PROMPT, LENS, key, target_config=tcfg, decode_config=cfg, step_limit=0
+    )
+    np.testing.assert_array_equal(ar_short.lengths, 1)  # the prefill's token alone
+    np.testing.assert_array_equal(ar_short.tokens[:, 0], whole.tokens[:, 0])
 
 
 def test_calibrated_costs_are_measured_once_and_cached(monkeypatch, tmp_path):
     import types
 
-    from dflash_jax import api
+    from dflash_jax.decoding import calibration
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
     tcfg, tp, dcfg, dp = make_pair("qwen3")
     target = types.SimpleNamespace(config=tcfg, params=tp)
     drafter = types.SimpleNamespace(config=dcfg, params=dp, source="tiny")
     cfg = DecodeConfig(max_new_tokens=12, block_size=8, adaptive=True)
-    costs = adaptive.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
+    costs = calibration.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
     assert costs.shape == (3,) and np.all(costs > 0) and costs[0] >= 1.0
     calls = []
-    monkeypatch.setattr(api, "timed_decode", lambda *a, **k: calls.append(a))
-    again = adaptive.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
+    monkeypatch.setattr(calibration, "timed_decode", lambda *a, **k: calls.append(a))
+    again = calibration.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg)
     np.testing.assert_allclose(again, costs, rtol=1e-3)
     assert not calls  # read from the cache
     assert (tmp_path / "step_costs.json").is_file()

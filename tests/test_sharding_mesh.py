@@ -56,7 +56,7 @@ def _decode_checks() -> dict:
         }
     # The compiled loop carries per-device buffers: every [B,K,S,H] cache holds 8/2 rows.
     mesh = sharding.mesh_from_spec("data=2,tensor=4")
-    args = (tp, dp, PROMPT, LENS, key, loop.step_cost_array(cfg), np.int32(-1))
+    args = (tp, dp, PROMPT, LENS, key, loop.step_cost_array(cfg), np.int32(-1), np.int32(19))
     fn, args, _ = loop.on_mesh(loop._speculative_jit, mesh, args, kw)
     hlo = fn.lower(*args).compile().as_text()
     carry = next(line for line in hlo.splitlines() if " while(" in line)

@@ -21,18 +21,12 @@ Prompt-lookup kinds (`DecodeConfig.lookup_kinds`, recorded as -b) draft by copyi
 every step whatever kind ran (`update_lookup_estimates`: the copy proposed before the step
 against the tokens the step committed), and only for rows where a copy exists.
 
-cost(b) is one step of kind b in AR-step units. `calibrate_step_costs` measures it for a
+cost(b) is one step of kind b in AR-step units. `decoding.calibration` measures it for a
 target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
 as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import hashlib
-import json
-import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -141,103 +135,3 @@ def update_lookup_estimates(alpha_bg, proposal_bg, new_bt, produced_b, found_b, 
     beyond_bg = (j_g[None, :] > produced_b[:, None]) & (a_b >= produced_b)[:, None]
     beyond_bg &= found_b[:, None] & (produced_b > 0)[:, None]
     return jnp.where(beyond_bg, jnp.maximum(alpha_bg, last_alpha_b), alpha_bg)
-
-
-def _cache_file() -> Path:
-    root = os.environ.get("DFLASH_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_jax"
-    )
-    return Path(root) / "step_costs.json"
-
-
-def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
-    """What a step's cost depends on: both models, batch and buffer shapes, the kinds, the
-    sampling arithmetic, and the device."""
-    device = jax.devices()[0]
-    parts = [
-        repr(target.config),
-        repr(drafter.config),
-        str(getattr(drafter, "source", "")),
-        str(tuple(prompt_shape)),
-        str(cfg.max_new_tokens),
-        str(cfg.all_kinds),
-        str(cfg.lookup_ngram),
-        str(cfg.greedy),
-        device.platform,
-        device.device_kind,
-        jax.__version__,
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-def calibrate_step_costs(
-    target,
-    drafter,
-    prompt,
-    prompt_lengths,
-    cfg: DecodeConfig,
-    *,
-    use_cache: bool = True,
-    repeats: int = 1,
-) -> np.ndarray:
-    """Measures each step kind's cost in AR steps on `prompt`, and caches the result under
-    $DFLASH_JAX_CACHE or ~/.cache/dflash_jax.
-
-    Every kind runs a whole decode with the kind forced at each step, through the executable
-    the real decode uses (the kind is an input: nothing recompiles); prefill is subtracted (a
-    prefill-only run), and so is the compile (one warm-up run). Stop tokens are ignored so every
-    run takes its full number of steps. -> costs [num_kinds] float32 (min of `repeats` runs)."""
-    from dflash_jax import api
-
-    key = calibration_key(target, drafter, np.shape(prompt), cfg)
-    path = _cache_file()
-    table = {}
-    if use_cache and path.is_file():
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            table = {}
-        if key in table and len(table[key]) == len(cfg.all_kinds):
-            return np.asarray(table[key], np.float32)
-    no_stop = dataclasses.replace(cfg, stop_token_ids=(), stream=False)
-    prefill_cfg = dataclasses.replace(
-        no_stop,
-        max_new_tokens=1,
-        block_size=1,
-        adaptive=False,
-        step_kinds=(),
-        lookup_kinds=(),
-    )
-
-    warm = set()
-
-    def best(drafter_or_none, c, **kw):
-        # The first run of each executable compiles or warms up and is not counted; the forced
-        # kind is an input, so every kind shares one executable (and one warm-up).
-        first = (drafter_or_none is None, c) not in warm
-        warm.add((drafter_or_none is None, c))
-        runs = [
-            api.timed_decode(target, drafter_or_none, prompt, prompt_lengths, 0, c, **kw)
-            for _ in range(repeats + int(first))
-        ]
-        return min(runs[int(first) :], key=lambda r: r.run_s)
-
-    prefill = best(None, prefill_cfg).run_s
-    ar = best(None, no_stop)
-    ar_step = max(ar.run_s - prefill, 1e-9) / max(int(np.max(ar.output.num_steps)), 1)
-    costs = []
-    for index in range(len(cfg.all_kinds)):
-        run = best(drafter, no_stop, forced_kind=index)
-        steps = max(int(np.max(np.asarray(run.output.num_steps))), 1)
-        costs.append(max(run.run_s - prefill, 1e-9) / steps / ar_step)
-    costs = np.asarray(costs, np.float32)
-    if 1 in cfg.step_kinds:
-        plain = cfg.step_kinds.index(1)
-        costs[plain] = max(costs[plain], 1.0)  # a plain step is never cheaper than AR
-    if use_cache:
-        table[key] = [round(float(c), 4) for c in costs]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    return costs

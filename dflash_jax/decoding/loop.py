@@ -11,11 +11,11 @@ go through scatter with mode="drop" (dynamic_update_slice would clamp and clobbe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
 import jax
-import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -119,29 +119,8 @@ def _constrain(state: _State, mesh) -> _State:
     return jax.lax.with_sharding_constraint(state, carry_shardings(state, mesh))
 
 
-_stream_handlers: list = []
-
-
-def set_stream_handler(handler) -> None:
-    """Where `DecodeConfig(stream=True)` decodes send their tokens as they are committed:
-    `handler(tokens [B,T] int32, counts [B] int32)` is called on the host once per step (and
-    once for the prefill's token), row b's new tokens being tokens[b, :counts[b]]. None removes
-    it. The handler is looked up at call time, so changing it never recompiles."""
-    _stream_handlers[:] = [] if handler is None else [handler]
-
-
-def _send_to_handler(tokens_bt, counts_b) -> None:
-    for handler in _stream_handlers:
-        handler(np.asarray(tokens_bt), np.asarray(counts_b))
-
-
-def _stream(tokens_bt, counts_b) -> None:
-    # Ordered: the host sees the steps in loop order. The tokens are only read, so the decode
-    # computes exactly what it computes without streaming.
-    jax.experimental.io_callback(_send_to_handler, None, tokens_bt, counts_b, ordered=True)
-
-
-def _max_steps(cfg: DecodeConfig) -> int:
+def max_steps(cfg: DecodeConfig) -> int:
+    """Loop steps a decode may take: every token after the prefill's in its own step."""
     return max(cfg.max_new_tokens - 1, 1)
 
 
@@ -168,9 +147,7 @@ def _prefill(
         (prompt_lengths_b - 1)[:, None],
         method="hidden",
     )
-    first_b = _pick(head, hidden_b1d[:, 0], _step_key(rng, _max_steps(cfg)), cfg)
-    if cfg.stream:
-        _stream(first_b[:, None], jnp.ones((b,), jnp.int32))
+    first_b = _pick(head, hidden_b1d[:, 0], _step_key(rng, max_steps(cfg)), cfg)
     width = cfg.max_new_tokens + cfg.block_size + 1
     gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
     done_b = (
@@ -185,8 +162,8 @@ def _prefill(
         done=done_b,
         step=jnp.int32(0),
         num_steps=jnp.zeros((b,), jnp.int32),
-        acc=jnp.zeros((b, _max_steps(cfg)), jnp.int32),
-        kinds=jnp.zeros((b, _max_steps(cfg)), jnp.int32),
+        acc=jnp.zeros((b, max_steps(cfg)), jnp.int32),
+        kinds=jnp.zeros((b, max_steps(cfg)), jnp.int32),
         cache=cache,
     )
     return state, taps_bpf
@@ -296,8 +273,6 @@ def _commit(
     else:
         has_stop_b = jnp.zeros((b,), bool)
     produced_b = jnp.where(active_b, produced_b, 0)
-    if cfg.stream:
-        _stream(new_bt, produced_b)
     width = state.gen.shape[1]
     write_bt = jnp.where(idx_t[None, :] < produced_b[:, None], state.n_gen[:, None] + idx_t, width)
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -319,7 +294,8 @@ def _commit(
     return state, produced_b
 
 
-def _finish(state: _State, cfg: DecodeConfig) -> DecodeOutput:
+def finish(state: _State, cfg: DecodeConfig) -> DecodeOutput:
+    """The loop state -> the decode's output (inside jit, or eagerly after a chunked run)."""
     n = cfg.max_new_tokens
     valid_bn = jnp.arange(n)[None, :] < state.n_gen[:, None]
     return DecodeOutput(
@@ -331,18 +307,40 @@ def _finish(state: _State, cfg: DecodeConfig) -> DecodeOutput:
     )
 
 
-def _cond(cfg):
-    return lambda s: (s.step < _max_steps(cfg)) & ~jnp.all(s.done)
+def _cond(cfg, step_limit):
+    """Loop while steps are left (below `step_limit`, an input, and the config's maximum) and a
+    row still decodes."""
+    limit = jnp.minimum(jnp.asarray(step_limit, jnp.int32), max_steps(cfg))
+    return lambda s: (s.step < limit) & ~jnp.all(s.done)
 
 
-def _autoregressive(
+def _start_autoregressive(
     target_params, prompt, prompt_lengths, rng, *, target_config, decode_config, mesh=None
-):
+) -> _State:
+    """The AR decode's prefill: its loop state, the first token committed."""
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
     head = decoding_head(target_params, tcfg)
     state, _ = _prefill(target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
-    state = _constrain(state, mesh)
+    return _constrain(state, mesh)
+
+
+def _advance_autoregressive(
+    target_params,
+    prompt,
+    prompt_lengths,
+    rng,
+    step_limit,
+    state: _State,
+    *,
+    target_config,
+    decode_config,
+    mesh=None,
+) -> _State:
+    """Runs the AR loop on `state` until `step_limit` steps (counted from the prefill) or done."""
+    del prompt  # the state holds what the loop needs; kept so every program takes one layout
+    tcfg, cfg = target_config, decode_config
+    head = decoding_head(target_params, tcfg)
     model = Transformer(tcfg)
 
     def body(s: _State) -> _State:
@@ -355,19 +353,32 @@ def _autoregressive(
         s, _ = _commit(s.replace(cache=cache), next_b[:, None], jnp.ones_like(start_b), cfg)
         return _constrain(s, mesh)
 
-    return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
+    return jax.lax.while_loop(_cond(cfg, step_limit), body, state)
+
+
+def _autoregressive(
+    target_params,
+    prompt,
+    prompt_lengths,
+    rng,
+    step_limit,
+    *,
+    target_config,
+    decode_config,
+    mesh=None,
+) -> DecodeOutput:
+    statics = dict(target_config=target_config, decode_config=decode_config, mesh=mesh)
+    state = _start_autoregressive(target_params, prompt, prompt_lengths, rng, **statics)
+    state = _advance_autoregressive(
+        target_params, prompt, prompt_lengths, rng, step_limit, state, **statics
+    )
+    return finish(state, decode_config)
 
 
 # XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
 # reads and updates (twice per buffer and step: ~4 ms of a 15 ms SmolLM2 AR step at batch 1);
 # region analysis proves the read comes first and updates in place. Other backends ignore it.
 LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
-
-_autoregressive_jit = jax.jit(
-    _autoregressive,
-    static_argnames=("target_config", "decode_config", "mesh"),
-    compiler_options=LOOP_COMPILER_OPTIONS,
-)
 
 
 def _init_speculative(
@@ -406,7 +417,9 @@ def _init_speculative(
     )
 
 
-def _propose(s: _State, copy_bg=None, *, bs: int, width: int, ctx: dict, copy=False) -> dict:
+def _propose(
+    s: _State, copy_bg=None, copy_flag=None, *, bs: int, width: int, ctx: dict, sources=("draft",)
+) -> dict:
     """The part of one loop step with block size `bs` that writes no carried buffer: draft bs-1
     tokens, verify them (the target's K/V rows returned, not written), accept, and the drafter
     context rows of the verified tokens. Row outputs are padded to `width` (the largest kind),
@@ -414,22 +427,37 @@ def _propose(s: _State, copy_bg=None, *, bs: int, width: int, ctx: dict, copy=Fa
     cache, XLA:CPU copies none into or out of the branches (it copied all 66 SmolLM2 cache
     buffers per step when the branches wrote them, ~1.2 ms of a 12 ms plain step). bs == 1 is a
     plain target step (no drafting; its taps still feed the context, so drafting can resume at
-    any step). copy: a prompt-lookup step, whose drafts are copy_bg's first bs-1 tokens."""
+    any step). `sources`: where the drafts come from, "draft" (the drafter) and/or "copy" (a
+    prompt-lookup step: copy_bg's first bs-1 tokens); with both, the traced `copy_flag` picks
+    one, so a drafting kind and a lookup kind of one block size share one compiled verify."""
     tcfg, dcfg, cfg = ctx["tcfg"], ctx["dcfg"], ctx["cfg"]
     tparams, dparams, head = ctx["target_params"], ctx["drafter_params"], ctx["head"]
     k_draft, k_accept = jax.random.split(_step_key(ctx["rng"], s.step))
     start_b = ctx["prompt_lengths"] + s.n_gen - 1
     anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
-    if copy:
+    if sources == ("copy",):
+        copy_flag = jnp.bool_(True)
+    elif sources == ("draft",):
+        copy_flag = jnp.bool_(False)
+
+    def copied():
         drafts_bg = copy_bg[:, : bs - 1]
-        draft_logp_bgv = None if cfg.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
-        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
-    elif bs > 1:
+        return drafts_bg, None if cfg.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
+
+    def drafted():
         # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
-        drafts_bg, draft_logp_bgv = draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft)
+        return draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft)
+
+    if bs > 1:
+        if sources == ("copy",):
+            drafts_bg, draft_logp_bgv = copied()
+        elif sources == ("draft",):
+            drafts_bg, draft_logp_bgv = drafted()
+        else:
+            drafts_bg, draft_logp_bgv = jax.lax.cond(copy_flag, copied, drafted)
         verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
     else:
         verify_bt = anchor_b1
@@ -457,13 +485,14 @@ def _propose(s: _State, copy_bg=None, *, bs: int, width: int, ctx: dict, copy=Fa
         v=tuple(pad(r, 2) for r in kv_rows.v),
         ctx_k=tuple(pad(r, 2) for r in ctx_ks),
         ctx_v=tuple(pad(r, 2) for r in ctx_vs),
-        kind=jnp.int32(-bs if copy else bs),
+        kind=jnp.where(copy_flag, -bs, bs).astype(jnp.int32),
     )
     if cfg.adaptive:
         alpha = s.alpha
-        if bs > 1 and not copy:  # move on what this drafting step tried (commit caps nothing)
+        if bs > 1 and "draft" in sources:  # move on what a drafting step tried
             tried_b = jnp.where(s.done, 0, a_b + 1)
-            alpha = adaptive.update_estimates(alpha, a_b, tried_b, bs, cfg.adaptive_rate)
+            moved = adaptive.update_estimates(alpha, a_b, tried_b, bs, cfg.adaptive_rate)
+            alpha = jnp.where(copy_flag, alpha, moved)
         out["alpha"] = alpha
     return out
 
@@ -500,7 +529,47 @@ def _apply(s: _State, out: dict, cfg: DecodeConfig, prompt_lengths) -> _State:
     return s
 
 
-def _speculative(
+def _start_speculative(
+    target_params,
+    drafter_params,
+    prompt,
+    prompt_lengths,
+    rng,
+    *,
+    target_config,
+    drafter_config,
+    decode_config,
+    mesh=None,
+) -> _State:
+    """The speculative decode's prefill and prompt context: its loop state before any step."""
+    head = decoding_head(target_params, target_config)
+    state = _init_speculative(
+        target_params,
+        drafter_params,
+        head,
+        target_config,
+        drafter_config,
+        decode_config,
+        prompt,
+        prompt_lengths,
+        rng,
+    )
+    return _constrain(state, mesh)
+
+
+def step_branches(cfg: DecodeConfig) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """The compiled step variants of an adaptive decode: one per block size among its kinds,
+    (block size, draft sources), a drafting and a lookup kind of one size sharing one (one
+    target verify compiled per block size, not per kind)."""
+    sizes = sorted(set(cfg.step_kinds) | set(cfg.lookup_kinds))
+    return tuple(
+        (b, tuple(src for src, kinds in (("draft", cfg.step_kinds), ("copy", cfg.lookup_kinds))
+                  if b in kinds))
+        for b in sizes
+    )  # fmt: skip
+
+
+def _advance_speculative(
     target_params,
     drafter_params,
     prompt,
@@ -508,18 +577,17 @@ def _speculative(
     rng,
     step_costs,
     forced_kind,
+    step_limit,
+    state: _State,
     *,
     target_config,
     drafter_config,
     decode_config,
     mesh=None,
-):
+) -> _State:
+    """Runs the speculative loop on `state` until `step_limit` steps or every row is done."""
     tcfg, dcfg, cfg = target_config, drafter_config, decode_config
     head = decoding_head(target_params, tcfg)
-    state = _init_speculative(
-        target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
-    )
-    state = _constrain(state, mesh)
     ctx = dict(
         tcfg=tcfg,
         dcfg=dcfg,
@@ -534,11 +602,15 @@ def _speculative(
     if not cfg.adaptive:
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:
-        branches = [functools.partial(_propose, bs=b, width=width, ctx=ctx) for b in cfg.step_kinds]
-        branches += [
-            functools.partial(_propose, bs=b, width=width, ctx=ctx, copy=True)
-            for b in cfg.lookup_kinds
+        variants = step_branches(cfg)
+        branches = [
+            functools.partial(_propose, bs=b, width=width, ctx=ctx, sources=src)
+            for b, src in variants
         ]
+        sizes = [b for b, _ in variants]
+        # kind index (cfg.all_kinds order) -> its compiled variant, and whether it copies
+        branch_of = jnp.asarray([sizes.index(abs(b)) for b in cfg.all_kinds], jnp.int32)
+        copies = jnp.asarray([b < 0 for b in cfg.all_kinds])
 
         def propose(s: _State) -> dict:
             copy_bg = found_b = None
@@ -557,54 +629,128 @@ def _speculative(
                 s.lookup_alpha,
                 found_b,
             )
-            out = jax.lax.switch(k, branches, s, copy_bg)
+            out = jax.lax.switch(branch_of[k], branches, s, copy_bg, copies[k])
             if cfg.lookup_kinds:
                 out = dict(out, copy=copy_bg, found=found_b)
             return out
 
-    def step(s: _State) -> _State:
-        return _apply(s, propose(s), cfg, prompt_lengths)
-
     def body(s: _State) -> _State:
-        return _constrain(step(s), mesh)
+        return _constrain(_apply(s, propose(s), cfg, prompt_lengths), mesh)
 
-    return _finish(jax.lax.while_loop(_cond(cfg), body, state), cfg)
+    return jax.lax.while_loop(_cond(cfg, step_limit), body, state)
 
 
-_speculative_jit = jax.jit(
-    _speculative,
-    static_argnames=("target_config", "drafter_config", "decode_config", "mesh"),
-    compiler_options=LOOP_COMPILER_OPTIONS,
-)
+def _speculative(
+    target_params,
+    drafter_params,
+    prompt,
+    prompt_lengths,
+    rng,
+    step_costs,
+    forced_kind,
+    step_limit,
+    *,
+    target_config,
+    drafter_config,
+    decode_config,
+    mesh=None,
+) -> DecodeOutput:
+    statics = dict(
+        target_config=target_config,
+        drafter_config=drafter_config,
+        decode_config=decode_config,
+        mesh=mesh,
+    )
+    state = _start_speculative(
+        target_params, drafter_params, prompt, prompt_lengths, rng, **statics
+    )
+    state = _advance_speculative(
+        target_params,
+        drafter_params,
+        prompt,
+        prompt_lengths,
+        rng,
+        step_costs,
+        forced_kind,
+        step_limit,
+        state,
+        **statics,
+    )
+    return finish(state, decode_config)
 
-# jitted decoder -> (its function, how many param trees lead its arguments)
-_DECODERS = {_autoregressive_jit: (_autoregressive, 1), _speculative_jit: (_speculative, 2)}
+
+_AR_STATICS = ("target_config", "decode_config", "mesh")
+_SPEC_STATICS = ("target_config", "drafter_config", "decode_config", "mesh")
+
+
+def _jit(fn, statics, donate=()):
+    return jax.jit(
+        fn,
+        static_argnames=statics,
+        donate_argnames=donate,
+        compiler_options=LOOP_COMPILER_OPTIONS,
+    )
+
+
+# Each decode as one jitted function (prefill and the whole loop: `speculative_decode`), and as
+# the same two halves apart: start (prefill -> loop state) and advance (state, step limit ->
+# state, donated so the caches stay in place). The halves are what the CLIs, the benchmark and
+# the calibration run: they stream by advancing a few steps at a time with no host callback
+# inside (which would keep JAX's persistent cache from storing them), and a step limit is an
+# input, so short calibration runs and whole decodes share one executable.
+_autoregressive_jit = _jit(_autoregressive, _AR_STATICS)
+start_autoregressive = _jit(_start_autoregressive, _AR_STATICS)
+advance_autoregressive = _jit(_advance_autoregressive, _AR_STATICS, ("state",))
+_speculative_jit = _jit(_speculative, _SPEC_STATICS)
+start_speculative = _jit(_start_speculative, _SPEC_STATICS)
+advance_speculative = _jit(_advance_speculative, _SPEC_STATICS, ("state",))
+
+# jitted decoder -> (its function, how many param trees lead its arguments, whether its last
+# argument is a loop state, whether it returns one)
+_DECODERS = {
+    _autoregressive_jit: (_autoregressive, 1, False, False),
+    start_autoregressive: (_start_autoregressive, 1, False, True),
+    advance_autoregressive: (_advance_autoregressive, 1, True, True),
+    _speculative_jit: (_speculative, 2, False, False),
+    start_speculative: (_start_speculative, 2, False, True),
+    advance_speculative: (_advance_speculative, 2, True, True),
+}
 _ON_MESH: dict = {}
 
 
 def on_mesh(jitted, mesh, args: tuple, statics: dict):
-    """`jitted` (`_autoregressive_jit` or `_speculative_jit`) for a run on `mesh`. -> (its
-    function jitted for `mesh` with in/out shardings from the logical table and the statics
-    bound, args placed on those shardings, {} for the statics). In: params as
-    `sharding.param_shardings` places them (heads, MLP and vocab over `tensor`, model dim over
-    `fsdp`), prompt [B,P] and lengths [B] split over the batch axes, the rest replicated; params
-    already there (`load_target(..., mesh=mesh)`) are not moved. Out: replicated, so that every
-    process can read the tokens."""
-    fn, num_params = _DECODERS[jitted]
-    params, rest = args[:num_params], args[num_params + 2 :]
+    """`jitted` (one of the decode functions above) for a run on `mesh`. -> (its function
+    jitted for `mesh` with in/out shardings from the logical table and the statics bound, args
+    placed on those shardings, {} for the statics). In: params as `sharding.param_shardings`
+    places them (heads, MLP and vocab over `tensor`, model dim over `fsdp`), prompt [B,P] and
+    lengths [B] split over the batch axes, a loop state as `carry_shardings` places it, the rest
+    replicated; params already there (`load_target(..., mesh=mesh)`) are not moved. Out: a loop
+    state where it came from, an output replicated, so that every process can read the tokens."""
+    fn, num_params, takes_state, gives_state = _DECODERS[jitted]
+    params = args[:num_params]
+    rest = args[num_params + 2 : len(args) - int(takes_state)]
     in_shardings = (
         *(sharding.param_shardings(p, mesh) for p in params),
         *sharding.batch_shardings(args[num_params : num_params + 2], mesh),
         *(sharding.replicated(mesh),) * len(rest),
+        *((carry_shardings(args[-1], mesh),) if takes_state else ()),
     )
     leaves, treedef = jax.tree.flatten(in_shardings)
     key = (fn, mesh, treedef, tuple(leaves), tuple(sorted(statics.items())))
     if key not in _ON_MESH:
+        bound = functools.partial(fn, **statics, mesh=mesh)
+        if takes_state:
+            out_shardings = in_shardings[-1]
+        elif gives_state:
+            out_shardings = carry_shardings(jax.eval_shape(bound, *args), mesh)
+        else:
+            out_shardings = sharding.replicated(mesh)
         # jit takes no keyword arguments beside in_shardings: the statics are bound here.
         _ON_MESH[key] = jax.jit(
-            functools.partial(fn, **statics, mesh=mesh),
+            bound,
             in_shardings=in_shardings,
-            out_shardings=sharding.replicated(mesh),
+            out_shardings=out_shardings,
+            donate_argnums=(len(args) - 1,) if takes_state else (),
             compiler_options=LOOP_COMPILER_OPTIONS,
         )
     return _ON_MESH[key], sharding.put(args, in_shardings), {}
@@ -635,18 +781,26 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig):
             )
 
 
+# What only a drafting decode reads: the AR loop resets them (block_size to 1), so one compiled
+# AR loop serves every block size and mode; every other field (sampling, stops, lengths) is kept.
+_DRAFTING_FIELDS = (
+    "block_size",
+    "adaptive",
+    "step_kinds",
+    "adaptive_rate",
+    "adaptive_prior",
+    "probe_every",
+    "probe_backoff",
+    "lookup_kinds",
+    "lookup_ngram",
+)
+
+
 def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
-    """Block size and adaptive settings mean nothing without a drafter: reset them so one
-    compiled AR loop serves every block size and mode."""
-    return DecodeConfig(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        block_size=1,
-        stop_token_ids=cfg.stop_token_ids,
-        stream=cfg.stream,
-    )
+    """`cfg` for the target alone: the drafting fields at their defaults, block size 1."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+    reset = {name: defaults[name] for name in _DRAFTING_FIELDS}
+    return dataclasses.replace(cfg, **{**reset, "block_size": 1})
 
 
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
@@ -668,18 +822,30 @@ def autoregressive_decode(
     target_config: TargetConfig,
     decode_config: DecodeConfig,
     mesh=None,
+    step_limit: int | None = None,
 ) -> DecodeOutput:
     """The target decoding alone, one token per step: the baseline and the lossless reference.
 
     prompt: int32 [B, P] right-padded; prompt_lengths: int32 [B]; rng: a PRNG key.
     mesh: a `jax.sharding.Mesh` (axes data/fsdp/tensor, `sharding.make_mesh`) to run on, else the
     one set by `jax.set_mesh`, else one device; the tokens are the same (see `on_mesh`).
+    step_limit: stop after this many loop steps (None: `max_steps`); an input, so a new limit
+    never recompiles.
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
-    args = (target_params, prompt, prompt_lengths, rng)
+    limit = _step_limit(decode_config, step_limit)
+    args = (target_params, prompt, prompt_lengths, rng, limit)
     statics = dict(target_config=target_config, decode_config=autoregressive_config(decode_config))
     return _run(_autoregressive_jit, args, statics, mesh)
+
+
+def _step_limit(cfg: DecodeConfig, step_limit: int | None) -> jax.Array:
+    if step_limit is None:
+        return jnp.int32(max_steps(cfg))
+    if step_limit < 0:
+        raise ValueError(f"step_limit={step_limit} must be >= 0")
+    return jnp.int32(min(step_limit, max_steps(cfg)))
 
 
 def _run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
@@ -718,13 +884,14 @@ def speculative_decode(
     decode_config: DecodeConfig,
     step_costs=None,
     mesh=None,
+    step_limit: int | None = None,
 ) -> DecodeOutput:
     """DFlash speculative decoding; output distributed exactly as the target's own (greedy:
-    identical tokens). Same inputs and output as `autoregressive_decode`.
+    identical tokens). Same inputs and output as `autoregressive_decode` (`step_limit` too).
 
     With `decode_config.adaptive`, each step's block size is chosen on device (see
     `decoding/adaptive.py`); `step_costs` [num_kinds] are the kinds' costs in AR steps
-    (`adaptive.calibrate_step_costs` measures them; an array, so new costs never recompile).
+    (`calibration.calibrate_step_costs` measures them; an array, so new costs never recompile).
     `mesh` as in `autoregressive_decode`.
     """
     check_decode_inputs(target_config, drafter_config, decode_config)
@@ -738,6 +905,7 @@ def speculative_decode(
         rng,
         step_cost_array(decode_config, step_costs),
         jnp.int32(-1),
+        _step_limit(decode_config, step_limit),
     )
     statics = dict(
         target_config=target_config, drafter_config=drafter_config, decode_config=decode_config

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class _NoTorchNoticeFilter(logging.Filter):
+    """Drops the warning `import transformers` logs when torch is absent ("PyTorch was not
+    found. Models won't be available and only tokenizers, configuration and file/data utilities
+    can be used."): dflash-jax uses transformers for tokenizers only, which need no torch, and
+    the notice reads like an error. Every other transformers record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.name == "transformers"
+            and record.getMessage().startswith("PyTorch was not found.")
+        )
+
+
+def _drop_no_torch_notice() -> None:
+    # On the "transformers" logger itself (where transformers/__init__.py logs it), before
+    # transformers is imported: this module imports it lazily, as does target_cache.
+    logger = logging.getLogger("transformers")
+    if not any(type(f).__name__ == _NoTorchNoticeFilter.__name__ for f in logger.filters):
+        logger.addFilter(_NoTorchNoticeFilter())
+
+
+_drop_no_torch_notice()
 
 
 def load_hf_tokenizer(directory: str | Path):

@@ -1,0 +1,110 @@
+"""Step costs for the adaptive controller (`decoding.adaptive`): each step kind's cost in AR
+steps, measured on this machine for a target, drafter, batch and shape by short runs of the
+decode's own executables, and cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.runner import timed_decode
+
+# Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
+# enough that all kinds together take seconds.
+CALIBRATION_STEPS = 24
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("DFLASH_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_jax"
+    )
+    return Path(root) / "step_costs.json"
+
+
+def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
+    """What a step's cost depends on: both models, batch and buffer shapes, the kinds, the
+    sampling arithmetic, and the device."""
+    device = jax.devices()[0]
+    parts = [
+        repr(target.config),
+        repr(drafter.config),
+        str(getattr(drafter, "source", "")),
+        str(tuple(prompt_shape)),
+        str(cfg.max_new_tokens),
+        str(cfg.all_kinds),
+        str(cfg.lookup_ngram),
+        str(cfg.greedy),
+        device.platform,
+        device.device_kind,
+        jax.__version__,
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def calibrate_step_costs(
+    target,
+    drafter,
+    prompt,
+    prompt_lengths,
+    cfg: DecodeConfig,
+    *,
+    use_cache: bool = True,
+    repeats: int = 1,
+    steps: int = CALIBRATION_STEPS,
+) -> np.ndarray:
+    """Measures each step kind's cost in AR steps on `prompt`, and caches the result under
+    $DFLASH_JAX_CACHE or ~/.cache/dflash_jax.
+
+    Every kind runs `steps` loop steps with the kind forced at each step, through the very
+    executables the decode itself runs (the forced kind and the step limit are inputs: nothing
+    compiles beyond them), timed from the loop state the prefill left (the prefill is not a
+    step); the AR loop likewise. The first run of each executable warms it up and is not
+    counted. A row that stops early ends its run early: the cost is per step taken.
+    -> costs [num_kinds] float32 (min of `repeats` runs)."""
+    key = calibration_key(target, drafter, np.shape(prompt), cfg)
+    path = _cache_file()
+    table = {}
+    if use_cache and path.is_file():
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            table = {}
+        if key in table and len(table[key]) == len(cfg.all_kinds):
+            return np.asarray(table[key], np.float32)
+    warm = set()
+
+    def per_step(drafter_or_none, **kw) -> float:
+        first = drafter_or_none is None
+        if first not in warm:  # one executable per decoder: the forced kind is an input
+            warm.add(first)
+            run_once(drafter_or_none, **kw)
+        return min(run_once(drafter_or_none, **kw) for _ in range(repeats))
+
+    def run_once(drafter_or_none, **kw) -> float:
+        run = timed_decode(
+            target, drafter_or_none, prompt, prompt_lengths, 0, cfg, step_limit=steps, **kw
+        )
+        taken = max(int(np.max(np.asarray(run.output.num_steps))), 1)
+        return max(run.run_s - run.start_s, 1e-9) / taken
+
+    ar_step = per_step(None)
+    costs = np.asarray(
+        [per_step(drafter, forced_kind=i) / ar_step for i in range(len(cfg.all_kinds))],
+        np.float32,
+    )
+    if 1 in cfg.step_kinds:
+        plain = cfg.step_kinds.index(1)
+        costs[plain] = max(costs[plain], 1.0)  # a plain step is never cheaper than AR
+    if use_cache:
+        table[key] = [round(float(c), 4) for c in costs]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    return costs

@@ -1,0 +1,188 @@
+"""Running a decode as its two halves, `start` (prefill -> loop state) and `advance` (state,
+step limit -> state), the way the CLIs, the benchmark and the calibration do: each compiled
+once per shape and config (timed apart from the run), the loop streamed a few steps at a time,
+or stopped after a number of steps.
+
+Neither half holds a host callback, so JAX's persistent compilation cache keeps both across
+processes (an `io_callback` inside the loop would keep it from storing the executable), and
+the step limit is an input: a short calibration run and a whole decode share one executable.
+Streaming costs one host round trip per chunk of steps, not per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import sharding
+from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding import loop
+
+# Steps per advance call while streaming: text shows up every few steps, and the round trips
+# (one per chunk) stay a small part of the decode.
+STREAM_CHUNK_STEPS = 8
+
+
+@dataclasses.dataclass
+class TimedRun:
+    output: loop.DecodeOutput
+    compile_s: float  # lowering + XLA compilation of both halves (0 when already compiled)
+    run_s: float  # the whole decode, start included, synchronised
+    start_s: float  # the start half alone: the target prefill (and the drafter's prompt pass)
+
+
+_COMPILED: dict = {}
+
+
+def _compile(jitted, args: tuple, statics: dict, mesh):
+    """(executable, args placed for it, compile seconds); compiled once per function, shapes
+    and statics in this process (and, through JAX's persistent cache, across processes)."""
+    if mesh is not None:
+        jitted, args, statics = loop.on_mesh(jitted, mesh, args, statics)
+    shapes = tuple(
+        (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
+    )
+    key = (jitted, shapes, tuple(sorted(statics.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], args, 0.0
+    t0 = time.perf_counter()
+    _COMPILED[key] = jitted.lower(*args, **statics).compile()
+    return _COMPILED[key], args, time.perf_counter() - t0
+
+
+@functools.cache
+def _readers(mesh):
+    """Jitted views of a loop state that every process can read (replicated on a mesh):
+    (peek: state -> (gen, n_gen, step, all done), finish: (state, cfg) -> DecodeOutput)."""
+    out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
+    peek = jax.jit(lambda s: (s.gen, s.n_gen, s.step, jnp.all(s.done)), **out)
+    finish = jax.jit(loop.finish, static_argnames=("cfg",), **out)
+    return peek, finish
+
+
+def timed_run(
+    start,
+    advance,
+    lead: tuple,
+    prompt,
+    lengths,
+    rng,
+    inputs: tuple,
+    statics: dict,
+    *,
+    step_limit: int,
+    mesh=None,
+    on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    chunk_steps: int = STREAM_CHUNK_STEPS,
+) -> TimedRun:
+    """Runs `start` then `advance` (a pair from `decoding.loop`) on (*lead params, prompt,
+    lengths, rng[, *inputs, step_limit, state]) with `statics`, for at most `step_limit` loop
+    steps. on_tokens(tokens [B,T], counts [B]): called with the prefill's tokens and then after
+    every `chunk_steps` steps with what each row committed since (row b's new tokens are
+    tokens[b, :counts[b]]); without it the loop runs in one call."""
+    cfg: DecodeConfig = statics["decode_config"]
+    head = (*lead, prompt, lengths, rng)
+    start_x, start_args, start_compile = _compile(start, head, statics, mesh)
+    state_info = start_x.out_info
+    adv_head = (*head, *inputs, np.int32(0))
+    advance_x, adv_args, adv_compile = _compile(advance, (*adv_head, state_info), statics, mesh)
+    adv_args = adv_args[:-2]  # the step limit and the state change from call to call
+    peek, finish = _readers(mesh)
+
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(start_x(*start_args))
+    start_s = time.perf_counter() - t0
+    sent = np.zeros(prompt.shape[0], np.int64)
+    if on_tokens is not None:
+        sent = _send(peek(state), sent, on_tokens)
+    step_limit = min(step_limit, loop.max_steps(cfg))
+    steps = 0
+    while steps < step_limit:
+        upto = step_limit if on_tokens is None else min(steps + chunk_steps, step_limit)
+        state = advance_x(*adv_args, np.int32(upto), state)
+        view = peek(state)
+        if on_tokens is not None:
+            sent = _send(view, sent, on_tokens)
+        steps = step_limit if bool(view[3]) else int(view[2])
+    output = jax.block_until_ready(finish(state, cfg))
+    return TimedRun(output, start_compile + adv_compile, time.perf_counter() - t0, start_s)
+
+
+def _send(view, sent: np.ndarray, on_tokens) -> np.ndarray:
+    """Sends each row's tokens committed since `sent` to on_tokens; -> the new counts."""
+    gen_bw, n_gen_b = np.asarray(view[0]), np.asarray(view[1]).astype(np.int64)
+    counts_b = n_gen_b - sent
+    width = int(counts_b.max(initial=0))
+    if width > 0:
+        cols_bt = np.minimum(sent[:, None] + np.arange(width)[None, :], gen_bw.shape[1] - 1)
+        on_tokens(np.take_along_axis(gen_bw, cols_bt, 1).astype(np.int32), counts_b)
+    return n_gen_b
+
+
+def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
+    """The checks `speculative_decode`/`autoregressive_decode` make, without running them:
+    raises ConfigError/ValueError naming the problem."""
+    if drafter is not None:
+        loop.check_decode_inputs(target.config, drafter.config, cfg)
+    loop.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
+
+
+def timed_decode(
+    target,
+    drafter,
+    prompt,
+    lengths,
+    seed: int,
+    cfg: DecodeConfig,
+    *,
+    step_costs=None,
+    forced_kind: int = -1,
+    mesh=None,
+    step_limit: int | None = None,
+    on_tokens=None,
+    chunk_steps: int = STREAM_CHUNK_STEPS,
+) -> TimedRun:
+    """Runs the speculative decode (or the autoregressive one when drafter is None) as the
+    jitted halves `decoding.runner` times, compilation apart from execution; executables are
+    cached per shape/config (in the process, and on disk through JAX's persistent cache when
+    enabled). Adaptive mode: `step_costs` as in `speculative_decode`; `forced_kind` >= 0 runs
+    that step kind at every step (calibration). step_limit: at most this many loop steps (None:
+    all). on_tokens(tokens [B,T], counts [B]): streams the committed tokens a few steps at a
+    time (`chunk_steps` of them, `timed_run`). `mesh`: where to run; by default the target's
+    (loaded with one), else the one set by `jax.set_mesh`, else one device."""
+    rng = jax.random.key(seed)
+    prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
+    check_inputs(target, drafter, prompt, lengths, cfg)
+    if drafter is None:
+        halves, lead, inputs = (loop.start_autoregressive, loop.advance_autoregressive), (), ()
+        statics = dict(target_config=target.config, decode_config=loop.autoregressive_config(cfg))
+    else:
+        halves, lead = (loop.start_speculative, loop.advance_speculative), (drafter.params,)
+        inputs = (loop.step_cost_array(cfg, step_costs), np.int32(forced_kind))
+        statics = dict(
+            target_config=target.config, drafter_config=drafter.config, decode_config=cfg
+        )
+    if mesh is None:
+        mesh = getattr(target, "mesh", None)
+    if mesh is None:
+        mesh = sharding.current_mesh()
+    limit = loop.max_steps(cfg) if step_limit is None else step_limit
+    return timed_run(
+        *halves,
+        (target.params, *lead),
+        prompt,
+        lengths,
+        rng,
+        inputs,
+        statics,
+        step_limit=limit,
+        mesh=mesh,
+        on_tokens=on_tokens,
+        chunk_steps=chunk_steps,
+    )
