@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from dflash_jax import api
 from dflash_jax.api import DEFAULT_LOOKUP_KINDS, default_lookup_kinds
@@ -79,8 +79,9 @@ flags.DEFINE_list(
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
-    "infer.generate: directory of JAX's persistent compilation cache, so that the decode loops "
-    "compile once per shape and machine and later runs load them (empty: off).",
+    "infer.generate on GPU/TPU: directory of JAX's persistent compilation cache, so that the "
+    "decode loops compile once per shape and machine and later runs load them (empty: off). "
+    "Off on CPU, where a cached executable loaded slower than a compile and ran slower.",
 )  # fmt: skip
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 flags.register_validator(
@@ -132,13 +133,22 @@ def enable_compilation_cache() -> None:
     """Points JAX's persistent compilation cache at --compilation_cache (every compile over a
     second is kept), so that a second run of a script skips the loop compiles. For scripts
     whose executables take their weights as arguments (infer.generate): one that closes over
-    them (the benchmark's --breakdown phases) would write ~300 MB entries, for minutes."""
+    them (the benchmark's --breakdown phases) would write ~300 MB entries, for minutes.
+
+    Not on CPU: there, an executable read back from the cache took longer to load than to
+    compile afresh (71 s against 55 s for the default adaptive loop) and then ran slower (22.5
+    against 34.5 tok/s on the README's command, 2026-12-02), as if rebuilt without the loop's
+    compiler options (`loop.LOOP_COMPILER_OPTIONS`: without them every step copies the caches).
+    """
     if not FLAGS.compilation_cache:
         return
     import os
 
     import jax
 
+    if jax.default_backend() == "cpu":
+        logging.info("persistent compilation cache off on CPU (slower to load than to compile)")
+        return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
