@@ -42,12 +42,35 @@ def load_hf_tokenizer(directory: str | Path):
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
+# Tokenizers converted from GGUF files that ship inside this package, by the GGUF's file stem:
+# transformers' GGUF reader imports torch, which the runtime does not install. Each was written
+# by `load_gguf_tokenizer` itself (transformers' conversion, then save_pretrained); a test checks
+# that it still encodes and renders chats exactly as that conversion does.
+SHIPPED_TOKENIZERS = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
+
+
 def load_gguf_tokenizer(path: str | Path):
     """The tokenizer embedded in a GGUF file (transformers converts it, offline), chat template
-    included; None when the file has no tokenizer metadata."""
+    included; the shipped conversion for a GGUF this package ships one for."""
+    path = Path(path)
+    shipped = SHIPPED_TOKENIZERS / path.stem
+    if shipped.is_dir():
+        return load_hf_tokenizer(shipped)
+    return convert_gguf_tokenizer(path)
+
+
+def convert_gguf_tokenizer(path: str | Path):
+    """transformers' conversion of a GGUF file's tokenizer metadata (needs torch: transformers'
+    GGUF reader imports it)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name, local_files_only=True
-    )
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except ModuleNotFoundError as e:
+        raise OSError(
+            f"{path}: reading a GGUF file's tokenizer needs torch (transformers' GGUF reader "
+            f"imports it); install torch, or load the model from an HF directory ({e})"
+        ) from e
