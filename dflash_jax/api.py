@@ -16,6 +16,7 @@ from dflash_jax.decoding import calibration
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import timed_decode as timed_decode
+from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32
 
@@ -23,27 +24,6 @@ MIN_BUCKET = 32
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
     """Prompt buffers are padded to powers of two so a few compiled shapes serve all prompts."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
-def render_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> list[int]:
-    """Token ids of one prompt: the chat template with the generation prompt (encoded without
-    extra special tokens, as the reference does), or the raw text. `prompt` may be a string
-    (one user turn) or a list of chat messages."""
-    if tokenizer is None:
-        raise ValueError("this target has no tokenizer: pass token ids instead of text")
-    if chat:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the target's tokenizer has no chat template; use chat=False")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        if not isinstance(prompt, str):
-            raise ValueError("a list of chat messages needs chat=True")
-        text = prompt
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise ValueError("prompt is empty after tokenisation")
-    return ids
 
 
 def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.ndarray, np.ndarray]:

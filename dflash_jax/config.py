@@ -38,15 +38,17 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _thaw(value: Any) -> Any:
+def thaw(value: Any) -> Any:
+    """The inverse of `_freeze`: tuples of (str, value) pairs back into dicts, other tuples into
+    lists, recursively (a config's frozen `rope_scaling` -> its HF JSON form)."""
     if (
         isinstance(value, tuple)
         and value
         and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value)
     ):
-        return {k: _thaw(v) for k, v in value}
+        return {k: thaw(v) for k, v in value}
     if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 
@@ -79,7 +81,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple | No
 def _rope_to_hf(theta: float, scaling: tuple | None) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_theta": theta}
     if scaling:
-        out["rope_scaling"] = _thaw(scaling)
+        out["rope_scaling"] = thaw(scaling)
     return out
 
 

@@ -6,7 +6,8 @@ r"""Per-device memory of a training step or a decode on a device mesh, planned o
 
 Nothing is allocated: the mesh is made of fake CPU devices, params, optimizer state, caches and
 batches are `jax.eval_shape` structures placed by the same sharding table the run uses, and the
-step (`train_step_on_mesh`) or the decode (`loop.on_mesh`) is lowered and compiled ahead of time.
+step (`train_step_on_mesh`) or the decode (`decoding.programs.on_mesh`) is lowered and compiled
+ahead of time.
 Per device it prints params, optimizer state, caches (the decode loop's carry: KV caches, drafter
 context caches and token buffers) and activations (the compiled program's temporaries, from
 XLA's memory_analysis). The temporaries are the CPU compiler's; a GPU build fuses and schedules
@@ -174,7 +175,8 @@ def plan_decode(cfg, mesh) -> dict:
 
     from dflash_jax import sharding
     from dflash_jax.config import DecodeConfig
-    from dflash_jax.decoding import loop
+    from dflash_jax.decoding import phases, programs, speculative
+    from dflash_jax.decoding.state import carry_shardings
     from dflash_jax.models.drafter import init_drafter_params
     from dflash_jax.models.target import Head, init_params
     from dflash_jax.training.trainer import drafter_config_for
@@ -202,16 +204,16 @@ def plan_decode(cfg, mesh) -> dict:
         jax.ShapeDtypeStruct((), jnp.int32),  # step limit
     )
     statics = dict(target_config=tcfg, drafter_config=dcfg, decode_config=decode)
-    fn, placed, _ = loop.on_mesh(loop._speculative_jit, mesh, args, statics)
+    fn, placed, _ = programs.on_mesh(speculative.speculative_jit, mesh, args, statics)
 
     def carry(target, drafter, prompt, lengths, rng):
         head = Head(dv=jnp.zeros((tcfg.hidden_size, tcfg.vocab_size), dtype))
-        return loop._init_speculative(
+        return phases.init_speculative(
             target, drafter, head, tcfg, dcfg, decode, prompt, lengths, rng
         )
 
     state = jax.eval_shape(carry, *args[:5])
-    state = sharding.put(state, loop.carry_shardings(state, mesh))
+    state = sharding.put(state, carry_shardings(state, mesh))
     params = per_device_bytes(placed[:2])
     plan = {
         "params (target)": per_device_bytes(placed[0]),

@@ -198,12 +198,12 @@ def test_a_step_limit_stops_the_loop_without_recompiling(adaptive_mode):
     cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode)
     kw = dict(target_config=tcfg, drafter_config=dcfg, decode_config=cfg)
     key = jax.random.key(0)
-    from dflash_jax.decoding import loop
+    from dflash_jax.decoding import speculative
 
     whole = speculative_decode(tp, dp, PROMPT, LENS, key, **kw)
-    compiled = loop._speculative_jit._cache_size()
+    compiled = speculative.speculative_jit._cache_size()
     short = speculative_decode(tp, dp, PROMPT, LENS, key, step_limit=2, **kw)
-    assert loop._speculative_jit._cache_size() == compiled
+    assert speculative.speculative_jit._cache_size() == compiled
     assert np.all(np.asarray(short.num_steps) <= 2) and np.any(np.asarray(short.num_steps) == 2)
     for row in range(PROMPT.shape[0]):
         n = int(short.lengths[row])

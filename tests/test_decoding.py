@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode, loop, sampling, speculative_decode
+from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, init_params
 
@@ -184,7 +184,7 @@ def test_sampling_is_lossless(broken, monkeypatch):
             bonus = jnp.argmax(target_logits[:, -1], -1).astype(jnp.int32)[:, None]
             return full, jnp.concatenate([drafts, bonus], 1)
 
-        monkeypatch.setattr(loop, "accept_rejection", accept_all)
+        monkeypatch.setattr(phases, "accept_rejection", accept_all)
         jax.clear_caches()
     prompt = np.array([3, 1, 4], np.int32)
     n = 6000

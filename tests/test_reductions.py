@@ -15,6 +15,19 @@ def test_argmax_last_matches_jnp_argmax_with_ties():
     assert int(argmax_last(x)[1, 2]) == 7
 
 
+def test_a_nan_row_gives_the_last_id():
+    """A row holding a NaN has no maximum: argmax_last (and head_argmax) give V - 1, an id in
+    range, whatever the rest of the row holds; the other rows are untouched."""
+    x = jax.random.normal(jax.random.key(0), (3, 256))
+    x = x.at[0, 5].set(jnp.nan).at[2].set(jnp.nan)
+    got = np.asarray(jax.jit(argmax_last)(x))
+    assert got[0] == got[2] == 255 and got[1] == int(jnp.argmax(x[1]))
+    head_vd = jax.random.normal(jax.random.key(1), (256, 8))
+    hidden = jnp.ones((2, 8)).at[0, 3].set(jnp.nan)
+    got = np.asarray(head_argmax(hidden, head_vd.T, head_vd, chunk=128))
+    assert got[0] == 255 and got[1] == int(jnp.argmax(hidden[1] @ head_vd.T))
+
+
 @pytest.mark.parametrize("lead", [(1,), (16,), (2, 15)])
 def test_head_argmax_equals_argmax_of_the_logits(lead):
     d, v = 64, 1024

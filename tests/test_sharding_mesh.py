@@ -24,7 +24,7 @@ import pytest
 
 from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode, loop, speculative_decode
+from dflash_jax.decoding import autoregressive_decode, programs, speculative, speculative_decode
 
 DECODE_MESHES = ("data=2,tensor=4", "data=8", "fsdp=2,tensor=4")
 # Rows of different lengths (8 rows: one per device on data=8).
@@ -56,8 +56,8 @@ def _decode_checks() -> dict:
         }
     # The compiled loop carries per-device buffers: every [B,K,S,H] cache holds 8/2 rows.
     mesh = sharding.mesh_from_spec("data=2,tensor=4")
-    args = (tp, dp, PROMPT, LENS, key, loop.step_cost_array(cfg), np.int32(-1), np.int32(19))
-    fn, args, _ = loop.on_mesh(loop._speculative_jit, mesh, args, kw)
+    args = (tp, dp, PROMPT, LENS, key, speculative.step_cost_array(cfg), np.int32(-1), np.int32(19))
+    fn, args, _ = programs.on_mesh(speculative.speculative_jit, mesh, args, kw)
     hlo = fn.lower(*args).compile().as_text()
     carry = next(line for line in hlo.splitlines() if " while(" in line)
     out["carry_cache_rows"] = sorted(set(re.findall(r"f32\[(\d+),\d+,\d+,\d+\]", carry)))

@@ -1,5 +1,20 @@
-"""Jitted decoding: `speculative_decode` (DFlash) and `autoregressive_decode` (the baseline)."""
+"""Jitted decoding: `speculative_decode` (DFlash) and `autoregressive_decode` (the baseline).
 
-from dflash_jax.decoding.loop import DecodeOutput, autoregressive_decode, speculative_decode
+state.py           the loop state, its output and shardings; commit, finish, the step key
+phases.py          prefill, drafter context, draft, verify, accept: the pieces of a step
+autoregressive.py  the target alone, one token per step (`autoregressive_decode`)
+speculative.py     draft -> verify -> accept per step (`speculative_decode`)
+programs.py        jitting, mesh placement and input checks shared by both decodes
+adaptive.py        the on-device controller that picks each step's kind
+lookup.py          prompt lookup: drafts copied from the text so far
+sampling.py        logit processing, sampling, greedy and rejection acceptance
+runner.py          the decodes as start/advance halves: timed, streamed, step-limited
+calibration.py     each step kind's measured cost, cached on disk
+breakdown.py       each phase of a step timed apart, and the GEMM floors
+"""
+
+from dflash_jax.decoding.autoregressive import autoregressive_decode
+from dflash_jax.decoding.speculative import speculative_decode
+from dflash_jax.decoding.state import DecodeOutput
 
 __all__ = ["DecodeOutput", "autoregressive_decode", "speculative_decode"]

@@ -10,7 +10,7 @@ alpha_j is a running estimate, per row, of the chance that draft j is accepted g
 drafts 1..j-1 were; after a drafting step every tried position j (all earlier ones accepted)
 moves it toward accepted-or-not by `adaptive_rate`. All rows of a batch share the kind (they
 verify together); the choice maximises the mean value over the rows still decoding. After
-`probe_every` plain steps in a row, the cheapest drafting kind runs once: the estimates stay
+`probe_every` plain steps in a row, the smallest drafting kind runs once: the estimates stay
 fresh, and a drafter that starts to succeed later in a generation is taken up again. A probe
 (any drafting step) that no row accepts anything from doubles the wait before the next one, up
 to `probe_every * probe_backoff`; one that does resets it: on text the drafter cannot predict,
@@ -24,6 +24,9 @@ against the tokens the step committed), and only for rows where a copy exists.
 cost(b) is one step of kind b in AR-step units. `decoding.calibration` measures it for a
 target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
 as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
+
+Inside the loop the controller chooses before a step (`choose_kind`) and learns after it
+(`update`: every estimate, the plain-step run and the probe wait, in one function).
 """
 
 from __future__ import annotations
@@ -82,27 +85,28 @@ def choose_kind(
     value_k = jnp.sum(value_bk * weight_b[:, None], 0) / jnp.maximum(jnp.sum(weight_b), 1.0)
     k = jnp.argmax(value_k).astype(jnp.int32)
     plain = kinds.index(1) if 1 in kinds else -1
-    cheapest_draft = min(i for i, b in enumerate(kinds) if b > 1)
-    k = jnp.where((k == plain) & (plain_run >= probe_wait), cheapest_draft, k)
+    smallest_draft = min(i for i, b in enumerate(kinds) if b > 1)
+    k = jnp.where((k == plain) & (plain_run >= probe_wait), smallest_draft, k)
     return jnp.where(forced_kind >= 0, forced_kind, k)
 
 
-def next_probe_wait(probe_wait, kind, accepted_b, active_b, cfg: DecodeConfig):
-    """The wait (plain steps) before the next probe after a step of block size `kind`: plain
+def next_probe_wait(probe_wait, block, accepted_b, active_b, cfg: DecodeConfig):
+    """The wait (plain steps) before the next probe after a step of block size `block`: plain
     steps keep it; a drafting step that no active row accepted a draft from doubles it (up to
     probe_every * probe_backoff), one that some row did resets it to probe_every."""
     hit = jnp.any((accepted_b > 0) & active_b)
     longer = jnp.minimum(2 * probe_wait, cfg.probe_every * cfg.probe_backoff)
-    drafted = jnp.where(hit, cfg.probe_every, longer).astype(jnp.int32)
-    return jnp.where(kind > 1, drafted, probe_wait)
+    after_draft = jnp.where(hit, cfg.probe_every, longer).astype(jnp.int32)
+    return jnp.where(block > 1, after_draft, probe_wait)
 
 
-def update_estimates(alpha_bg, a_b, produced_b, block_size: int, rate: float):
-    """After a drafting step of `block_size` that accepted a_b drafts: every tried position j
-    (1-based, j < block_size, a >= j - 1) moves toward (a >= j). Rows that committed nothing
-    (already done) keep their estimates."""
+def update_estimates(alpha_bg, a_b, tried_b, block_size, rate: float):
+    """After a drafting step of `block_size` (an int, or traced) that accepted a_b drafts:
+    every tried position j (1-based, j < block_size, a >= j - 1) moves toward (a >= j). Rows
+    that tried nothing (tried_b == 0: already done) keep their estimates, and so does every row
+    after a step that drafted nothing (block_size 1, or -b for a copied block)."""
     j_g = jnp.arange(1, alpha_bg.shape[1] + 1)
-    tried_bg = (j_g[None, :] < block_size) & (produced_b[:, None] > 0)
+    tried_bg = (j_g[None, :] < block_size) & (tried_b[:, None] > 0)
     return _move_tried(alpha_bg, a_b, tried_bg, rate)
 
 
@@ -135,3 +139,31 @@ def update_lookup_estimates(alpha_bg, proposal_bg, new_bt, produced_b, found_b, 
     beyond_bg = (j_g[None, :] > produced_b[:, None]) & (a_b >= produced_b)[:, None]
     beyond_bg &= found_b[:, None] & (produced_b > 0)[:, None]
     return jnp.where(beyond_bg, jnp.maximum(alpha_bg, last_alpha_b), alpha_bg)
+
+
+def update(state, step, produced_b, active_b, cfg: DecodeConfig):
+    """The controller's in-loop state after one step, everything it learns in one place.
+
+    state: the loop state (`LoopState`) after the step's commit, its controller fields
+    (alpha, plain_run, probe_wait, lookup_alpha) still as the step found them; step: the
+    step's `Proposal` (kind: bs, -bs for a copied block, 1 for a plain step; accepted [B];
+    new [B,W] the committed tokens; copy [B,W-1] and found [B]: the copy proposed before the
+    step, when there are lookup kinds); produced_b [B]: tokens the step committed; active_b [B]:
+    the rows still decoding when the step ran. -> the state with the drafter's estimates moved
+    on what a drafting step tried (`update_estimates`), the plain-step run and the probe wait
+    advanced (`next_probe_wait`), and the lookup estimates moved on what the step committed
+    (`update_lookup_estimates`)."""
+    block = jnp.maximum(step.kind, 1)  # the probe clock counts a copied step as plain
+    tried_b = jnp.where(active_b, step.accepted + 1, 0)
+    alpha = update_estimates(state.alpha, step.accepted, tried_b, step.kind, cfg.adaptive_rate)
+    state = state.replace(
+        alpha=alpha,
+        plain_run=jnp.where(block == 1, state.plain_run + 1, 0),
+        probe_wait=next_probe_wait(state.probe_wait, block, step.accepted, active_b, cfg),
+    )
+    if cfg.lookup_kinds:
+        lookup_alpha = update_lookup_estimates(
+            state.lookup_alpha, step.copy, step.new, produced_b, step.found, cfg.adaptive_rate
+        )
+        state = state.replace(lookup_alpha=lookup_alpha)
+    return state

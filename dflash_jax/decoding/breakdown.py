@@ -10,7 +10,7 @@ hardware needs for the weights alone.
     draft rows.
 Their ratio is the physical break-even: DFlash wins only when tau exceeds it.
 
-Phases of one step, each the same function the loop body runs (`loop.py`), jitted alone:
+Phases of one step, each the same function the loop body runs (`phases.py`), jitted alone:
 drafter layers, drafter head (+ argmax), target verify body, verify head + accept, commit, and
 appending the committed tokens' context K/V for the next draft. Their sum against the
 measured in-loop step shows what the loop itself adds.
@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import loop
+from dflash_jax.decoding import phases
+from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
+from dflash_jax.decoding.state import commit as commit_tokens
 from dflash_jax.models.target import decoding_head, unembedding_matrix
 
 PHASES = (
@@ -49,7 +51,7 @@ def _loop_time(step, carry, weights, repeats: int) -> float:
     run = jax.jit(
         lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c),
         donate_argnums=0,
-        compiler_options=loop.LOOP_COMPILER_OPTIONS,
+        compiler_options=LOOP_COMPILER_OPTIONS,
     )
     # Own copies: the loop donates its carry, and phases share their inputs.
     carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
@@ -179,7 +181,7 @@ def phase_fns(
     @jax.jit
     def init(target_params, drafter_params, prompt, prompt_lengths):
         head = decoding_head(target_params, tcfg)
-        state = loop._init_speculative(
+        state = phases.init_speculative(
             target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
         )
         return state, head
@@ -195,18 +197,18 @@ def phase_fns(
     prompt_lengths = jnp.asarray(prompt_lengths)
     start_b = live_b
     hidden = jax.jit(
-        lambda dp, tp, s: loop.draft_hidden(
+        lambda dp, tp, s: phases.draft_hidden(
             dp, tp, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
     )(drafter_params, target_params, state)
-    drafts, draft_logp = jax.jit(lambda h, x: loop.draft_tokens(h, tcfg, dcfg, cfg, x, key))(
+    drafts, draft_logp = jax.jit(lambda h, x: phases.draft_tokens(h, tcfg, dcfg, cfg, x, key))(
         head, hidden
     )
     verify_bt = jnp.concatenate([anchor_b1, drafts], axis=1)
     vhidden, taps, _ = jax.jit(
-        lambda tp, s: loop.verify_hidden(tp, tcfg, dcfg, verify_bt, start_b, s.cache)
+        lambda tp, s: phases.verify_hidden(tp, tcfg, dcfg, verify_bt, start_b, s.cache)
     )(target_params, state)
-    a_b, new_bt = jax.jit(lambda h, vh: loop.verify_accept(h, cfg, vh, drafts, draft_logp, key))(
+    a_b, new_bt = jax.jit(lambda h, vh: phases.verify_accept(h, cfg, vh, drafts, draft_logp, key))(
         head, vhidden
     )
 
@@ -214,35 +216,37 @@ def phase_fns(
     # its arguments; see `_loop_time` and `_tie`.
     def drafter_layers(c, tp, dp, head):
         s, anchor, sink = c
-        h = loop.draft_hidden(dp, tp, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs)
+        h = phases.draft_hidden(
+            dp, tp, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
+        )
         # The block's anchor carries the dependency (the same token every call).
         return s, _tie(anchor.astype(jnp.float32), h).astype(jnp.int32), sink
 
     def drafter_head(c, tp, dp, head):
         h, sink = c
-        d, _ = loop.draft_tokens(head, tcfg, dcfg, cfg, h, key)
+        d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key)
         return _tie(h, d), sink
 
     def verify_body(c, tp, dp, head):
         cache, tokens_bt, sink = c
-        vh, taps_btf, cache = loop.verify_hidden(tp, tcfg, dcfg, tokens_bt, start_b, cache)
+        vh, taps_btf, cache = phases.verify_hidden(tp, tcfg, dcfg, tokens_bt, start_b, cache)
         # The tokens carry the dependency too, or XLA hoists layer 0's projections.
         tokens_bt = _tie(tokens_bt.astype(jnp.float32), (vh, taps_btf)).astype(jnp.int32)
         return cache, tokens_bt, sink
 
     def verify_head_accept(c, tp, dp, head):
         vh, sink = c
-        a, new = loop.verify_accept(head, cfg, vh, drafts, draft_logp, key)
+        a, new = phases.verify_accept(head, cfg, vh, drafts, draft_logp, key)
         return _tie(vh, (a, new)), sink
 
     def commit(c, tp, dp, head):
         s, sink = c
-        s, produced = loop._commit(s, new_bt, a_b + 1, cfg, bs)
+        s, produced = commit_tokens(s, new_bt, a_b + 1, cfg, bs)
         return s, _tie(sink, produced)
 
     def append_context(c, tp, dp, head):
         ctx_k, ctx_v, taps_btf = c
-        ctx_k, ctx_v, _ = loop.append_context(dp, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1)
+        ctx_k, ctx_v, _ = phases.append_context(dp, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1)
         # The taps carry the dependency, or XLA hoists their K/V out of the loop.
         return ctx_k, ctx_v, _tie(taps_btf, (ctx_k[0][:, :, 0], ctx_v[0][:, :, 0]))
 

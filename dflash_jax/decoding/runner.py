@@ -22,7 +22,8 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import loop
+from dflash_jax.decoding import autoregressive, programs, speculative
+from dflash_jax.decoding.state import DecodeOutput, finish, max_steps
 
 # Steps per advance call while streaming: text shows up every few steps, and the round trips
 # (one per chunk) stay a small part of the decode.
@@ -31,7 +32,7 @@ STREAM_CHUNK_STEPS = 8
 
 @dataclasses.dataclass
 class TimedRun:
-    output: loop.DecodeOutput
+    output: DecodeOutput
     compile_s: float  # lowering + XLA compilation of both halves (0 when already compiled)
     run_s: float  # the whole decode, start included, synchronised
     start_s: float  # the start half alone: the target prefill (and the drafter's prompt pass)
@@ -44,7 +45,7 @@ def _compile(jitted, args: tuple, statics: dict, mesh):
     """(executable, args placed for it, compile seconds); compiled once per function, shapes
     and statics in this process (and, through JAX's persistent cache, across processes)."""
     if mesh is not None:
-        jitted, args, statics = loop.on_mesh(jitted, mesh, args, statics)
+        jitted, args, statics = programs.on_mesh(jitted, mesh, args, statics)
     shapes = tuple(
         (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
     )
@@ -62,8 +63,8 @@ def _readers(mesh):
     (peek: state -> (gen, n_gen, step, all done), finish: (state, cfg) -> DecodeOutput)."""
     out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
     peek = jax.jit(lambda s: (s.gen, s.n_gen, s.step, jnp.all(s.done)), **out)
-    finish = jax.jit(loop.finish, static_argnames=("cfg",), **out)
-    return peek, finish
+    finished = jax.jit(finish, static_argnames=("cfg",), **out)
+    return peek, finished
 
 
 def timed_run(
@@ -81,11 +82,12 @@ def timed_run(
     on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
     chunk_steps: int = STREAM_CHUNK_STEPS,
 ) -> TimedRun:
-    """Runs `start` then `advance` (a pair from `decoding.loop`) on (*lead params, prompt,
-    lengths, rng[, *inputs, step_limit, state]) with `statics`, for at most `step_limit` loop
-    steps. on_tokens(tokens [B,T], counts [B]): called with the prefill's tokens and then after
-    every `chunk_steps` steps with what each row committed since (row b's new tokens are
-    tokens[b, :counts[b]]); without it the loop runs in one call."""
+    """Runs `start` then `advance` (the halves in `decoding.autoregressive` or
+    `decoding.speculative`) on (*lead params, prompt, lengths, rng[, *inputs, step_limit,
+    state]) with `statics`, for at most `step_limit` loop steps. on_tokens(tokens [B,T],
+    counts [B]): called with the prefill's tokens and then after every `chunk_steps` steps with
+    what each row committed since (row b's new tokens are tokens[b, :counts[b]]); without it
+    the loop runs in one call."""
     cfg: DecodeConfig = statics["decode_config"]
     head = (*lead, prompt, lengths, rng)
     start_x, start_args, start_compile = _compile(start, head, statics, mesh)
@@ -93,7 +95,7 @@ def timed_run(
     adv_head = (*head, *inputs, np.int32(0))
     advance_x, adv_args, adv_compile = _compile(advance, (*adv_head, state_info), statics, mesh)
     adv_args = adv_args[:-2]  # the step limit and the state change from call to call
-    peek, finish = _readers(mesh)
+    peek, finished = _readers(mesh)
 
     t0 = time.perf_counter()
     state = jax.block_until_ready(start_x(*start_args))
@@ -101,7 +103,7 @@ def timed_run(
     sent = np.zeros(prompt.shape[0], np.int64)
     if on_tokens is not None:
         sent = _send(peek(state), sent, on_tokens)
-    step_limit = min(step_limit, loop.max_steps(cfg))
+    step_limit = min(step_limit, max_steps(cfg))
     steps = 0
     while steps < step_limit:
         upto = step_limit if on_tokens is None else min(steps + chunk_steps, step_limit)
@@ -110,7 +112,7 @@ def timed_run(
         if on_tokens is not None:
             sent = _send(view, sent, on_tokens)
         steps = step_limit if bool(view[3]) else int(view[2])
-    output = jax.block_until_ready(finish(state, cfg))
+    output = jax.block_until_ready(finished(state, cfg))
     return TimedRun(output, start_compile + adv_compile, time.perf_counter() - t0, start_s)
 
 
@@ -129,8 +131,8 @@ def check_inputs(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
     """The checks `speculative_decode`/`autoregressive_decode` make, without running them:
     raises ConfigError/ValueError naming the problem."""
     if drafter is not None:
-        loop.check_decode_inputs(target.config, drafter.config, cfg)
-    loop.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
+        programs.check_decode_inputs(target.config, drafter.config, cfg)
+    programs.check_prompt(np.asarray(prompt), np.asarray(lengths), target.config, cfg)
 
 
 def timed_decode(
@@ -160,11 +162,13 @@ def timed_decode(
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
     check_inputs(target, drafter, prompt, lengths, cfg)
     if drafter is None:
-        halves, lead, inputs = (loop.start_autoregressive, loop.advance_autoregressive), (), ()
-        statics = dict(target_config=target.config, decode_config=loop.autoregressive_config(cfg))
+        ar = autoregressive
+        halves, lead, inputs = (ar.start_autoregressive, ar.advance_autoregressive), (), ()
+        statics = dict(target_config=target.config, decode_config=ar.autoregressive_config(cfg))
     else:
-        halves, lead = (loop.start_speculative, loop.advance_speculative), (drafter.params,)
-        inputs = (loop.step_cost_array(cfg, step_costs), np.int32(forced_kind))
+        sp = speculative
+        halves, lead = (sp.start_speculative, sp.advance_speculative), (drafter.params,)
+        inputs = (sp.step_cost_array(cfg, step_costs), np.int32(forced_kind))
         statics = dict(
             target_config=target.config, drafter_config=drafter.config, decode_config=cfg
         )
@@ -172,7 +176,7 @@ def timed_decode(
         mesh = getattr(target, "mesh", None)
     if mesh is None:
         mesh = sharding.current_mesh()
-    limit = loop.max_steps(cfg) if step_limit is None else step_limit
+    limit = max_steps(cfg) if step_limit is None else step_limit
     return timed_run(
         *halves,
         (target.params, *lead),

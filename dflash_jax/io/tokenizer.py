@@ -1,4 +1,5 @@
-"""Tokenizers for targets: an HF directory's tokenizer files, or the one embedded in a GGUF."""
+"""Tokenizers for targets (an HF directory's tokenizer files, or the one embedded in a GGUF),
+and a prompt rendered into token ids with one (`render_prompt`)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,24 @@ def convert_gguf_tokenizer(path: str | Path):
             f"{path}: reading a GGUF file's tokenizer needs torch (transformers' GGUF reader "
             f"imports it); install torch, or load the model from an HF directory ({e})"
         ) from e
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> list[int]:
+    """Token ids of one prompt: the chat template with the generation prompt (encoded without
+    extra special tokens, as the reference does), or the raw text. `prompt` may be a string
+    (one user turn) or a list of chat messages."""
+    if tokenizer is None:
+        raise ValueError("this target has no tokenizer: pass token ids instead of text")
+    if chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the target's tokenizer has no chat template; use chat=False")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        if not isinstance(prompt, str):
+            raise ValueError("a list of chat messages needs chat=True")
+        text = prompt
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ValueError("prompt is empty after tokenisation")
+    return ids

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import _thaw
+from dflash_jax.config import thaw
 
 Dtype = jnp.dtype
 
@@ -39,7 +39,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
     inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
     if not scaling:
         return inv_freq
-    s = _thaw(scaling)
+    s = thaw(scaling)
     rope_type = s.get("rope_type", s.get("type"))
     if rope_type != "llama3":
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
+from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
 from dflash_jax.ops.reductions import argmax_last, head_argmax, head_argmax_applies
 
@@ -42,17 +43,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
-
-
-def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> jax.Array:
-    """Writes new[b, :, t] at buf[b, :, start[b] + t]; writes past the end are dropped, never
-    clamped (dynamic_update_slice would clamp and overwrite committed slots)."""
-    b, t = new_bkth.shape[0], new_bkth.shape[2]
-    slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
-    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
-    update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
-    return buf_bksh.at[rows_bt, :, slots_bt].set(update_btkh, mode="drop")
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ from absl import logging
 from dflash_jax.config import ConfigError, check_attention_impl
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
+from dflash_jax.ops.caches import write_rows
 
 _LOGGED: set[str] = set()
 # The `interpret` argument of the TPU decode kernels: False on a TPU. Tests that fake the "tpu"
@@ -192,8 +193,6 @@ def cached_attention(
     if kernel != "xla":
         hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
         if new_cache is None:  # the caller writes the cache later (a deferred write)
-            from dflash_jax.models.target import write_rows  # noqa: PLC0415 (import cycle)
-
             new_cache = tuple(
                 write_rows(c, n, cache_lengths) for c, n in zip(old_cache, new_kv, strict=True)
             )

@@ -19,8 +19,8 @@ def eval_prompts(source: str, target, held_out_records) -> list[list[int]]:
     if source == "held_out":
         return [data.prompt_tokens(r) for r in held_out_records]
     if source == "dev":
-        from dflash_jax.api import render_prompt
         from dflash_jax.io.assets import load_dev_prompts
+        from dflash_jax.io.tokenizer import render_prompt
 
         return [render_prompt(target.tokenizer, r["prompt"]) for r in load_dev_prompts()]
     raise ValueError(f"config.eval_prompts must be one of {EVAL_SOURCES}, got {source!r}")

@@ -1,0 +1,187 @@
+"""The phases of a decode, each a pure function: the prefill (and the speculative decode's
+prompt context), the drafter's context rows, the draft, the verify, the acceptance and the
+next target token. The loops (`autoregressive.py`, `speculative.py`) chain them;
+`decoding.breakdown` times each one apart at real shapes.
+
+Letters: B batch, T verified block, G = T - 1 drafts, D model width, F taps, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.sampling import (
+    accept_greedy_choices,
+    accept_rejection,
+    pick,
+    process_logits,
+    row_keys,
+    sample,
+)
+from dflash_jax.decoding.state import LoopState, max_steps, step_key
+from dflash_jax.models.drafter import Drafter, embed_block, finish_logits
+from dflash_jax.models.target import Head, Transformer, init_cache
+from dflash_jax.ops.caches import write_rows
+from dflash_jax.ops.reductions import argmax_last
+
+
+def prefill(
+    target_params, head, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers
+) -> tuple[LoopState, jax.Array | None]:
+    """Target on the whole (right-padded) prompt; the first token comes from each row's last
+    prompt position. -> (state without drafter fields, prompt taps [B,P,F] or None)."""
+    b, p = prompt_bp.shape
+    cache = init_cache(tcfg, b, cache_len)
+    positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden_b1d, taps_bpf, cache = Transformer(tcfg).apply(
+        {"params": target_params},
+        prompt_bp,
+        positions_bp,
+        cache,
+        None,  # an empty cache: written from slot 0
+        tap_layers,
+        (prompt_lengths_b - 1)[:, None],
+        method="hidden",
+    )
+    first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
+    width = cfg.max_new_tokens + cfg.block_size + 1
+    gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
+    done_b = (
+        jnp.isin(first_b, jnp.asarray(cfg.stop_token_ids, jnp.int32))
+        if cfg.stop_token_ids
+        else jnp.zeros((b,), bool)
+    )
+    done_b = done_b | (cfg.max_new_tokens <= 1)
+    state = LoopState(
+        gen=gen_bw,
+        n_gen=jnp.ones((b,), jnp.int32),
+        done=done_b,
+        step=jnp.int32(0),
+        num_steps=jnp.zeros((b,), jnp.int32),
+        acc=jnp.zeros((b, max_steps(cfg)), jnp.int32),
+        kinds=jnp.zeros((b, max_steps(cfg)), jnp.int32),
+        cache=cache,
+    )
+    return state, taps_bpf
+
+
+def context_rows(drafter_params, dcfg, drf_len_b, taps_btf):
+    """The drafter's context K/V rows for taps [B,T,F] placed at each row's drf_len.
+    -> (ks, vs): per drafter layer [B,Kv,T,H]."""
+    t = taps_btf.shape[1]
+    positions_bt = drf_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return Drafter(dcfg).apply(
+        {"params": drafter_params}, taps_btf, positions_bt, method="context_kv"
+    )
+
+
+def append_context(drafter_params, dcfg, ctx_k, ctx_v, drf_len_b, taps_btf, count_b):
+    """Appends the context K/V of taps [B,T,F] (the committed tokens' target taps) at each
+    row's drf_len; rows past `count` are written too, then masked and overwritten later.
+    -> (ctx_k, ctx_v, drf_len + count)."""
+    ks, vs = context_rows(drafter_params, dcfg, drf_len_b, taps_btf)
+    ctx_k = tuple(write_rows(c, k, drf_len_b) for c, k in zip(ctx_k, ks, strict=True))
+    ctx_v = tuple(write_rows(c, v, drf_len_b) for c, v in zip(ctx_v, vs, strict=True))
+    return ctx_k, ctx_v, drf_len_b + count_b
+
+
+def draft_hidden(
+    drafter_params, target_params, tcfg, dcfg, anchor_b1, ctx_k, ctx_v, drf_len_b, start_b, bs
+):
+    """The drafter over [anchor, MASK x (bs-1)] at positions start.., non-causally over the
+    context cache (block K/V are not cached). -> final-normed hidden of the bs-1 draft slots
+    [B,bs-1,D]."""
+    b = anchor_b1.shape[0]
+    mask_bg = jnp.full((b, bs - 1), dcfg.mask_token_id, jnp.int32)
+    x_btd = embed_block(target_params, tcfg, dcfg, jnp.concatenate([anchor_b1, mask_bg], 1))
+    hidden_btd = Drafter(dcfg).apply(
+        {"params": drafter_params}, x_btd, ctx_k, ctx_v, drf_len_b, start_b[:, None], bs
+    )
+    return hidden_btd[:, 1:]
+
+
+def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key):
+    """The target's frozen head on the draft slots, then argmax or a sample per slot.
+    -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
+    hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
+    if cfg.greedy and not dcfg.final_logit_softcapping:  # a positive multiplier keeps the argmax
+        return head.argmax(hidden_bgd), None
+    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd))
+    if cfg.greedy:
+        return argmax_last(logits_bgv), None
+    draft_logp_bgv = process_logits(logits_bgv, cfg)
+    return sample(row_keys(key, hidden_bgd.shape[0]), draft_logp_bgv), draft_logp_bgv
+
+
+def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_write=False):
+    """The target on [anchor, drafts] at positions start.., writing its K/V at start.
+    -> (final-normed hidden [B,T,D], taps [B,T,F], cache); defer_write: the cache is left
+    as it was and the new K/V rows take its place (`Transformer.hidden`)."""
+    positions_bt = start_b[:, None] + jnp.arange(verify_bt.shape[1], dtype=jnp.int32)[None, :]
+    return Transformer(tcfg).apply(
+        {"params": target_params},
+        verify_bt,
+        positions_bt,
+        cache,
+        start_b,
+        dcfg.target_layer_ids,
+        None,
+        defer_write,
+        method="hidden",
+    )
+
+
+def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
+    """The target's head on the verified block, then the longest valid prefix plus one target
+    token. -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
+    if cfg.greedy:
+        return accept_greedy_choices(drafts_bg, head.argmax(hidden_btd))
+    return accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg)
+
+
+def next_token(head: Head, hidden_bd, key, cfg: DecodeConfig) -> jax.Array:
+    """The next target token per row from its final-normed hidden [B,D]: the greedy argmax
+    (`Head.argmax`, the one function every greedy target token goes through) or a sample
+    (`sampling.pick`). -> [B] int32."""
+    if cfg.greedy:
+        return head.argmax(hidden_bd)
+    return pick(head.logits(hidden_bd), key, cfg)
+
+
+def init_speculative(
+    target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+) -> LoopState:
+    """Prefill, then the prompt's drafter context K/V (block-independent: all appended now).
+    -> the speculative loop's state before any step (the adaptive controller at its prior)."""
+    bs = cfg.block_size
+    b, p = prompt.shape
+    cache_len = p + cfg.max_new_tokens + 2 * bs
+    state, taps_bpf = prefill(
+        target_params,
+        head,
+        tcfg,
+        cfg,
+        prompt,
+        prompt_lengths,
+        rng,
+        cache_len,
+        dcfg.target_layer_ids,
+    )
+    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
+    dtype = jnp.dtype(dcfg.dtype)
+    empty = tuple(jnp.zeros(ctx_shape, dtype) for _ in range(dcfg.num_layers))
+    zero_b = jnp.zeros((b,), jnp.int32)
+    ctx_k, ctx_v, drf_len_b = append_context(
+        drafter_params, dcfg, empty, empty, zero_b, taps_bpf, prompt_lengths
+    )
+    return state.replace(
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        drf_len=drf_len_b,
+        alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
+        plain_run=jnp.int32(0),
+        probe_wait=jnp.int32(cfg.probe_every),
+        lookup_alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
+    )

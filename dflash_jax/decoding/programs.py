@@ -1,0 +1,144 @@
+"""The decodes as jitted programs: how they are compiled (`jit_decoder`), placed on a mesh
+(`on_mesh`) and run (`run`), and the input checks every public decode makes first.
+
+Each decode is jitted whole (prefill and the whole loop: `speculative_decode`) and as the same
+two halves apart: start (prefill -> loop state) and advance (state, step limit -> state,
+donated so the caches stay in place). The halves are what the CLIs, the benchmark and the
+calibration run (`decoding.runner`): they stream by advancing a few steps at a time with no
+host callback inside (which would keep JAX's persistent cache from storing them), and a step
+limit is an input, so short calibration runs and whole decodes share one executable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import sharding
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
+from dflash_jax.models.drafter import check_fits
+
+# XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
+# reads and updates (twice per buffer and step: ~4 ms of a 15 ms SmolLM2 AR step at batch 1);
+# region analysis proves the read comes first and updates in place. Other backends ignore it.
+LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+# jitted decoder -> (its function, how many param trees lead its arguments, whether its last
+# argument is a loop state, whether it returns one)
+_DECODERS: dict = {}
+_ON_MESH: dict = {}
+
+
+def jit_decoder(
+    fn, statics: tuple[str, ...], *, num_params: int, takes_state=False, gives_state=False
+):
+    """`fn` (param trees, prompt, lengths, rng, *inputs[, state]) jitted with the keyword
+    arguments `statics` static and its `state` argument donated when it takes one, and
+    registered for `on_mesh`. -> the jitted function."""
+    jitted = jax.jit(
+        fn,
+        static_argnames=statics,
+        donate_argnames=("state",) if takes_state else (),
+        compiler_options=LOOP_COMPILER_OPTIONS,
+    )
+    _DECODERS[jitted] = (fn, num_params, takes_state, gives_state)
+    return jitted
+
+
+def on_mesh(jitted, mesh, args: tuple, statics: dict):
+    """`jitted` (one of the `jit_decoder` functions) for a run on `mesh`. -> (its function
+    jitted for `mesh` with in/out shardings from the logical table and the statics bound, args
+    placed on those shardings, {} for the statics). In: params as `sharding.param_shardings`
+    places them (heads, MLP and vocab over `tensor`, model dim over `fsdp`), prompt [B,P] and
+    lengths [B] split over the batch axes, a loop state as `carry_shardings` places it, the rest
+    replicated; params already there (`load_target(..., mesh=mesh)`) are not moved. Out: a loop
+    state where it came from, an output replicated, so that every process can read the tokens."""
+    fn, num_params, takes_state, gives_state = _DECODERS[jitted]
+    params = args[:num_params]
+    rest = args[num_params + 2 : len(args) - int(takes_state)]
+    in_shardings = (
+        *(sharding.param_shardings(p, mesh) for p in params),
+        *sharding.batch_shardings(args[num_params : num_params + 2], mesh),
+        *(sharding.replicated(mesh),) * len(rest),
+        *((carry_shardings(args[-1], mesh),) if takes_state else ()),
+    )
+    leaves, treedef = jax.tree.flatten(in_shardings)
+    key = (fn, mesh, treedef, tuple(leaves), tuple(sorted(statics.items())))
+    if key not in _ON_MESH:
+        bound = functools.partial(fn, **statics, mesh=mesh)
+        if takes_state:
+            out_shardings = in_shardings[-1]
+        elif gives_state:
+            out_shardings = carry_shardings(jax.eval_shape(bound, *args), mesh)
+        else:
+            out_shardings = sharding.replicated(mesh)
+        # jit takes no keyword arguments beside in_shardings: the statics are bound here.
+        _ON_MESH[key] = jax.jit(
+            bound,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=(len(args) - 1,) if takes_state else (),
+            compiler_options=LOOP_COMPILER_OPTIONS,
+        )
+    return _ON_MESH[key], sharding.put(args, in_shardings), {}
+
+
+def run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
+    """Calls `jitted` on `args`: on `mesh` when given, else on the one set by `jax.set_mesh`
+    (through `on_mesh`), else as it is."""
+    mesh = mesh if mesh is not None else sharding.current_mesh()
+    if mesh is None:
+        return jitted(*args, **statics)
+    fn, args, statics = on_mesh(jitted, mesh, args, statics)
+    return fn(*args, **statics)
+
+
+def step_limit_array(cfg: DecodeConfig, step_limit: int | None) -> jax.Array:
+    """A decode's `step_limit` argument (None: `max_steps`) as the int32 its loop takes;
+    refuses a negative one."""
+    if step_limit is None:
+        return jnp.int32(max_steps(cfg))
+    if step_limit < 0:
+        raise ValueError(f"step_limit={step_limit} must be >= 0")
+    return jnp.int32(min(step_limit, max_steps(cfg)))
+
+
+def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) -> None:
+    """Refuses a prompt [B,P] and lengths [B] the decode cannot take (a bad shape, an empty row,
+    a length past the buffer, more tokens than the target's context), naming the problem."""
+    if prompt.ndim != 2:
+        raise ValueError(f"prompt must be int32 [batch, length], got shape {prompt.shape}")
+    if prompt_lengths.shape != prompt.shape[:1]:
+        raise ValueError(
+            f"prompt_lengths must have shape [{prompt.shape[0]}], got {prompt_lengths.shape}"
+        )
+    if prompt.shape[1] == 0:
+        raise ValueError("prompt is empty: at least one token is needed")
+    total = prompt.shape[1] + cfg.max_new_tokens
+    if total > tcfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt length {prompt.shape[1]} + max_new_tokens {cfg.max_new_tokens} = {total} "
+            f"exceeds the target's context of {tcfg.max_position_embeddings} tokens"
+        )
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        lengths = np.asarray(prompt_lengths)
+        if lengths.min() < 1:
+            raise ValueError("prompt is empty: every row needs at least one token")
+        if lengths.max() > prompt.shape[1]:
+            raise ValueError(
+                f"prompt_lengths {lengths.max()} exceeds the prompt buffer width {prompt.shape[1]}"
+            )
+
+
+def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
+    """Refuses a drafter that does not fit the target, or a block size it was not trained for."""
+    check_fits(dcfg, tcfg)
+    if cfg.block_size > dcfg.block_size:
+        raise ConfigError(
+            f"block_size={cfg.block_size} exceeds the drafter's trained block size "
+            f"{dcfg.block_size}"
+        )
