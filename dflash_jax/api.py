@@ -5,7 +5,6 @@ call `speculative_decode` directly."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 
 import jax
@@ -13,6 +12,7 @@ import numpy as np
 
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import calibration
+from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import timed_decode as timed_decode
@@ -86,8 +86,9 @@ def decode_mode(
 
 def baseline_config(cfg: DecodeConfig) -> DecodeConfig:
     """The target-only config matching `cfg`: same sampling, stops and lengths, no drafting
-    (block 1, not adaptive). What the benchmark and --compare_ar time DFlash against."""
-    return dataclasses.replace(cfg, block_size=1, adaptive=False, step_kinds=(), lookup_kinds=())
+    (block 1, not adaptive). What the benchmark and --compare_ar time DFlash against; the
+    autoregressive decode's own reset (`autoregressive_config`), so the two cannot drift."""
+    return autoregressive_config(cfg)
 
 
 def stop_token_ids(target) -> tuple[int, ...]:
