@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,18 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 class ConfigError(ValueError):
     """A configuration that cannot be used, with the reason in the message."""
+
+
+CACHE_DIR_ENV = "DFLASH_JAX_CACHE"
+
+
+def cache_root() -> Path:
+    """Where this machine's converted targets, step costs and row rules are kept:
+    $DFLASH_JAX_CACHE, else $XDG_CACHE_HOME/dflash_jax, else ~/.cache/dflash_jax."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dflash_jax"
 
 
 def check_attention_impl(impl: str) -> None:
@@ -117,9 +131,18 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
+    # A run setting too: (min_rows, max_rows) of the row rule every matmul of a pass keeps to
+    # (`ops.invariance.RowRule`; max_rows 0: no bound), which makes each position's result
+    # independent of the pass it is in. None: matmuls as XLA picks them. The decodes fill it
+    # from `DecodeConfig.batch_invariant` (`decoding.programs.run_target_config`).
+    invariant_rows: tuple[int, int] | None = None
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
+        if self.invariant_rows is not None:
+            lo, hi = self.invariant_rows
+            if lo < 1 or (hi and hi < lo):
+                raise ConfigError(f"invariant_rows={self.invariant_rows}: need 1 <= min <= max")
         if self.arch not in SUPPORTED_TARGET_ARCHS:
             raise ConfigError(
                 f"target architecture {self.arch!r} is not supported "
@@ -401,6 +424,13 @@ class DecodeConfig:
     # `lookup_ngram` tokens, then what followed it) instead of drafted; verified the same way.
     lookup_kinds: tuple[int, ...] = ()
     lookup_ngram: int = 3
+    # Every target pass batch-invariant (`ops.invariance`): a position's logits are bitwise the
+    # same in an AR step, a verify, a prefill or a batch, so greedy speculative output equals
+    # greedy AR output in any dtype. False: the passes as XLA picks them (fastest; a verify and
+    # an AR step may then round a near-tie apart: ~1e-6 apart in fp32, where no benchmark
+    # prompt has flipped, but often in bf16). None: on for every dtype but float32
+    # (`decoding.programs.run_target_config`).
+    batch_invariant: bool | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -19,12 +19,13 @@ others wait for them) and writes the lists and mixture.json.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 from absl import app, flags, logging
+from etils import epath
 
+from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training.generate import ChatFormat, generate_records, mixture, self_prompts
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
@@ -93,8 +94,9 @@ flags.DEFINE_integer(
 )  # fmt: skip
 flags.DEFINE_string(
     "output", None,
-    "Output directory: data shards with their manifests, mixture.json (records and tokens per "
-    "source) and overlap_dropped.jsonl. Rerunning into the same directory resumes.",
+    "Output directory (local or a URL such as gs://bucket/data): data shards with their "
+    "manifests, mixture.json (records and tokens per source) and overlap_dropped.jsonl. "
+    "Rerunning into the same directory resumes.",
     required=True,
 )  # fmt: skip
 flags.DEFINE_enum(
@@ -147,13 +149,13 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("seed", 0, "Seed for the prompt order, templated prompts and sampling.")
 
 
-def _read_self_prompts(cache: Path) -> list[Prompt]:
+def _read_self_prompts(cache: epath.Path) -> list[Prompt]:
     if not cache.exists():
         return []
     return [Prompt(**json.loads(line)) for line in cache.read_text().splitlines() if line]
 
 
-def _self_prompts(target, chat: ChatFormat, output: Path, mesh) -> list[Prompt]:
+def _self_prompts(target, chat: ChatFormat, output: epath.Path, mesh) -> list[Prompt]:
     cache = output / SELF_PROMPTS_FILE
     cached = _read_self_prompts(cache)
     if len(cached) >= FLAGS.self_prompts:
@@ -180,7 +182,7 @@ def main(argv):
     del argv
     distributed.initialize()
     mesh = distributed.local_mesh()
-    output = Path(FLAGS.output)
+    output = paths.path(FLAGS.output)
     output.mkdir(parents=True, exist_ok=True)
     target = load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
     chat = ChatFormat(target.tokenizer, target.chat_template)

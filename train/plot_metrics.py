@@ -8,10 +8,9 @@ fits tau - 1 = c * blocks^p to them and prints (and draws) where that curve reac
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from absl import app, flags
 
+from dflash_jax.io import paths
 from dflash_jax.training.plots import plot, read_metrics, tau_projection
 
 FLAGS = flags.FLAGS
@@ -25,12 +24,12 @@ flags.DEFINE_string("output", None, "PNG to write (default: <workdir>/metrics.pn
 
 def main(argv):
     del argv
-    workdir = Path(FLAGS.workdir)
+    workdir = paths.path(FLAGS.workdir)
     path = workdir / "metrics.jsonl"
     if not path.exists():
         raise app.UsageError(f"{path} does not exist; is --workdir a training run?")
     records = read_metrics(path)
-    output = Path(FLAGS.output or workdir / "metrics.png")
+    output = paths.path(FLAGS.output) if FLAGS.output else workdir / "metrics.png"
     plot(records, output, f"{workdir.name}: {records[-1]['step']} steps")
     print(f"wrote {output}")
     evals = [(r["blocks"], r["tau_eval"]) for r in records if "tau_eval" in r and "blocks" in r]

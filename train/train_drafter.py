@@ -36,8 +36,9 @@ config_flags.DEFINE_config_file(
 )  # fmt: skip
 flags.DEFINE_string(
     "workdir", None,
-    "Run directory: checkpoints, metrics.jsonl and the exported drafter (<workdir>/drafter). "
-    "Rerunning with the same directory resumes from its last checkpoint.",
+    "Run directory, local or a URL such as gs://bucket/run: checkpoints, metrics.jsonl and the "
+    "exported drafter (<workdir>/drafter). Rerunning with the same directory resumes from its "
+    "last checkpoint.",
 )  # fmt: skip
 flags.DEFINE_bool(
     "taps_only", False,

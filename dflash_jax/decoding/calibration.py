@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig
+from dflash_jax.config import DecodeConfig, cache_root
 from dflash_jax.decoding.runner import timed_decode
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
@@ -21,10 +21,7 @@ CALIBRATION_STEPS = 16
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("DFLASH_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_jax"
-    )
-    return Path(root) / "step_costs.json"
+    return cache_root() / "step_costs.json"
 
 
 def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:

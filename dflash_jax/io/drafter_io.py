@@ -4,7 +4,7 @@ Orbax layout: `<dir>/drafter_config.json` (the z-lab config dict, so the same re
 both) + `<dir>/params/` (an `ocp.StandardCheckpointer` pytree). In a notebook:
 
     from dflash_jax.io.drafter_io import restore_drafter
-    drafter = restore_drafter("/path/to/ckpt")
+    drafter = restore_drafter("/path/to/ckpt")   # or "gs://bucket/run/drafter"
     drafter.config, drafter.params
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -21,12 +22,14 @@ import orbax.checkpoint as ocp
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
+from dflash_jax.io import paths
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
 from dflash_jax.models.drafter import check_fits, init_drafter_params
 
 ORBAX_CONFIG_FILE = "drafter_config.json"
 ORBAX_PARAMS_DIR = "params"
+ZLAB_PATTERNS = (CONFIG_FILE, "*.safetensors")  # the files of a z-lab drafter (hub or URL)
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "assets/drafters/smollm2-135m-instruct-b16"
 
 
@@ -37,9 +40,10 @@ class LoadedDrafter:
     source: str
 
 
-def save_drafter(directory: str | Path, config: DrafterConfig, params: dict) -> None:
-    """Writes params with Orbax and the config as JSON beside them; never overwrites one."""
-    directory = Path(directory).absolute()
+def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: dict) -> None:
+    """Writes params with Orbax and the config as JSON beside them (`directory` local or a URL);
+    never overwrites one."""
+    directory = paths.path(directory)
     if (directory / ORBAX_PARAMS_DIR).exists():
         raise CheckpointError(
             f"{directory} already holds a drafter checkpoint; pick a new directory"
@@ -58,10 +62,13 @@ def save_drafter(directory: str | Path, config: DrafterConfig, params: dict) -> 
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
 
 
-def restore_drafter(directory: str | Path, dtype: str | None = None, mesh=None) -> LoadedDrafter:
-    """Restores a `save_drafter` directory; `dtype` defaults to the saved one. With a `mesh`,
-    every param is restored straight onto its table sharding (each device reads its slice)."""
-    directory = Path(directory).absolute()
+def restore_drafter(
+    directory: str | os.PathLike, dtype: str | None = None, mesh=None
+) -> LoadedDrafter:
+    """Restores a `save_drafter` directory (local or a URL); `dtype` defaults to the saved one.
+    With a `mesh`, every param is restored straight onto its table sharding (each device reads
+    its slice)."""
+    directory = paths.path(directory)
     config_path = directory / ORBAX_CONFIG_FILE
     try:
         hf = json.loads(config_path.read_text())
@@ -92,7 +99,7 @@ def _hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_FILE, "*.safetensors"]))
+        return Path(snapshot_download(repo_id, allow_patterns=list(ZLAB_PATTERNS)))
     except Exception as e:  # offline, unknown id, gated repo: all mean "not available here"
         raise CheckpointError(
             f"drafter {repo_id!r} is not a local directory and could not be fetched from the "
@@ -100,10 +107,11 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from e
 
 
-def read_drafter(source: str | Path, dtype: str = "float32", mesh=None) -> LoadedDrafter:
+def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -> LoadedDrafter:
     """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
-    HF dir, a hub id (`owner/name`) or "default" (the drafter shipped in the repository).
-    With a `mesh`, params are placed on their table shardings."""
+    HF dir (either local or a URL such as `gs://bucket/drafter`), a hub id (`owner/name`) or
+    "default" (the drafter shipped in the repository). With a `mesh`, params are placed on
+    their table shardings."""
     source = str(source)
     if source == "default":
         if not DEFAULT_DRAFTER.is_dir():
@@ -112,8 +120,8 @@ def read_drafter(source: str | Path, dtype: str = "float32", mesh=None) -> Loade
                 "dflash-jax from its repository); pass a drafter directory or hub id instead"
             )
         path = DEFAULT_DRAFTER
-    elif Path(source).exists():
-        path = Path(source)
+    elif paths.path(source).exists():
+        path = paths.path(source)
     elif source.count("/") == 1 and not source.startswith((".", "/")):
         path = _hub_snapshot(source)
     else:
@@ -122,7 +130,7 @@ def read_drafter(source: str | Path, dtype: str = "float32", mesh=None) -> Loade
         loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
     if (path / CONFIG_FILE).is_file():
-        config, params = read_zlab(path, dtype)
+        config, params = read_zlab(paths.localize(path, ZLAB_PATTERNS), dtype)
         if mesh is None:
             params = jax.tree.map(jnp.asarray, params)
         else:
@@ -134,7 +142,9 @@ def read_drafter(source: str | Path, dtype: str = "float32", mesh=None) -> Loade
     )
 
 
-def load_drafter(source: str | Path, target, dtype: str | None = None, mesh=None) -> LoadedDrafter:
+def load_drafter(
+    source: str | os.PathLike, target, dtype: str | None = None, mesh=None
+) -> LoadedDrafter:
     """Reads a drafter (see `read_drafter`) in the target's dtype unless `dtype` is given, and
     refuses one that does not fit `target` (anything with `.config`: a TargetConfig). `mesh`
     defaults to the target's (`load_target(..., mesh=...)`)."""

@@ -38,12 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dflash_jax.config import TargetConfig
+from dflash_jax.config import TargetConfig, cache_root
 from dflash_jax.io.hf import read_safetensors_header, write_safetensors
 
 # Bump whenever the conversion or this layout changes what an entry holds: old entries then miss.
 CACHE_FORMAT = 1
-CACHE_DIR_ENV = "DFLASH_JAX_CACHE"
 NO_CACHE_ENV = "DFLASH_JAX_NO_CACHE"
 
 _MANIFEST = "manifest.json"
@@ -83,14 +82,6 @@ class Entry:
 def enabled(cache: bool = True) -> bool:
     """False when the caller passed cache=False or DFLASH_JAX_NO_CACHE is set (not 0/false)."""
     return cache and os.environ.get(NO_CACHE_ENV, "").strip().lower() in _CACHE_ON
-
-
-def cache_root() -> Path:
-    """$DFLASH_JAX_CACHE, else $XDG_CACHE_HOME/dflash_jax, else ~/.cache/dflash_jax."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dflash_jax"
 
 
 def entry_for(

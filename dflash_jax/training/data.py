@@ -14,16 +14,16 @@ Rows are padded, not packed: packing would let a block see another conversation'
 
 from __future__ import annotations
 
-import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
+from dflash_jax.io import paths
 from dflash_jax.training.anchors import sample_anchors
 
 ARRAY_RECORD_SUFFIX = ".array_record"
@@ -40,69 +40,86 @@ def decode_record(data: bytes | str) -> dict:
     return json.loads(data)
 
 
-def write_shard(path: str | Path, records: Sequence[dict]) -> None:
-    """Writes a whole shard atomically (temporary file, then rename): a killed run leaves either
-    a complete shard or none. The format follows the suffix."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ARRAY_RECORD_SUFFIX:
-        writer = ArrayRecordWriter(str(tmp), "group_size:1")
-        for record in records:
-            writer.write(encode_record(record))
-        writer.close()
-    elif path.suffix == JSONL_SUFFIX:
-        with open(tmp, "wb") as f:
-            for record in records:
-                f.write(encode_record(record) + b"\n")
-    else:
+def _suffix(path: str | os.PathLike) -> str:
+    return os.path.splitext(os.fspath(path))[1]
+
+
+def _check_format(path) -> None:
+    if _suffix(path) not in FORMATS.values():
         raise ValueError(
             f"{path}: unknown shard format; expected a {sorted(FORMATS.values())} file"
         )
-    os.replace(tmp, path)
 
 
-def read_shard_bytes(path: str | Path) -> list[bytes]:
-    path = Path(path)
+def write_shard(path: str | os.PathLike, records: Sequence[dict]) -> None:
+    """Writes a whole shard in one step (`paths.written_locally`: a temporary file, then a rename
+    or one upload): a killed run leaves either a complete shard or none. The format follows the
+    suffix; `path` may be a URL."""
+    path = paths.path(path)
+    _check_format(path)
+    with paths.written_locally(path) as tmp:
+        if path.suffix == ARRAY_RECORD_SUFFIX:
+            writer = ArrayRecordWriter(str(tmp), "group_size:1")
+            for record in records:
+                writer.write(encode_record(record))
+            writer.close()
+        else:
+            with open(tmp, "wb") as f:
+                for record in records:
+                    f.write(encode_record(record) + b"\n")
+
+
+def read_shard_bytes(path: str | os.PathLike) -> list[bytes]:
+    path = paths.path(path)
+    _check_format(path)
     if path.suffix == ARRAY_RECORD_SUFFIX:
-        reader = ArrayRecordReader(str(path))
+        reader = ArrayRecordReader(str(path))  # reads gs:// itself
         out = reader.read_all()
         reader.close()
         return list(out)
-    if path.suffix == JSONL_SUFFIX:
-        return [line for line in path.read_bytes().splitlines() if line.strip()]
-    raise ValueError(f"{path}: unknown shard format; expected a {sorted(FORMATS.values())} file")
+    return [line for line in path.read_bytes().splitlines() if line.strip()]
 
 
-def read_shard(path: str | Path) -> list[dict]:
+def read_shard(path: str | os.PathLike) -> list[dict]:
     return [decode_record(b) for b in read_shard_bytes(path)]
 
 
+def _glob(pattern: str) -> list[str]:
+    """Files matching `pattern` (`*`, `?`, `[...]` in any part after the first), local or URL."""
+    magic = re.search(r"[*?[]", pattern)
+    if magic is None:
+        return [pattern] if paths.path(pattern).exists() else []
+    base = pattern[: magic.start()].rsplit("/", 1)[0]
+    return [str(p) for p in paths.path(base or "/").glob(pattern[len(base) + 1 :])]
+
+
 def expand_paths(patterns: str | Iterable[str]) -> list[str]:
-    """Comma-separated or listed globs/directories -> sorted shard files (a directory gives its
-    `data-*` shards)."""
+    """Comma-separated or listed globs/directories, local or URLs -> sorted shard files (a
+    directory gives its `data-*` shards)."""
     if isinstance(patterns, str):
         patterns = [p for p in patterns.split(",") if p]
     files: set[str] = set()
     for pattern in patterns:
-        if os.path.isdir(pattern):
+        where = paths.path(pattern)
+        if where.is_dir():
             for suffix in FORMATS.values():
-                files.update(glob.glob(os.path.join(pattern, f"{SHARD_PREFIX}*{suffix}")))
+                files.update(_glob(str(where / f"{SHARD_PREFIX}*{suffix}")))
         else:
-            files.update(glob.glob(pattern))
-    shards = sorted(f for f in files if Path(f).suffix in FORMATS.values())
+            files.update(_glob(str(where)))
+    shards = sorted(f for f in files if _suffix(f) in FORMATS.values())
     if not shards:
         raise FileNotFoundError(f"no {sorted(FORMATS.values())} shards match {list(patterns)}")
     return shards
 
 
-def record_source(paths: Sequence[str]) -> Sequence[bytes]:
+def record_source(shards: Sequence[str]) -> Sequence[bytes]:
     """A random-access source of encoded records over all shards (ArrayRecord read lazily,
     jsonl held in memory)."""
-    suffixes = {Path(p).suffix for p in paths}
+    suffixes = {_suffix(p) for p in shards}
     if suffixes == {ARRAY_RECORD_SUFFIX}:
-        return grain.sources.ArrayRecordDataSource(list(paths))
+        return grain.sources.ArrayRecordDataSource([str(p) for p in shards])
     if suffixes == {JSONL_SUFFIX}:
-        return [line for p in paths for line in read_shard_bytes(p)]
+        return [line for p in shards for line in read_shard_bytes(p)]
     raise ValueError(
         f"shards must all be ArrayRecord or all jsonl, got suffixes {sorted(suffixes)}"
     )

@@ -6,9 +6,10 @@ Each prompt is rendered with the target's chat template exactly as at inference
 only (stop token included). Prompts are sorted by length and batched into padded widths rounded
 to `bucket` tokens, so padding stays small and few shapes are compiled.
 
-Output directory: `data-NNNNN.{array_record,jsonl}` shards, each with a `data-NNNNN.json` manifest
-(hashes of the prompts it covers, kept or dropped, and counts) written before the shard. A rerun
-skips every prompt covered by a shard that exists, so a killed run resumes where it stopped.
+Output directory (local or a URL such as `gs://bucket/data`): `data-NNNNN.{array_record,jsonl}`
+shards, each with a `data-NNNNN.json` manifest (hashes of the prompts it covers, kept or
+dropped, and counts) written before the shard. A rerun skips every prompt covered by a shard
+that exists, so a killed run resumes where it stopped.
 
 Several processes (`jax.distributed`): process p of P answers prompts p, p+P, p+2P, ... of the
 list (every prompt once, none left out) on its own devices, and names its shards
@@ -22,15 +23,16 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
 import tqdm
 from absl import logging
+from etils import epath
 
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.io import paths
 from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, dedupe
 
@@ -158,7 +160,7 @@ def self_prompts(
     return kept[:num_prompts]
 
 
-def _read_manifests(out_dir: Path) -> tuple[set[str], int]:
+def _read_manifests(out_dir: epath.Path) -> tuple[set[str], int]:
     """-> (keys of prompts covered by complete shards, next shard index)."""
     done: set[str] = set()
     next_index = 0
@@ -174,7 +176,7 @@ def generate_records(
     target,
     chat: ChatFormat,
     prompts: Sequence[Prompt],
-    out_dir: str | Path,
+    out_dir: str | os.PathLike,
     *,
     fmt: str = "arrayrecord",
     batch_size: int = 8,
@@ -200,7 +202,7 @@ def generate_records(
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not supported (supported: {sorted(FORMATS)})")
-    out_dir = Path(out_dir)
+    out_dir = paths.path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done, shard_index = _read_manifests(out_dir)
     # By position in the whole list, so a rerun gives every process the same share.
@@ -267,9 +269,8 @@ def generate_records(
         shard_counts["written"] = len(records)
         stem = f"{SHARD_PREFIX}{shard_index:05d}{suffix}"
         manifest = {"prompt_keys": [_prompt_key(p) for p in chunk], "counts": shard_counts}
-        tmp = out_dir / f"{stem}.json.tmp"
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, out_dir / f"{stem}.json")
+        with paths.written_locally(out_dir / f"{stem}.json") as tmp:
+            tmp.write_text(json.dumps(manifest))
         write_shard(out_dir / f"{stem}{FORMATS[fmt]}", records)
         for name, value in shard_counts.items():
             counts[name] += value
@@ -283,9 +284,9 @@ def source_kind(source: str) -> str:
     return source.split(":", 1)[0]
 
 
-def mixture(out_dir: str | Path) -> dict:
+def mixture(out_dir: str | os.PathLike) -> dict:
     """Records and response (loss) tokens per prompt source over every shard in `out_dir`."""
-    out_dir = Path(out_dir)
+    out_dir = paths.path(out_dir)
     kinds: dict[str, dict[str, int]] = {}
     for suffix in FORMATS.values():
         for shard in sorted(out_dir.glob(f"{SHARD_PREFIX}*{suffix}")):

@@ -5,13 +5,17 @@ per-position accuracy of the last logged window."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 
 import numpy as np
 
+from dflash_jax.io import paths
 
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a run's metrics.jsonl (local or a URL)."""
+    lines = paths.path(path).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def tau_projection(points: list[tuple[float, float]], goal: float) -> dict | None:
@@ -32,7 +36,8 @@ def tau_projection(points: list[tuple[float, float]], goal: float) -> dict | Non
     return {"c": c, "p": float(p), "x_goal": float(((goal - 1) / c) ** (1 / p))}
 
 
-def plot(records: list[dict], output: Path, title: str) -> None:
+def plot(records: list[dict], output: str | os.PathLike, title: str) -> None:
+    """Writes the figure to `output` (local or a URL; the format follows its suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,5 +87,7 @@ def plot(records: list[dict], output: Path, title: str) -> None:
     )
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
+    output = paths.path(output)
+    with paths.written_locally(output) as file:
+        fig.savefig(file, dpi=110, format=output.suffix.lstrip(".") or None)
     plt.close(fig)

@@ -19,6 +19,7 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from dflash_jax.io import paths
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 
 
@@ -28,9 +29,10 @@ class Prompt:
     source: str
 
 
-def read_prompt_file(path: str | Path) -> list[Prompt]:
-    """`.jsonl` lines with a "prompt" field, or any other file as one prompt per line."""
-    path = Path(path)
+def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
+    """`.jsonl` lines with a "prompt" field, or any other file as one prompt per line; `path`
+    may be a URL."""
+    path = paths.path(path)
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         texts = []

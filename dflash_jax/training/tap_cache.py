@@ -17,13 +17,20 @@ It also grows: when the records change (data generation added shards) but the ta
 and target do not, the finished cache is kept aside as `taps.prev.*` and every record found in
 it (by a digest of its tokens) is copied, not recomputed; only new records pay a forward. The
 old cache is deleted once the new one is complete, so a build killed mid-way still has it.
+
+A cache directory may be a URL (`gs://...`): a memory map needs a local file, so the cache is
+built and read in a local copy (`paths.local_mirror`) and copied to the URL once complete. A
+machine without a local copy starts from the URL's (a resumed run on a new VM computes nothing
+again); one with a local copy, finished or not, goes on from its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +41,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from dflash_jax.io import paths
 from dflash_jax.models.target import Transformer
 from dflash_jax.training.data import decode_record
 
@@ -122,7 +130,7 @@ class TapCache:
 
 
 def build_tap_cache(
-    directory: str | Path,
+    directory: str | os.PathLike,
     source: Sequence[bytes],
     target,
     tap_layers: Sequence[int],
@@ -132,9 +140,48 @@ def build_tap_cache(
     batch_tokens: int = 8192,
     bucket: int = 64,
 ) -> TapCache:
-    """Computes (or finishes, extends, or reuses) the taps of every record of `source` -> its
-    TapCache."""
-    directory = Path(directory)
+    """Computes (or finishes, extends, or reuses) the taps of every record of `source` in
+    `directory` (local or a URL, see the module docstring) -> its TapCache."""
+    build = functools.partial(
+        _build,
+        source=source,
+        target=target,
+        tap_layers=tap_layers,
+        seq_len=seq_len,
+        dtype=dtype,
+        batch_tokens=batch_tokens,
+        bucket=bucket,
+    )
+    if not paths.is_url(directory):
+        return build(Path(paths.path(directory)))
+    remote, local = paths.path(directory), paths.local_mirror(directory)
+    if not (local / INDEX_FILE).exists() and (remote / INDEX_FILE).exists():
+        logging.info("tap cache %s: copying it to %s", remote, local)
+        paths.copy_file(remote / DATA_FILE, local / DATA_FILE)
+        paths.copy_file(remote / INDEX_FILE, local / INDEX_FILE)  # last: it marks the copy done
+    cache = build(local)
+    index = remote / INDEX_FILE
+    if not index.exists() or json.loads(index.read_text())["fingerprint"] != cache.fingerprint:
+        logging.info("tap cache %s: copying it to %s", local, remote)
+        remote.mkdir(parents=True, exist_ok=True)
+        index.unlink(missing_ok=True)  # never the old index beside the new data
+        paths.copy_file(local / DATA_FILE, remote / DATA_FILE)
+        paths.copy_file(local / INDEX_FILE, index)
+    return cache
+
+
+def _build(
+    directory: Path,
+    *,
+    source: Sequence[bytes],
+    target,
+    tap_layers: Sequence[int],
+    seq_len: int,
+    dtype: str,
+    batch_tokens: int,
+    bucket: int,
+) -> TapCache:
+    """build_tap_cache in the local `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     tokens = [decode_record(source[i])["tokens"][:seq_len] for i in range(len(source))]
     lengths = np.asarray([len(t) for t in tokens], np.int64)

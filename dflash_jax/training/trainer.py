@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
-from pathlib import Path
 
 import grain
 import jax
@@ -30,9 +30,11 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import logging
+from etils import epath
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
 from dflash_jax.training import checkpoint, data, tap_cache
@@ -54,7 +56,8 @@ def default_config() -> ml_collections.ConfigDict:
     configs in configs/ override what differs. `drafter.hidden_size` must equal the target's."""
     cfg = ml_collections.ConfigDict()
     cfg.target = "smollm2-135m-instruct"
-    cfg.data = ""  # shards: comma-separated globs or directories from train.generate_data
+    # Shards: comma-separated globs or directories from train.generate_data, local or URLs.
+    cfg.data = ""
     cfg.compute_dtype = "bfloat16"  # master weights and Adam state stay fp32
     cfg.drafter = ml_collections.ConfigDict()
     cfg.drafter.hidden_size = 0
@@ -79,7 +82,8 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.taps = "online"
     cfg.tap_cache_dtype = "bfloat16"  # or "float32"
     # Where the cache lives: "" = <workdir>/tap_cache. Runs over the same data and taps may share
-    # one (the cache is fingerprinted: a mismatch is rebuilt, never read).
+    # one (the cache is fingerprinted: a mismatch is rebuilt, never read). A URL is built and
+    # read in a local copy and copied there when complete (tap_cache.py).
     cfg.tap_cache_dir = ""
     # Start the drafter's final norm at the target's final-norm scale (both feed the same frozen
     # lm_head). Off by default: in a SmolLM2 CPU run with it (and lr 1.5e-3) the loss was still
@@ -154,24 +158,31 @@ def drafter_config_for(cfg: ml_collections.ConfigDict, target: TargetConfig) -> 
 
 class MetricsLog:
     """Appends one JSON object per log line to `<workdir>/metrics.jsonl`. On resume, lines past
-    the restored step (logged by the killed run after its last checkpoint) are dropped first."""
+    the restored step (logged by the killed run after its last checkpoint) are dropped first.
+    Object stores cannot append: under a URL every write rewrites the (small) file."""
 
-    def __init__(self, path: Path, resume_step: int):
+    def __init__(self, path: epath.Path, resume_step: int):
         self.path = path
         self.enabled = jax.process_index() == 0  # one process writes the run's files
+        self.lines: list[str] = []
         if self.enabled and path.exists():
-            kept = [
+            self.lines = [
                 line
                 for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line)["step"] <= resume_step
             ]
-            path.write_text("".join(line + "\n" for line in kept))
+            path.write_text("".join(line + "\n" for line in self.lines))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        if paths.is_url(self.path):
+            self.lines.append(line)
+            self.path.write_text("".join(x + "\n" for x in self.lines))
+        else:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
 
 
 def summarize(
@@ -220,7 +231,7 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         )
     if cfg.init_from and cfg.init_from_target:
         raise ValueError("config.init_from and config.init_from_target exclude each other")
-    if cfg.init_from and not Path(cfg.init_from).is_dir():
+    if cfg.init_from and not paths.path(cfg.init_from).is_dir():
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
     if cfg.get("mesh"):
         sharding.parse_mesh(cfg.mesh)
@@ -292,9 +303,9 @@ def _stepper(mesh, batch_size: int, settings: dict):
     return step
 
 
-def _tap_cache(cfg, workdir: Path, source, target, drafter_config) -> tap_cache.TapCache:
+def _tap_cache(cfg, workdir: epath.Path, source, target, drafter_config) -> tap_cache.TapCache:
     return tap_cache.build_tap_cache(
-        Path(cfg.tap_cache_dir) if cfg.tap_cache_dir else workdir / "tap_cache",
+        paths.path(cfg.tap_cache_dir) if cfg.tap_cache_dir else workdir / "tap_cache",
         source,
         target,
         drafter_config.target_layer_ids,
@@ -303,14 +314,14 @@ def _tap_cache(cfg, workdir: Path, source, target, drafter_config) -> tap_cache.
     )
 
 
-def build_taps(cfg: ml_collections.ConfigDict, workdir: str | Path) -> tap_cache.TapCache:
+def build_taps(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> tap_cache.TapCache:
     """Builds (or finishes, or grows) the run's tap cache for the data as it is now, without
     training: e.g. while data generation is still adding shards, so that the run itself only
     computes the taps of the shards written since (`tap_cache` copies the rest)."""
     check_config(cfg)
     if cfg.taps != "cached":
         raise ValueError("building the tap cache needs config.taps='cached'")
-    workdir = Path(workdir).absolute()
+    workdir = paths.path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target, dtype=cfg.compute_dtype)
     drafter_config = drafter_config_for(cfg, target.config)
@@ -318,10 +329,11 @@ def build_taps(cfg: ml_collections.ConfigDict, workdir: str | Path) -> tap_cache
     return _tap_cache(cfg, workdir, source, target, drafter_config)
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str | Path) -> dict:
-    """Trains (or resumes) the run in `workdir`; -> the last logged metrics."""
+def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+    """Trains (or resumes) the run in `workdir` (a local directory or a URL such as
+    `gs://bucket/run`); -> the last logged metrics."""
     check_config(cfg)
-    workdir = Path(workdir).absolute()
+    workdir = paths.path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = training_mesh(cfg)
     # The frozen target is placed shard by shard on the mesh (its taps are computed online).
