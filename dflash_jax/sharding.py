@@ -2,17 +2,21 @@
 
 Mesh axes: `data` (batch), `fsdp` (batch, and parameters' model dim), `tensor` (heads, FFN,
 vocab). A parameter gets logical axes from its path (`PARAM_AXES`), and `LOGICAL_AXIS_RULES` maps
-them to mesh axes; a dimension the mesh axes do not divide stays replicated.
+them to mesh axes; a dimension the mesh axes do not divide stays replicated (one warning per
+such dimension). Under a mesh the attention kernels run in `shard_map` with specs from the same
+table (`ops.dispatch`); a function jitted on a mesh is traced under it (`traced_under`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -45,6 +49,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
+QUERY_AXES = ("batch", "length", "heads", "head_dim")  # attention queries and outputs [B,T,N,H]
+
+_WARNED: set[tuple] = set()
 
 
 def _path_str(path) -> str:
@@ -81,7 +88,8 @@ def logical_to_spec(
     rules=LOGICAL_AXIS_RULES,
 ) -> PartitionSpec:
     """PartitionSpec for an array of `shape` with logical `axes`; dims the mesh axes do not
-    divide are replicated; a mesh axis used twice is an error."""
+    divide are replicated (warned once per axis, size and mesh axes); a mesh axis used twice is
+    an error. `mesh`: a Mesh or an AbstractMesh."""
     table = dict(rules)
     spec, used = [], set()
     for axis, size in zip(axes, shape, strict=True):
@@ -97,8 +105,21 @@ def logical_to_spec(
             raise ValueError(f"logical axes {tuple(axes)} map mesh axis {clash} twice")
         used.update(mesh_axes)
         ways = math.prod(mesh.shape[a] for a in mesh_axes)
+        if ways > 1 and size % ways:
+            _warn_replicated(axis, size, mesh_axes, ways)
         spec.append(mesh_axes if ways > 1 and size % ways == 0 else None)
     return PartitionSpec(*spec)
+
+
+def _warn_replicated(axis: str, size: int, mesh_axes: tuple[str, ...], ways: int) -> None:
+    key = (axis, size, mesh_axes, ways)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logging.warning(
+            "sharding: %s of size %d is not divisible by mesh axes %s (%d ways): replicated, "
+            "every device along them holds and computes all of it",
+            axis, size, " x ".join(mesh_axes), ways,
+        )  # fmt: skip
 
 
 def make_mesh(
@@ -205,6 +226,19 @@ def current_mesh() -> Mesh | None:
     """The mesh set by `with jax.set_mesh(mesh):`, or None."""
     mesh = jax.sharding.get_mesh()
     return None if mesh.empty else mesh
+
+
+def traced_under(mesh: Mesh, fn):
+    """`fn`, traced with `mesh` as jax's abstract mesh: for a function jitted with in/out
+    shardings on `mesh`, which alone tell the traced code no mesh. `ops.dispatch` reads it
+    (`jax.sharding.get_abstract_mesh()`) to run the attention kernels in `shard_map`."""
+
+    @functools.wraps(fn)
+    def under(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return under
 
 
 def logical_sharding(

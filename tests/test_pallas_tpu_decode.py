@@ -144,13 +144,16 @@ def test_each_row_fetches_and_computes_only_its_live_tiles():
 
 
 def test_kernels_lower_to_mosaic_for_tpu():
-    """The Pallas TPU lowering (block shapes, scalar prefetch, the body's ops) accepts both
+    """The Pallas TPU lowering (block shapes, scalar prefetch, the body's ops) accepts the
     kernels for both head dims and dtypes; Mosaic's own compilation needs a TPU."""
     sd = jax.ShapeDtypeStruct
     b, t, groups = 2, 16, 4
 
     def verify(q, k, v, offsets):
         return pallas_tpu_decode.causal_attention(q, k, v, xla.causal_cache_bounds(offsets, t))
+
+    def appended(q, k, v, bk, bv, lengths):
+        return pallas_tpu_decode.appended_attention(q, k, v, bk, bv, lengths)
 
     def draft(q, k, v, bk, bv, lengths, anchors):
         lo, hi = xla.context_bounds(lengths, anchors, t, 40)
@@ -163,7 +166,11 @@ def test_kernels_lower_to_mosaic_for_tpu():
             q = sd((b, t, KV_HEADS * groups, h), dtype)
             cache, block = sd((b, KV_HEADS, 1000, h), dtype), sd((b, KV_HEADS, t, h), dtype)
             vec, col = sd((b,), jnp.int32), sd((b, 1), jnp.int32)
-            for fn, args in ((verify, (q, cache, cache, vec)), (draft, (q, cache, cache, block, block, vec, col))):  # fmt: skip
+            for fn, args in (
+                (verify, (q, cache, cache, vec)),
+                (appended, (q, cache, cache, block, block, vec)),
+                (draft, (q, cache, cache, block, block, vec, col)),
+            ):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
                 assert text.count("tpu_custom_call") == 1, (fn.__name__, h, dtype)
 
@@ -179,7 +186,7 @@ def fake_tpu(monkeypatch):
     monkeypatch.setattr(dispatch, "TPU_INTERPRET", pallas_tpu_decode.INTERPRET)
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     calls = []
-    for name in ("block_attention", "causal_attention"):
+    for name in ("block_attention", "causal_attention", "appended_attention"):
         kernel = getattr(pallas_tpu_decode, name)
         spy = lambda *a, _name=name, _kernel=kernel, **kw: calls.append(_name) or _kernel(*a, **kw)
         monkeypatch.setattr(pallas_tpu_decode, name, spy)
@@ -203,7 +210,8 @@ def test_dispatch_routes_decode_shapes_to_the_tpu_kernels(fake_tpu):
     _check(draft("pallas"), draft("xla"), dtype)
     assert fake_tpu == ["block_attention"]
 
-    # Verifying: T new rows appended to the target cache, written or not yet.
+    # Verifying: T new rows appended to the target cache, written or not yet; the kernel reads
+    # the old cache and the new rows apart, never a cache written for it.
     q = _normal(rng, (b, t, n, h), dtype)
     written = [write_rows(c, new, lengths) for c, new in zip(cache, new_kv, strict=True)]
     verify = lambda new_cache, impl: jax.jit(
@@ -215,7 +223,9 @@ def test_dispatch_routes_decode_shapes_to_the_tpu_kernels(fake_tpu):
     _check(verify(None, "pallas"), want, dtype)  # a deferred write
     causal = jax.jit(lambda *a: dispatch.causal_attention(*a, impl="auto"))
     _check(causal(q, *written, lengths), want, dtype)
-    assert fake_tpu == ["block_attention", "causal_attention", "causal_attention"]
+    _check(verify(written, "pallas"), want, dtype)
+    calls = ["block_attention", "appended_attention", "causal_attention", "appended_attention"]
+    assert fake_tpu == calls
 
 
 def test_dispatch_keeps_long_prefill_on_xla_with_one_log_line(fake_tpu, caplog):

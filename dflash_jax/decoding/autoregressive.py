@@ -12,7 +12,13 @@ import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding.phases import next_token, prefill
-from dflash_jax.decoding.programs import check_prompt, jit_decoder, run, step_limit_array
+from dflash_jax.decoding.programs import (
+    check_prompt,
+    jit_decoder,
+    run,
+    run_target_config,
+    step_limit_array,
+)
 from dflash_jax.decoding.state import (
     DecodeOutput,
     LoopState,
@@ -139,5 +145,8 @@ def autoregressive_decode(
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
     limit = step_limit_array(decode_config, step_limit)
     args = (target_params, prompt, prompt_lengths, rng, limit)
-    statics = dict(target_config=target_config, decode_config=autoregressive_config(decode_config))
+    statics = dict(
+        target_config=run_target_config(target_config, decode_config),
+        decode_config=autoregressive_config(decode_config),
+    )
     return run(autoregressive_jit, args, statics, mesh)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import phases
+from dflash_jax.decoding import phases, programs
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
 from dflash_jax.decoding.state import commit as commit_tokens
 from dflash_jax.models.target import decoding_head, unembedding_matrix
@@ -283,7 +283,7 @@ def breakdown(
             drafter.params,
             jnp.asarray(prompt),
             jnp.asarray(prompt_lengths),
-            target.config,
+            programs.run_target_config(target.config, cfg),  # as the decode compiles it
             drafter.config,
             cfg,
             live_length,

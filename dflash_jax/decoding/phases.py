@@ -23,6 +23,7 @@ from dflash_jax.decoding.sampling import (
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
 from dflash_jax.models.drafter import Drafter, embed_block, finish_logits
 from dflash_jax.models.target import Head, Transformer, init_cache
+from dflash_jax.ops.attention import KEY_TILE
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.reductions import argmax_last
 
@@ -33,6 +34,8 @@ def prefill(
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. -> (state without drafter fields, prompt taps [B,P,F] or None)."""
     b, p = prompt_bp.shape
+    if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
+        cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
     cache = init_cache(tcfg, b, cache_len)
     positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     hidden_b1d, taps_bpf, cache = Transformer(tcfg).apply(

@@ -11,6 +11,7 @@ limit is an input, so short calibration runs and whole decodes share one executa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +22,7 @@ from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
 from dflash_jax.models.drafter import check_fits
+from dflash_jax.ops.invariance import machine_row_rule
 
 # XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
 # reads and updates (twice per buffer and step: ~4 ms of a 15 ms SmolLM2 AR step at batch 1);
@@ -69,7 +71,7 @@ def on_mesh(jitted, mesh, args: tuple, statics: dict):
     leaves, treedef = jax.tree.flatten(in_shardings)
     key = (fn, mesh, treedef, tuple(leaves), tuple(sorted(statics.items())))
     if key not in _ON_MESH:
-        bound = functools.partial(fn, **statics, mesh=mesh)
+        bound = functools.partial(sharding.traced_under(mesh, fn), **statics, mesh=mesh)
         if takes_state:
             out_shardings = in_shardings[-1]
         elif gives_state:
@@ -95,6 +97,27 @@ def run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
         return jitted(*args, **statics)
     fn, args, statics = on_mesh(jitted, mesh, args, statics)
     return fn(*args, **statics)
+
+
+def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
+    """The target config a decode compiles with: under `cfg.batch_invariant` (None: for every
+    dtype but float32), with the row rule of this machine, dtype and shapes
+    (`ops.invariance.machine_row_rule`, probed once per machine) unless it already names one;
+    without, with none.
+
+    Why not in float32 by default: the invariant AR step pads its one row to the verify's
+    kernel, and on a CPU (an AMD EPYC without AVX-512 measured) that and the fixed-shape
+    attention cost ~1.5x a plain AR step, which the adaptive decode runs often; fp32's rounding
+    differences (~1e-6) have not flipped a token on any benchmark prompt. bf16's do."""
+    invariant = cfg.batch_invariant
+    if invariant is None:
+        invariant = jnp.dtype(tcfg.dtype) != jnp.float32
+    if not invariant:
+        return dataclasses.replace(tcfg, invariant_rows=None)
+    if tcfg.invariant_rows is not None:
+        return tcfg
+    rule = machine_row_rule(tcfg)
+    return dataclasses.replace(tcfg, invariant_rows=(rule.min_rows, rule.max_rows))
 
 
 def step_limit_array(cfg: DecodeConfig, step_limit: int | None) -> jax.Array:

@@ -164,14 +164,14 @@ def timed_decode(
     if drafter is None:
         ar = autoregressive
         halves, lead, inputs = (ar.start_autoregressive, ar.advance_autoregressive), (), ()
-        statics = dict(target_config=target.config, decode_config=ar.autoregressive_config(cfg))
+        tcfg = programs.run_target_config(target.config, cfg)
+        statics = dict(target_config=tcfg, decode_config=ar.autoregressive_config(cfg))
     else:
         sp = speculative
         halves, lead = (sp.start_speculative, sp.advance_speculative), (drafter.params,)
         inputs = (sp.step_cost_array(cfg, step_costs), np.int32(forced_kind))
-        statics = dict(
-            target_config=target.config, drafter_config=drafter.config, decode_config=cfg
-        )
+        tcfg = programs.run_target_config(target.config, cfg)
+        statics = dict(target_config=tcfg, drafter_config=drafter.config, decode_config=cfg)
     if mesh is None:
         mesh = getattr(target, "mesh", None)
     if mesh is None:

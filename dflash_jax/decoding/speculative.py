@@ -34,6 +34,7 @@ from dflash_jax.decoding.programs import (
     check_prompt,
     jit_decoder,
     run,
+    run_target_config,
     step_limit_array,
 )
 from dflash_jax.decoding.state import (
@@ -378,6 +379,8 @@ def speculative_decode(
         step_limit_array(decode_config, step_limit),
     )
     statics = dict(
-        target_config=target_config, drafter_config=drafter_config, decode_config=decode_config
+        target_config=run_target_config(target_config, decode_config),
+        drafter_config=drafter_config,
+        decode_config=decode_config,
     )
     return run(speculative_jit, args, statics, mesh)

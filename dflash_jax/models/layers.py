@@ -8,6 +8,7 @@ Letters: B batch, T tokens, D model dim, N query heads, K kv heads, H head dim, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import thaw
+from dflash_jax.ops.invariance import fixed_rows
 
 Dtype = jnp.dtype
 
@@ -24,13 +26,26 @@ class RMSNorm(nn.Module):
 
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
+    # > 0: normalise in tiles of exactly this many rows (`ops.invariance.fixed_rows`), so each
+    # row's mean is reduced by the same code whatever the pass's row count (XLA:CPU vectorises
+    # a [4, 576] and an [8, 576] mean apart, and they round apart).
+    tile_rows: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+        def normalise(x):
+            x32 = x.astype(jnp.float32)
+            x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return x32.astype(self.dtype)
+
+        if self.tile_rows:
+            lead, d = x.shape[:-1], x.shape[-1]
+            normed = fixed_rows(x.reshape(-1, d), normalise, self.tile_rows).reshape(*lead, d)
+        else:
+            normed = normalise(x)
+        return scale.astype(self.dtype) * normed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
@@ -75,10 +90,13 @@ class MLP(nn.Module):
 
     intermediate_size: int
     dtype: Dtype = jnp.float32
+    dot_general: Callable | None = None  # None: jax.lax.dot_general (see ops.invariance)
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.dtype, name=name)
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=False, dtype=self.dtype, dot_general=self.dot_general, name=name
+        )
         gate_btf = dense(self.intermediate_size, "gate_proj")(x_btd)
         up_btf = dense(self.intermediate_size, "up_proj")(x_btd)
         return dense(x_btd.shape[-1], "down_proj")(nn.silu(gate_btf) * up_btf)
@@ -97,18 +115,19 @@ class AttentionProjections(nn.Module):
     qk_norm: bool
     eps: float
     dtype: Dtype = jnp.float32
+    dot_general: Callable | None = None  # None: jax.lax.dot_general (see ops.invariance)
+    norm_rows: int = 0  # the q/k norms' `RMSNorm.tile_rows`
 
     def setup(self):
-        dg = lambda feats, name: nn.DenseGeneral(feats, use_bias=False, dtype=self.dtype, name=name)
+        opts = dict(use_bias=False, dtype=self.dtype, dot_general=self.dot_general)
+        dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
         self.q_proj = dg((self.num_heads, self.head_dim), "q_proj")
         self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")
         self.v_proj = dg((self.num_kv_heads, self.head_dim), "v_proj")
-        self.o_proj = nn.DenseGeneral(
-            self.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="o_proj"
-        )
+        self.o_proj = nn.DenseGeneral(self.hidden_size, axis=(-2, -1), **opts, name="o_proj")
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.eps, self.dtype, name="q_norm")
-            self.k_norm = RMSNorm(self.eps, self.dtype, name="k_norm")
+            self.q_norm = RMSNorm(self.eps, self.dtype, self.norm_rows, name="q_norm")
+            self.k_norm = RMSNorm(self.eps, self.dtype, self.norm_rows, name="k_norm")
 
     def query(self, x_btd, cos, sin):
         q_btnh = self.q_proj(x_btd)

@@ -19,9 +19,21 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
+from dflash_jax.ops import invariance
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
 from dflash_jax.ops.reductions import argmax_last, head_argmax, head_argmax_applies
+
+
+def row_rule(config: TargetConfig) -> invariance.RowRule | None:
+    """The config's `invariant_rows` as an `ops.invariance.RowRule` (None: none)."""
+    return None if config.invariant_rows is None else invariance.RowRule(*config.invariant_rows)
+
+
+def norm_rows(config: TargetConfig) -> int:
+    """The RMSNorms' fixed row tile under the config's row rule (0: none)."""
+    rule = row_rule(config)
+    return 0 if rule is None else rule.tile
 
 
 @flax.struct.dataclass
@@ -51,7 +63,8 @@ class DecoderLayer(nn.Module):
     def setup(self):
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype)
+        dot, rows = invariance.dot_general(row_rule(c)), norm_rows(c)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dtype, rows)
         self.self_attn = AttentionProjections(
             c.num_heads,
             c.num_kv_heads,
@@ -60,9 +73,11 @@ class DecoderLayer(nn.Module):
             c.use_qk_norm,
             c.rms_norm_eps,
             dtype,
+            dot,
+            rows,
         )
-        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
-        self.mlp = MLP(c.intermediate_size, dtype)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype, rows)
+        self.mlp = MLP(c.intermediate_size, dtype, dot)
 
     def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None, defer_write=False):
         """x [B,T,D]. With a cache ((k, v), each [B,K,S,H]) the T new tokens are written at
@@ -73,7 +88,7 @@ class DecoderLayer(nn.Module):
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
         k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
-        impl = self.config.attention_impl
+        impl, rows = self.config.attention_impl, row_rule(self.config)
         if layer_cache is not None and cache_lengths is not None:
             new_cache = None
             if not defer_write:
@@ -81,14 +96,15 @@ class DecoderLayer(nn.Module):
                     write_rows(layer_cache[0], k_bkth, cache_lengths),
                     write_rows(layer_cache[1], v_bkth, cache_lengths),
                 )
+            new_kv = (k_bkth, v_bkth)
             attn_btnh = cached_attention(
-                q_btnh, layer_cache, new_cache, (k_bkth, v_bkth), cache_lengths, impl=impl
+                q_btnh, layer_cache, new_cache, new_kv, cache_lengths, impl=impl, rows=rows
             )
             layer_cache = (k_bkth, v_bkth) if defer_write else new_cache
         else:
             # No cache, or an empty one (prefill): the new tokens attend among themselves.
             zeros_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
-            attn_btnh = causal_attention(q_btnh, k_bkth, v_bkth, zeros_b, impl=impl)
+            attn_btnh = causal_attention(q_btnh, k_bkth, v_bkth, zeros_b, impl=impl, rows=rows)
             if layer_cache is not None:
                 layer_cache = (
                     write_rows(layer_cache[0], k_bkth, zeros_b),
@@ -124,9 +140,14 @@ class Transformer(nn.Module):
         dtype = jnp.dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, dtype, norm_rows(c))
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=dtype)
+            self.lm_head = nn.Dense(
+                c.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                dot_general=invariance.dot_general(row_rule(c)),
+            )
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
@@ -134,8 +155,13 @@ class Transformer(nn.Module):
 
     def unembed(self, x_btd: jax.Array) -> jax.Array:
         """Frozen LM head on already-normalised hidden states -> logits [..., V]."""
-        if self.config.tie_word_embeddings:
+        rule = row_rule(self.config)
+        if self.config.tie_word_embeddings and rule is None:
             return self.embed_tokens.attend(x_btd)
+        if self.config.tie_word_embeddings:
+            emb_dv = self.embed_tokens.embedding.astype(x_btd.dtype).T
+            dims = (((x_btd.ndim - 1,), (0,)), ((), ()))
+            return invariance.dot_general(rule)(x_btd, emb_dv, dims)
         return self.lm_head(x_btd)
 
     def __call__(
@@ -216,9 +242,13 @@ def unembedding_matrix(params, config: TargetConfig) -> jax.Array:
     return head_dv
 
 
-def apply_head(head_dv: jax.Array, hidden: jax.Array) -> jax.Array:
-    """Final-normed hidden [..., D] @ head [D,V] -> logits [..., V] in the hidden's dtype."""
-    return jnp.einsum("...d,dv->...v", hidden, head_dv.astype(hidden.dtype))
+def apply_head(head_dv: jax.Array, hidden: jax.Array, rows=None) -> jax.Array:
+    """Final-normed hidden [..., D] @ head [D,V] -> logits [..., V] in the hidden's dtype;
+    under the `ops.invariance.RowRule` `rows` when given."""
+    head_dv = head_dv.astype(hidden.dtype)
+    if rows is None:
+        return jnp.einsum("...d,dv->...v", hidden, head_dv)
+    return invariance.dot_general(rows)(hidden, head_dv, (((hidden.ndim - 1,), (0,)), ((), ())))
 
 
 @flax.struct.dataclass
@@ -229,21 +259,26 @@ class Head:
 
     dv: jax.Array
     vd: jax.Array | None = None
+    rows: invariance.RowRule | None = flax.struct.field(pytree_node=False, default=None)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        return apply_head(self.dv, hidden)
+        return apply_head(self.dv, hidden, self.rows)
 
     def argmax(self, hidden: jax.Array) -> jax.Array:
         """The greedy token of every final-normed hidden [..., D] -> int32 [...]."""
-        if head_argmax_applies(self.vd, self.dv.shape[1]):
+        if not head_argmax_applies(self.vd, self.dv.shape[1]):
+            return argmax_last(self.logits(hidden))
+        if self.rows is None:
             return head_argmax(hidden, self.dv, self.vd)
-        return argmax_last(self.logits(hidden))
+        *lead, d = hidden.shape
+        rows_fn = lambda x_nd: head_argmax(x_nd, self.dv, self.vd)
+        return self.rows.rows_matmul(hidden.reshape(-1, d), rows_fn).reshape(lead)
 
 
 def decoding_head(params, config: TargetConfig) -> Head:
     """The `Head` of a target for the decode loops (inside jit: the [D,V] copy is per call)."""
     vd = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else None
-    return Head(dv=unembedding_matrix(params, config), vd=vd)
+    return Head(dv=unembedding_matrix(params, config), vd=vd, rows=row_rule(config))
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops.invariance import RowRule
+
 NEG_INF = -1e30
 
 
@@ -235,3 +237,101 @@ def append_attention(
     out_bkmh = out_bkmh / denom_bkm1
     out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out_btnh.astype(q.dtype)
+
+
+KEY_TILE = 64  # keys per tile of `tiled_attention`
+
+
+def tiled_attention(
+    q: jax.Array,
+    cache: tuple[jax.Array, jax.Array] | None,
+    new_kv: tuple[jax.Array, jax.Array],
+    start_b: jax.Array,
+    rows: RowRule,
+    key_tile: int = KEY_TILE,
+) -> jax.Array:
+    """The target's causal attention, batch-invariant: a query's output is bitwise the same
+    whatever pass holds it (an AR step, any verify, a prefill, a batch of any rows).
+
+    q [B,T,N,H]: T new tokens of row b at slots start[b] + t; cache (k, v) [B,K,S,H] holds
+    the slots before start[b] (None: a prefill, nothing before); new_kv (k, v) [B,K,T,H].
+    Query t sees slots s <= start[b] + t. -> [B,T,N,H] in q's dtype.
+
+    Why it is invariant: XLA compiles an op by its whole shape (a softmax over [1,3,24,64] and
+    over [1,3,12,64] round apart on XLA:CPU), so every number here comes from one fixed-shape
+    computation: a loop over (row, query tile) pairs, and inside it a loop over key tiles of
+    `key_tile` slots, each scoring [K, G*Tq, key_tile] with an online softmax. Tq, the queries
+    per tile, is fixed by the row rule (`RowRule.query_tile`); a short last tile is padded.
+    Keys are read in their cache slots, tile by tile from slot 0, the new rows laid over the
+    cache where they belong (the cache itself is not written here). A tile past a query's
+    last visible slot changes nothing exactly (its probabilities are 0 and the running max is
+    kept, so the rescale is exp(0) = 1), so a pass that visits more tiles, for its later
+    queries, gives the earlier ones the same bits.
+    """
+    b, t, n, h = q.shape
+    new_k, new_v = new_kv
+    kh = new_k.shape[1]
+    g = n // kh
+    tq = rows.query_tile(g)
+    tiles_q = -(-t // tq)
+    hi_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :] + 1
+    # Padded queries see slot 0 only (never an empty softmax); their outputs are dropped.
+    q = jnp.pad(q, ((0, 0), (0, tiles_q * tq - t), (0, 0), (0, 0)))
+    hi_bt = jnp.pad(hi_bt, ((0, 0), (0, tiles_q * tq - t)), constant_values=1)
+    # [B*C, K, G*Tq, H], row m = g_i * Tq + t_i (as `attention` folds them).
+    q_xkmh = (
+        q.reshape(b, tiles_q, tq, kh, g, h).transpose(0, 1, 3, 4, 2, 5).reshape(-1, kh, g * tq, h)
+    )
+    hi_xm = jnp.tile(hi_bt.reshape(b, tiles_q, 1, tq), (1, 1, g, 1)).reshape(-1, g * tq)
+    row_x = jnp.repeat(jnp.arange(b, dtype=jnp.int32), tiles_q)
+    if cache is None:  # a prefill: the new rows are the whole key range, from slot 0
+        s = -(-t // key_tile) * key_tile
+        pad = ((0, 0), (0, 0), (0, s - t), (0, 0))
+        cache = (jnp.pad(new_k, pad), jnp.pad(new_v, pad))
+        start_b, new_k, new_v = jnp.zeros_like(start_b), None, None
+    s = cache[0].shape[2]
+    if s % key_tile:
+        raise ValueError(f"cache length {s} is not a multiple of the key tile {key_tile}")
+    scale = h**-0.5
+
+    def key_tile_of(buf, new, row, i):
+        tile_kth = jax.lax.dynamic_slice(buf, (row, 0, i * key_tile, 0), (1, kh, key_tile, h))[0]
+        if new is None:
+            return tile_kth
+        slot = i * key_tile + jnp.arange(key_tile)
+        offset = slot - start_b[row]
+        ours = (offset >= 0) & (offset < t)
+        new_kth = jnp.take(new[row], jnp.clip(offset, 0, t - 1), axis=1)
+        return jnp.where(ours[None, :, None], new_kth.astype(buf.dtype), tile_kth)
+
+    def one(args):
+        q_kmh, hi_m, row = args
+
+        def body(i, carry):
+            max_km, sum_km, acc_kmh = carry
+            k_kth = key_tile_of(cache[0], new_k, row, i)
+            v_kth = key_tile_of(cache[1], new_v, row, i)
+            sc_kmt = jnp.einsum("kmh,kth->kmt", q_kmh, k_kth, preferred_element_type=jnp.float32)
+            slot_t = i * key_tile + jnp.arange(key_tile)
+            sc_kmt = jnp.where(slot_t[None, None, :] < hi_m[None, :, None], sc_kmt * scale, NEG_INF)
+            new_max_km = jnp.maximum(max_km, sc_kmt.max(-1))
+            rescale_km = jnp.exp(max_km - new_max_km)
+            p_kmt = jnp.exp(sc_kmt - new_max_km[..., None])
+            sum_km = sum_km * rescale_km + p_kmt.sum(-1)
+            pv_kmh = jnp.einsum("kmt,kth->kmh", p_kmt.astype(v_kth.dtype), v_kth)
+            acc_kmh = acc_kmh * rescale_km[..., None] + pv_kmh.astype(jnp.float32)
+            return new_max_km, sum_km, acc_kmh
+
+        m = q_kmh.shape[1]
+        init = (
+            jnp.full((kh, m), NEG_INF, jnp.float32),
+            jnp.zeros((kh, m), jnp.float32),
+            jnp.zeros((kh, m, h), jnp.float32),
+        )
+        n_tiles = (jnp.max(hi_m) + key_tile - 1) // key_tile
+        _, sum_km, acc_kmh = jax.lax.fori_loop(0, n_tiles, body, init)
+        return (acc_kmh / sum_km[..., None]).astype(q.dtype)
+
+    out_xkmh = jax.lax.map(one, (q_xkmh, hi_xm, row_x))
+    out = out_xkmh.reshape(b, tiles_q, kh, g, tq, h).transpose(0, 1, 4, 2, 3, 5)
+    return out.reshape(b, tiles_q * tq, n, h)[:, :t]

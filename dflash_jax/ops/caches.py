@@ -1,5 +1,6 @@
-"""Writing rows into a kv-head-major cache buffer: the one scatter the target's layers, the
-decode loop and the attention kernels' deferred writes all go through."""
+"""Writing rows into a kv-head-major cache buffer: the one scatter the target's layers and the
+decode loop go through; and the few cache tiles new rows fall in, written apart from the cache
+(`patched_tiles`), for the attention kernels that read a cache before it is written."""
 
 from __future__ import annotations
 
@@ -16,3 +17,24 @@ def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> 
     # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
     update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
     return buf_bksh.at[rows_bt, :, slots_bt].set(update_btkh, mode="drop")
+
+
+def patched_tiles(
+    buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array, tile: int
+) -> tuple[jax.Array, jax.Array]:
+    """The `tile`-slot tiles of the cache that rows written at start[b] + t would fall in, as
+    the written cache would hold them, without writing the cache: a kernel reads these in place
+    of those tiles and so scores the same key tiles in the same order as on the written cache
+    (the result is bitwise the same), while the cache keeps one writer, its owner.
+
+    buf [B,K,S,H]; new [B,K,T,H]; start [B]. -> (patch [B,K,P*tile,H] holding cache slots
+    first[b]*tile .. (first[b]+P)*tile with the new rows written, slots past S zero; first [B]
+    int32, each row's first patched tile), P = the most tiles T rows can touch."""
+    t = new_bkth.shape[2]
+    num_tiles = (t + tile - 2) // tile + 1
+    first_b = (start_b // tile).astype(jnp.int32)
+    slots_bp = first_b[:, None] * tile + jnp.arange(num_tiles * tile)[None, :]
+    patch = jnp.take_along_axis(
+        buf_bksh, slots_bp[:, None, :, None], axis=2, mode="fill", fill_value=0
+    )
+    return write_rows(patch, new_bkth, start_b - first_b * tile), first_b

@@ -6,7 +6,8 @@ of its config (config.ATTENTION_IMPLS) and never names a kernel.
             TPU (Mosaic):
               drafter, >= 128 queries (training)   ops.pallas_tpu (splash attention)
               drafter, < 128 queries (drafting)    ops.pallas_tpu_decode.block_attention
-              target, < 128 queries (verify, AR)   ops.pallas_tpu_decode.causal_attention
+              target, verify and AR step           ops.pallas_tpu_decode.appended_attention
+              target, < 128 queries (prefill)      ops.pallas_tpu_decode.causal_attention
               target, >= 128 queries (prefill)     xla (one log line): the decode kernel keeps
                                                    all queries in one row tile
             CPU: ops.pallas_gpu in interpret mode (slow; it is how the tests run the kernels).
@@ -14,27 +15,42 @@ of its config (config.ATTENTION_IMPLS) and never names a kernel.
 
 A case the kernels lack (a head dim, a dtype) refuses with ConfigError under "pallas" and falls
 back to xla with one log line under "auto". Never silently.
+
+Under a mesh (jax's abstract mesh while tracing: `sharding.traced_under`, or `jax.set_mesh`) every
+kernel runs in `shard_map`, since GSPMD cannot partition a Mosaic or Triton call: batch over
+`data`/`fsdp` and heads over `tensor`, with the specs `sharding.logical_to_spec` gives q
+(QUERY_AXES), the keys (KV_CACHE_AXES) and the per-row bounds and masks (batch-major). A dim the
+table leaves whole (a batch the batch axes do not divide, heads `tensor` does not divide) is
+replicated there as everywhere else (and warned once, `sharding`). The one split a kernel cannot
+follow, query heads split over `tensor` while their KV heads are not (a kernel keeps a query
+head's KV head on its own device), refuses like a missing case.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
+from dflash_jax import sharding
 from dflash_jax.config import ConfigError, check_attention_impl
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
-from dflash_jax.ops.caches import write_rows
+from dflash_jax.ops.invariance import RowRule
 
 _LOGGED: set[str] = set()
 # The `interpret` argument of the TPU decode kernels: False on a TPU. Tests that fake the "tpu"
 # backend on CPU set it to pallas_tpu_decode.INTERPRET.
 TPU_INTERPRET = False
+# The platform whose kernels are picked ("tpu", "cuda", ...); None: jax.default_backend().
+# `infer.lower` sets it to lower a TPU or GPU program from a process on another backend.
+KERNEL_PLATFORM: str | None = None
 
 
 def _backend() -> str:
-    return jax.default_backend()
+    return KERNEL_PLATFORM or jax.default_backend()
 
 
 def _log_once(message: str) -> None:
@@ -50,11 +66,14 @@ def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> s
     if impl == "xla":
         return "xla"
     backend = _backend()
+    if backend not in ("tpu", "gpu", "cuda", "rocm") and impl == "auto":
+        return "xla"
+    reason = _unsplittable(q, k)
+    if reason is not None:
+        return _fall_back(impl, what, reason)
     if backend == "tpu":
         return "tpu"
     if backend not in ("gpu", "cuda", "rocm"):
-        if impl == "auto":
-            return "xla"
         _log_once(f"attention_impl=pallas on {backend}: Pallas GPU kernels in interpret mode")
     reason = _unsupported(pallas_gpu, "Pallas GPU kernels", q, k, v)
     if reason is not None:
@@ -98,6 +117,60 @@ def _unsupported(kernels, name: str, q: jax.Array, k: jax.Array, v: jax.Array) -
     return None
 
 
+def _mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh of the program being traced, or None (one device, or already per device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes:
+        return None
+    return mesh
+
+
+def _unsplittable(q: jax.Array, k: jax.Array) -> str | None:
+    """Why the kernels cannot run on the traced program's mesh with these q [B,T,N,H] and
+    keys [B,K,S,H], or None when they can (or there is no mesh)."""
+    mesh = _mesh()
+    if mesh is None:
+        return None
+    if not set(sharding.MESH_AXES) <= set(mesh.axis_names):
+        return f"a mesh with axes {mesh.axis_names} (the kernels split over {sharding.MESH_AXES})"
+    heads = sharding.logical_to_spec(sharding.QUERY_AXES, q.shape, mesh)[2]
+    kv_heads = sharding.logical_to_spec(sharding.KV_CACHE_AXES, k.shape, mesh)[1]
+    if heads != kv_heads:
+        return (
+            f"{q.shape[2]} query heads split over tensor={mesh.shape['tensor']} but "
+            f"{k.shape[1]} KV heads not (tensor must divide the KV heads: a kernel keeps a query "
+            "head's KV head on its device)"
+        )
+    return None
+
+
+def _per_device(fn, *operands: tuple[jax.Array, tuple]) -> jax.Array:
+    """fn(*arrays) -> [B,T,N,H] like the first array (q), on each device's part of the
+    operands, given as (array, logical axes) pairs, under the traced program's mesh
+    (`shard_map`); called as is without one."""
+    arrays = tuple(x for x, _ in operands)
+    mesh = _mesh()
+    if mesh is None:
+        return fn(*arrays)
+    specs = tuple(sharding.logical_to_spec(axes, x.shape, mesh) for x, axes in operands)
+    # check_vma off: pallas_call does not declare how its outputs vary over the mesh axes.
+    split = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    return split(*arrays)
+
+
+def _rows(x: jax.Array) -> tuple[jax.Array, tuple]:
+    """A batch-major operand (bounds [B,T], a mask [B,Q,K]) with its logical axes."""
+    return x, ("batch",) + (None,) * (x.ndim - 1)
+
+
+def _queries(x: jax.Array) -> tuple[jax.Array, tuple]:
+    return x, sharding.QUERY_AXES
+
+
+def _keys(x: jax.Array) -> tuple[jax.Array, tuple]:
+    return x, sharding.KV_CACHE_AXES
+
+
 def _fall_back(impl: str, what: str, reason: str) -> str:
     if impl == "pallas":
         raise ConfigError(f"attention_impl=pallas: no kernel for the {what} with {reason}")
@@ -130,16 +203,16 @@ def block_attention(
     if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
         s = ctx_k.shape[2]
         mask = xla.drafter_mask(context_lengths, anchors, block_size, s, causal, window)
-        return pallas_tpu.block_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask)
+        keys = (_keys(ctx_k), _keys(ctx_v), _keys(blk_k), _keys(blk_v))
+        return _per_device(pallas_tpu.block_attention, _queries(q), *keys, _rows(mask))
     if kernel == "tpu":
         kernel = _tpu_decode(impl, "drafter attention", q, ctx_k, ctx_v)
     if kernel != "xla":
         lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
-        args = (q, ctx_k, ctx_v, blk_k, blk_v, lo, hi)
         opts = dict(block_size=block_size, causal=causal, window=window)
-        if kernel == "tpu":
-            return pallas_tpu_decode.block_attention(*args, **opts, interpret=TPU_INTERPRET)
-        return pallas_gpu.block_attention(*args, **opts, interpret=kernel == "interpret")
+        fn = _decode_kernel(kernel, "block_attention", **opts)
+        keys = map(_keys, (ctx_k, ctx_v, blk_k, blk_v))
+        return _per_device(fn, _queries(q), *keys, _rows(lo), _rows(hi))
     blk_mask = xla.block_mask(block_size, causal, window)
 
     def over(k, v):
@@ -154,16 +227,27 @@ def block_attention(
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, *, impl: str = "auto"
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    offsets: jax.Array,
+    *,
+    impl: str = "auto",
+    rows: RowRule | None = None,
 ) -> jax.Array:
     """The target's attention: query t of row b sees key slots s <= offsets[b] + t
     (`causal_cache_mask`; offsets = the cache lengths, or zeros for a pass without a cache).
+    rows: the target's row rule (`ops.invariance`), under which xla is batch-invariant.
 
     q [B,T,N,H]; k/v [B,K,S,H]; offsets [B] int32. -> [B,T,N,H].
     """
     kernel = _target_kernel(impl, q, k, v)
     if kernel != "xla":
-        return _causal_kernel(kernel, q, k, v, xla.causal_cache_bounds(offsets, q.shape[1]))
+        hi = xla.causal_cache_bounds(offsets, q.shape[1])
+        fn = _decode_kernel(kernel, "causal_attention")
+        return _per_device(fn, _queries(q), _keys(k), _keys(v), _rows(hi))
+    if rows is not None:  # a pass over the given tokens alone (offsets: zeros)
+        return xla.tiled_attention(q, None, (k, v), offsets, rows)
     return xla.attention(q, k, v, xla.causal_cache_mask(offsets, q.shape[1], k.shape[2]))
 
 
@@ -175,6 +259,7 @@ def cached_attention(
     cache_lengths: jax.Array,
     *,
     impl: str = "auto",
+    rows: RowRule | None = None,
 ) -> jax.Array:
     """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
     query t sees the cache slots before cache_lengths[b] and the new tokens up to itself.
@@ -187,16 +272,19 @@ def cached_attention(
     over the live part of the cache only (`live_window`): the written cache then has a single
     reader, the loop carry, and is updated in place. Scoring the written cache instead made
     XLA:CPU duplicate the write into both readers, each on its own copy of the whole buffer
-    (four cache copies per layer per step at batch 1). The kernels read the written cache.
+    (four cache copies per layer per step at batch 1). The kernels, too, take the old cache and
+    the new rows as separate operands (`appended_attention`: bitwise their result on the
+    written cache), so that the cache is written once, by the caller, now (new_cache) or after
+    acceptance: a cache written here for the kernels while the caller still held the old one
+    for its deferred write made XLA copy every layer's whole cache every step.
     """
     kernel = _target_kernel(impl, q, old_cache[0], old_cache[1])
     if kernel != "xla":
-        hi = xla.causal_cache_bounds(cache_lengths, q.shape[1])
-        if new_cache is None:  # the caller writes the cache later (a deferred write)
-            new_cache = tuple(
-                write_rows(c, n, cache_lengths) for c, n in zip(old_cache, new_kv, strict=True)
-            )
-        return _causal_kernel(kernel, q, *new_cache, hi)
+        fn = _decode_kernel(kernel, "appended_attention")
+        keys = map(_keys, (*old_cache, *new_kv))
+        return _per_device(fn, _queries(q), *keys, _rows(cache_lengths))
+    if rows is not None:
+        return xla.tiled_attention(q, old_cache, new_kv, cache_lengths, rows)
     return live_window(
         lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths),
         old_cache,
@@ -204,10 +292,12 @@ def cached_attention(
     )
 
 
-def _causal_kernel(kernel: str, q, k, v, hi_bt) -> jax.Array:
+def _decode_kernel(kernel: str, name: str, **opts):
+    """Kernel `name` (block_attention, causal_attention, appended_attention) of the TPU decode
+    kernels (kernel "tpu") or the GPU ones ("gpu", "interpret"), its options bound."""
     if kernel == "tpu":
-        return pallas_tpu_decode.causal_attention(q, k, v, hi_bt, interpret=TPU_INTERPRET)
-    return pallas_gpu.causal_attention(q, k, v, hi_bt, interpret=kernel == "interpret")
+        return functools.partial(getattr(pallas_tpu_decode, name), **opts, interpret=TPU_INTERPRET)
+    return functools.partial(getattr(pallas_gpu, name), **opts, interpret=kernel == "interpret")
 
 
 def live_window(fn, cache, live, min_window: int = 64, max_windows: int = 8):

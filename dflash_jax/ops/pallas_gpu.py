@@ -25,6 +25,13 @@ input dtype with fp32 accumulation. A row that sees no key returns zeros.
 Decode (one row tile) splits the context over `splits` programs whose partial results are
 merged by log-sum-exp (flash-decoding); training has many row tiles and uses one split.
 
+Verify and AR steps (`appended_attention`) read the target's cache before the step's new rows
+are written to it: the few key tiles those rows fall in come as a separate patch (the tiles as
+the written cache would hold them, `ops.caches.patched_tiles`) that the context loop reads in
+their place. The key tiles and their order are those of `causal_attention` on the written
+cache, so a position's result is bitwise the same in an AR step, a verify or a prefill, and the
+cache is written once, after acceptance, by the decode loop.
+
 Backward (custom_vjp): delta = rowsum(dO*O); dq mirrors the forward; dk/dv run one program per
 key tile over the row tiles that can see it: for context keys a range computed from the rows'
 bounds (a suffix of the row tiles when anchors are sorted), for block keys the rows of the same
@@ -44,7 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.ops.attention import NEG_INF
+from dflash_jax.ops.attention import NEG_INF, causal_cache_bounds
+from dflash_jax.ops.caches import patched_tiles
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,6 +100,7 @@ class _Spec:
     splits: int
     tiles: Tiles
     interpret: bool
+    patch_tiles: int = 0  # context key tiles read from a patch (`appended_attention`)
 
 
 def block_attention(
@@ -140,6 +149,40 @@ def causal_attention(
     """
     spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles)
     return _attend(q_btnh, k_bksh, v_bksh, None, None, jnp.zeros_like(hi_bt), hi_bt, spec)
+
+
+def appended_attention(
+    q_btnh: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    cache_lengths: jax.Array,
+    *,
+    interpret: bool = False,
+    tiles: Tiles | None = None,
+) -> jax.Array:
+    """`causal_attention` over the cache with the T new rows written at cache_lengths[b] + t,
+    bitwise, without writing it (the rows' key tiles come as a patch, see the module doc).
+
+    q [B,T,N,H]; k/v [B,K,S,H] (the cache before the write); new_k/new_v [B,K,T,H];
+    cache_lengths [B]. -> [B,T,N,H] in q's dtype. Forward only (decoding).
+    """
+    t, n = q_btnh.shape[1], q_btnh.shape[2]
+    kh = k_bksh.shape[1]
+    spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles)
+    rows, keys = spec.tiles.rows, spec.tiles.keys
+    patch_k, first_b = patched_tiles(k_bksh, new_k, cache_lengths, keys)
+    patch_v, _ = patched_tiles(v_bksh, new_v, cache_lengths, keys)
+    spec = dataclasses.replace(spec, patch_tiles=patch_k.shape[2] // keys)
+    hi_bt = causal_cache_bounds(cache_lengths, t)
+    first_bt = jnp.broadcast_to(first_b[:, None] * keys, hi_bt.shape)
+    patch = (_fold_bounds(first_bt, spec.groups, rows), patch_k, patch_v)
+    bounds = (_fold_bounds(jnp.zeros_like(hi_bt), spec.groups, rows),)
+    bounds += (_fold_bounds(hi_bt, spec.groups, rows),)
+    q_bkmh = _fold_rows(q_btnh, kh, rows)
+    o_bkmh, _ = _forward(q_bkmh, k_bksh, v_bksh, *bounds, None, None, spec, patch)
+    return _unfold_rows(o_bkmh, t, n)
 
 
 def _make_spec(q_btnh, k_bksh, block_size, num_block_keys, causal, window, interpret, tiles):
@@ -333,10 +376,11 @@ def _probs_and_grads(q, k, v, do, lse, delta, visible, scale: float):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_keys: int):
+    if spec.patch_tiles:
+        first_ref, pk_ref, pv_ref, *refs = refs
     if spec.block_size:
-        bk_ref, bv_ref, o_ref, lse_ref = refs
-    else:
-        o_ref, lse_ref = refs
+        bk_ref, bv_ref, *refs = refs
+    o_ref, lse_ref = refs
     ti = spec.tiles
     i, split = pl.program_id(2), pl.program_id(3)
     q = q_ref[...]
@@ -349,16 +393,26 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
     split_tiles = pl.cdiv(pl.cdiv(num_keys, ti.keys), spec.splits)
     slot_lo, slot_hi = _context_slots(lo, hi, num_keys)
 
-    def context_step(c, carry):
+    def context_step(c, carry, refs=(k_ref, v_ref), base=0):
+        """Key tile c, read from `refs`, which hold the context from slot `base` on."""
         start = pl.multiple_of(c * ti.keys, ti.keys)
-        k = _load_keys(k_ref, start, ti.keys, slot_lo, slot_hi)
-        v = _load_keys(v_ref, start, ti.keys, slot_lo, slot_hi)
+        local = pl.multiple_of(start - base, ti.keys)
+        k = _load_keys(refs[0], local, ti.keys, slot_lo - base, slot_hi - base)
+        v = _load_keys(refs[1], local, ti.keys, slot_lo - base, slot_hi - base)
         visible = _context_visible(lo, hi, start + jnp.arange(ti.keys))
         return _online_softmax(q, k, v, visible, spec.scale, carry)
 
     first = jnp.maximum(lax.div(slot_lo, ti.keys), split * split_tiles)
-    last = jnp.minimum(_cdiv(slot_hi, ti.keys), (split + 1) * split_tiles)
-    carry = lax.fori_loop(first, jnp.maximum(first, last), context_step, carry)
+    last = jnp.maximum(first, jnp.minimum(_cdiv(slot_hi, ti.keys), (split + 1) * split_tiles))
+    if spec.patch_tiles:  # tiles [p0, p0 + patch_tiles) come from the patch, in order
+        base = jnp.max(first_ref[...])
+        p0 = lax.div(base, ti.keys)
+        clip = lambda c: jnp.minimum(jnp.maximum(c, first), last)
+        patch_step = functools.partial(context_step, refs=(pk_ref, pv_ref), base=base)
+        carry = lax.fori_loop(first, clip(p0), context_step, carry)
+        carry = lax.fori_loop(clip(p0), clip(p0 + spec.patch_tiles), patch_step, carry)
+        first = clip(p0 + spec.patch_tiles)
+    carry = lax.fori_loop(first, last, context_step, carry)
 
     if spec.block_size:
         first_row = i * ti.rows
@@ -384,8 +438,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
 
 
-def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec):
-    """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows)."""
+def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, patch=()):
+    """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows).
+    patch: with spec.patch_tiles, (first patched slot [B,M_pad], patch k, patch v
+    [B,K,patch_tiles*keys,H])."""
     b, kh, m_pad, h = q_bkmh.shape
     s = k_bksh.shape[2]
     ti, splits = spec.tiles, spec.splits
@@ -399,6 +455,9 @@ def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec):
         bounds,
     ]
     args = [q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm]
+    if spec.patch_tiles:
+        in_specs += [bounds, whole(spec.patch_tiles * ti.keys), whole(spec.patch_tiles * ti.keys)]
+        args += list(patch)
     if spec.block_size:
         in_specs += [whole(spec.num_block_keys)] * 2
         args += [blk_k, blk_v]

@@ -3,7 +3,12 @@
   `block_attention`   the drafter over its context cache plus its own block (`drafter_mask`),
                       for fewer than MAX_QUERIES queries (drafting: one block of <= 16).
   `causal_attention`  the target's T < MAX_QUERIES queries over its cache (`causal_cache_mask`):
-                      verifying a block, one autoregressive step, a short prefill.
+                      a short prefill.
+  `appended_attention`  the same over the cache with T new rows not yet written to it
+                      (verifying a block, one autoregressive step), bitwise what
+                      `causal_attention` gives on the written cache: the one or two cache
+                      tiles the rows fall in come as a patch (`ops.caches.patched_tiles`) read
+                      in their place, so the cache is written once, after acceptance.
 Longer query runs (training, long prefill) are not decode shapes: see ops/dispatch.py.
 
 One kernel serves both. The G query heads of a kv head and the T queries are folded into the
@@ -44,7 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.ops.attention import NEG_INF, block_mask
+from dflash_jax.ops.attention import NEG_INF, block_mask, causal_cache_bounds
+from dflash_jax.ops.caches import patched_tiles
 
 TILE = 128  # cache slots per grid step: one lane width, so scores line up with the m/l scratch
 MAX_QUERIES = TILE  # queries per call: rows = queries x G in one row tile; block keys in one tile
@@ -106,8 +112,33 @@ def causal_attention(
     return _attend(q_btnh, k_bksh, v_bksh, jnp.zeros_like(hi_bt), hi_bt, None, interpret)
 
 
-def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
-    """block: None, or (blk_k, blk_v [B,K,TILE,H], visible [T,T] bool: query vs block key)."""
+def appended_attention(
+    q_btnh: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    cache_lengths: jax.Array,
+    *,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """`causal_attention` over the cache with the T new rows written at cache_lengths[b] + t,
+    bitwise, without writing it. q [B,T,N,H]; k/v [B,K,S,H] (the cache before the write);
+    new_k/new_v [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H] in q's dtype."""
+    t = q_btnh.shape[1]
+    if t >= MAX_QUERIES:
+        raise ValueError(f"appended attention takes < {MAX_QUERIES} queries, got {q_btnh.shape}")
+    patch_k, first_b = patched_tiles(k_bksh, new_k.astype(k_bksh.dtype), cache_lengths, TILE)
+    patch_v, _ = patched_tiles(v_bksh, new_v.astype(v_bksh.dtype), cache_lengths, TILE)
+    hi_bt = causal_cache_bounds(cache_lengths, t)
+    patch = (patch_k, patch_v, first_b)
+    return _attend(q_btnh, k_bksh, v_bksh, jnp.zeros_like(hi_bt), hi_bt, None, interpret, patch)
+
+
+def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None):
+    """block: None, or (blk_k, blk_v [B,K,TILE,H], visible [T,T] bool: query vs block key).
+    patch: None, or (k, v [B,K,P*TILE,H], first [B]): cache tiles first[b] .. first[b]+P-1
+    are read from the patch instead of the cache."""
     b, t, n, h = q_btnh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     g = n // kh
@@ -125,7 +156,10 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
         return jnp.broadcast_to(x_bm[:, :, None], (b, m_pad, TILE))
 
     tile_first, tile_last = _live_tiles(lo_bt, hi_bt, s)  # scalar prefetch
-    cache_tile = lambda b_, k_, c, first, last: (b_, k_, _tile_index(c, first[b_], last[b_]), 0)
+    prefetch = [tile_first, tile_last]
+    cache_tile = lambda b_, k_, c, first, last, *_: (
+        b_, k_, _tile_index(c, first[b_], last[b_]), 0
+    )  # fmt: skip
     per_bk = lambda rows: pl.BlockSpec((None, None, rows, h), lambda b_, k_, c, *_: (b_, k_, 0, 0))
     per_b = pl.BlockSpec((None, m_pad, TILE), lambda b_, k_, c, *_: (b_, 0, 0))
     in_specs = [
@@ -136,6 +170,17 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
         per_b,
     ]
     args = [q_bkmh, k_bksh, v_bksh, per_row(lo_bt), per_row(hi_bt)]
+    patch_tiles = 0
+    if patch is not None:
+        patch_k, patch_v, patch_first = patch
+        patch_tiles = patch_k.shape[2] // TILE
+        # Steps outside the patch repeat its first or last tile's index: no DMA for them.
+        patch_tile = lambda b_, k_, c, first, last, p_first: (
+            b_, k_, jnp.clip(c - p_first[b_], 0, patch_tiles - 1), 0
+        )  # fmt: skip
+        in_specs += [pl.BlockSpec((None, None, TILE, h), patch_tile)] * 2
+        args += [patch_k, patch_v]
+        prefetch.append(patch_first)
     if block is not None:
         blk_k, blk_v, visible_tt = block
         visible_mu = jnp.repeat(visible_tt.astype(jnp.int32), g, axis=0)
@@ -145,10 +190,15 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
 
     out_bkmh = pl.pallas_call(
         functools.partial(
-            _kernel, scale=h**-0.5, num_keys=s, num_tiles=num_tiles, with_block=block is not None
-        ),
+            _kernel,
+            scale=h**-0.5,
+            num_keys=s,
+            num_tiles=num_tiles,
+            with_block=block is not None,
+            patch_tiles=patch_tiles,
+        ),  # fmt: skip
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(prefetch),
             grid=(b, kh, num_tiles + (block is not None)),
             in_specs=in_specs,
             out_specs=per_bk(m_pad),
@@ -164,7 +214,7 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret):
         ),
         interpret=interpret,
         name="dflash_decode_attention",
-    )(tile_first, tile_last, *args)
+    )(*prefetch, *args)
     out_bkmh = out_bkmh[:, :, :m]
     return out_bkmh.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
@@ -191,14 +241,15 @@ def _tile_index(c, first, last):
     return jnp.maximum(jnp.minimum(c, last), first)
 
 
-def _kernel(
-    first_ref, last_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, scale, num_keys, num_tiles,
-    with_block,
-):  # fmt: skip
+def _kernel(first_ref, last_ref, *refs, scale, num_keys, num_tiles, with_block, patch_tiles):
+    if patch_tiles:
+        patch_first_ref, *refs = refs
+    q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs = refs
+    if patch_tiles:
+        pk_ref, pv_ref, *refs = refs
     if with_block:
-        bk_ref, bv_ref, bvis_ref, o_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        o_ref, m_ref, l_ref, acc_ref = refs
+        bk_ref, bv_ref, bvis_ref, *refs = refs
+    o_ref, m_ref, l_ref, acc_ref = refs
     b, c = pl.program_id(0), pl.program_id(2)
 
     @pl.when(c == 0)
@@ -228,12 +279,15 @@ def _kernel(
     def _cache_tile():
         slots = c * TILE + lax.broadcasted_iota(jnp.int32, lo_ref.shape, 1)
         visible = (slots >= lo_ref[...]) & (slots < hi_ref[...])
-        v = v_ref[...]
+        k, v = k_ref[...], v_ref[...]
+        if patch_tiles:  # a tile the new rows fall in: the patch's copy of it
+            patched = (c >= patch_first_ref[b]) & (c < patch_first_ref[b] + patch_tiles)
+            k, v = lax.cond(patched, lambda: (pk_ref[...], pv_ref[...]), lambda: (k, v))
         if num_keys % TILE:  # the last tile runs past the cache: unspecified values there
             visible &= slots < num_keys
             v_slots = c * TILE + lax.broadcasted_iota(jnp.int32, v.shape, 0)
             v = jnp.where(v_slots < num_keys, v, jnp.zeros_like(v))
-        attend(k_ref[...], v, visible)
+        attend(k, v, visible)
 
     if with_block:
 

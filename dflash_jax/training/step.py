@@ -245,7 +245,7 @@ def train_step_on_mesh(mesh, state, target_params, batch, **settings):
     if key not in _ON_MESH:
         # jit takes no keyword arguments beside in_shardings: the settings are bound here.
         _ON_MESH[key] = jax.jit(
-            functools.partial(_train_step, **settings, mesh=mesh),
+            functools.partial(sharding.traced_under(mesh, _train_step), **settings, mesh=mesh),
             in_shardings=in_shardings,
             out_shardings=(in_shardings[0], sharding.replicated(mesh)),
             donate_argnums=0,

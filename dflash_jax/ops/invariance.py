@@ -1,0 +1,226 @@
+"""Batch-invariant target passes: every pass computes a position's result bitwise the same,
+whether the position sits in a 1-token AR step, a 16-token verify, a prefill or a batch.
+
+Why it is needed. XLA compiles each op for its whole shape, and the code it picks can sum in
+another order. A GEMM library picks its kernel from the row count M: XLA:CPU runs M = 1
+through its own matrix-vector loop and M >= 2 through YNNPACK, which switches kernels again
+at larger M (measured on an AMD EPYC without AVX-512, fp32, SmolLM2's shapes: rows are bitwise
+equal for M in [2, 32], then in [33, 63], then from 64 on; with Eigen: from 8 on; an Intel
+Xeon with AMX: M >= 2 in fp32, M >= 4 in bf16). Reductions too: the same RMSNorm over [4, 576]
+and over [8, 576], or the same softmax over [1,3,12,64] and [1,3,24,64], round apart. So a
+position's logits in an AR step and in a verify differ in the last bits, and in bf16 that
+flips argmaxes: speculative output stops being the target's own.
+
+The rules. (1) Matmuls (`RowRule`): the row counts [min_rows, max_rows] that select one
+kernel class, found by `probe_row_rule` on the running backend and dtype (never hard-coded).
+Fewer rows are padded up to `min_rows` (zero rows, sliced off after); more are cut into tiles
+of exactly `max_rows` that run one after another (`lax.map`, so XLA cannot merge them back
+into one GEMM of another class). Within a class each row's result depends on that row alone.
+(2) Reductions run at one fixed shape: the norms in row tiles of exactly `RowRule.tile`
+rows (`fixed_rows`), the attention in fixed (query tile x key tile) blocks
+(`ops.attention.tiled_attention`). Whatever the pass, every number comes out of the same
+compiled shapes in the same order. The tests (tests/test_batch_invariance.py) check it
+bitwise for every pass kind, in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRule:
+    """Row counts that give every row the same bits: [min_rows, max_rows] (max_rows 0: no
+    upper bound). Hashable: it is part of the static `TargetConfig`."""
+
+    min_rows: int = 1
+    max_rows: int = 0
+
+    def __post_init__(self):
+        if self.min_rows < 1 or (self.max_rows and self.max_rows < self.min_rows):
+            raise ValueError(f"bad row rule [{self.min_rows}, {self.max_rows or 'inf'}]")
+
+    @property
+    def tile(self) -> int:
+        """The row tile of the reductions that run at one fixed shape (`fixed_rows`)."""
+        return self.max_rows or max(self.min_rows, 32)
+
+    def rows_matmul(self, x_md: jax.Array, fn) -> jax.Array:
+        """fn(x [M', D]) -> [M', N] applied to x [M, D] with every call's M' inside the rule.
+        fn must treat rows independently (a matmul, a row-wise GEMM + reduction)."""
+        m = x_md.shape[0]
+        if m < self.min_rows:
+            pad = jnp.zeros((self.min_rows - m, *x_md.shape[1:]), x_md.dtype)
+            return fn(jnp.concatenate([x_md, pad], 0))[:m]
+        if not self.max_rows or m <= self.max_rows:
+            return fn(x_md)
+        r = self.max_rows
+        tiles = -(-m // r)
+        pad = jnp.zeros((tiles * r - m, *x_md.shape[1:]), x_md.dtype)
+        x_crd = jnp.concatenate([x_md, pad], 0).reshape(tiles, r, *x_md.shape[1:])
+        out_cr = jax.lax.map(fn, x_crd)
+        return out_cr.reshape(tiles * r, *out_cr.shape[2:])[:m]
+
+    def query_tile(self, group: int) -> int:
+        """Queries per attention tile for `group` query heads per kv head: the tile's matmuls
+        hold group x queries rows, as many as `tile` allows (at least `min_rows`)."""
+        return max(-(-self.min_rows // group), self.tile // group, 1)
+
+
+NO_RULE = RowRule()
+
+
+def fixed_rows(x_md: jax.Array, fn, rows: int) -> jax.Array:
+    """fn(x [rows, D]) -> [rows, ...] applied to x [M, D] in tiles of exactly `rows` rows (zero
+    rows pad the last; one tile is called directly, several through `lax.map`): every row goes
+    through one compiled shape, for the reductions whose code XLA picks by the whole shape."""
+    m = x_md.shape[0]
+    tiles = -(-m // rows)
+    x_md = jnp.pad(x_md, ((0, tiles * rows - m),) + ((0, 0),) * (x_md.ndim - 1))
+    if tiles == 1:
+        return fn(x_md)[:m]
+    out = jax.lax.map(fn, x_md.reshape(tiles, rows, *x_md.shape[1:]))
+    return out.reshape(tiles * rows, *out.shape[2:])[:m]
+
+
+def dot_general(rule: RowRule | None):
+    """A `dot_general` for flax's Dense/DenseGeneral that runs under `rule` (None: plain).
+    Contracts the lhs's trailing dims with the rhs's leading dims (what Dense does)."""
+    if rule is None or rule == NO_RULE:
+        return jax.lax.dot_general
+    return functools.partial(_rule_dot_general, rule)
+
+
+def _rule_dot_general(rule, lhs, rhs, dimension_numbers, precision=None, **kwargs):
+    (lc, rc), (lb, rb) = dimension_numbers
+    nc = len(lc)
+    trailing = tuple(lc) == tuple(range(lhs.ndim - nc, lhs.ndim)) and tuple(rc) == tuple(range(nc))
+    if lb or rb or not trailing:
+        raise NotImplementedError(f"row rule for dot_general {dimension_numbers}: not a Dense")
+    lead, contract = lhs.shape[: lhs.ndim - nc], lhs.shape[lhs.ndim - nc :]
+    k = int(np.prod(contract))
+    out_dims = rhs.shape[nc:]
+    # A barrier: the weight reaches every call as one materialised [K, N] array. Otherwise XLA
+    # may fold a transpose (a tied head's embedding.T) into the GEMM in one program and not in
+    # another (inside `lax.map`), and the two kernels round apart.
+    rhs_kn = jax.lax.optimization_barrier(rhs.reshape(k, -1))
+    x_mk = lhs.reshape(-1, k)
+    dims = (((1,), (0,)), ((), ()))
+    out = rule.rows_matmul(
+        x_mk, lambda x: jax.lax.dot_general(x, rhs_kn, dims, precision, **kwargs)
+    )
+    return out.reshape(*lead, *out_dims)
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe.
+
+# Up to 128: a class reaching it is used as tiles of 128 rows (a bigger tile gains little).
+_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128)
+# The row count every decode uses for its verify (block 16 at batch 1): the class to find.
+_ANCHOR_ROWS = 16
+
+
+def _row_classes(results: dict[int, np.ndarray]) -> RowRule:
+    """The contiguous run of probed row counts around _ANCHOR_ROWS whose first-row results equal
+    the anchor's -> RowRule (never unbounded: only probed counts are known to agree)."""
+    rows = sorted(results)
+    anchor = results[_ANCHOR_ROWS]
+    same = [np.array_equal(results[m], anchor) for m in rows]
+    i = rows.index(_ANCHOR_ROWS)
+    lo = i
+    while lo > 0 and same[lo - 1]:
+        lo -= 1
+    hi = i
+    while hi + 1 < len(rows) and same[hi + 1]:
+        hi += 1
+    return RowRule(rows[lo], rows[hi])
+
+
+def _intersect(a: RowRule, b: RowRule) -> RowRule:
+    lo = max(a.min_rows, b.min_rows)
+    his = [h for h in (a.max_rows, b.max_rows) if h]
+    return RowRule(lo, min(his) if his else 0)
+
+
+@functools.cache
+def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str) -> RowRule:
+    """The row rule of this backend's GEMMs [M,K] @ [K,N] in `dtype` at each (K, N) of
+    `shapes`: each shape's first output row at every probed M is compared with its value at
+    M = 16, and the contiguous run of equal ones around 16 is kept (intersected over the
+    shapes). ~1-10 s (bf16 without matrix units is slow); cached per process, and on disk by
+    `machine_row_rule`. `backend` is part of the cache key."""
+    del backend  # the key: a probe describes the backend it ran on
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    rule = None
+    m_max = max(_PROBE_ROWS)
+    f = jax.jit(jnp.dot)
+    for k, n in shapes:
+        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dt)
+        x = jnp.asarray(rng.standard_normal((m_max, k)), dt)
+        results = {m: np.asarray(f(x[:m], w)[0].astype(jnp.float32)) for m in _PROBE_ROWS}
+        found = _row_classes(results)
+        rule = found if rule is None else _intersect(rule, found)
+    return rule
+
+
+def target_shapes(config) -> tuple[tuple[int, int], ...]:
+    """The (K, N) of every matmul a target pass runs (`config`: a `TargetConfig`)."""
+    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * h, config.num_kv_heads * h
+    return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), (d, config.vocab_size))))
+
+
+def machine_name() -> str:
+    """The CPU model (GEMM kernels differ by instruction set), or the accelerator's kind."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.platform}:{device.device_kind}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu:" + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return "cpu:" + (platform.processor() or platform.machine())
+
+
+def machine_row_rule(config) -> RowRule:
+    """`probe_row_rule` for this target's matmul shapes and dtype on this machine, kept in
+    <cache_root>/row_rules.json (keyed by machine, jax version, XLA_FLAGS, dtype and shapes)
+    so that a machine probes each target once."""
+    import json
+    import os
+
+    from dflash_jax.config import cache_root
+
+    shapes = target_shapes(config)
+    parts = [machine_name(), jax.__version__, os.environ.get("XLA_FLAGS", ""), config.dtype]
+    key = "|".join([*parts, str(shapes)])
+    path = cache_root() / "row_rules.json"
+    table = {}
+    try:
+        table = json.loads(path.read_text())
+        if key in table:
+            return RowRule(*table[key])
+    except (OSError, ValueError, TypeError):
+        table = {}
+    rule = probe_row_rule(shapes, config.dtype, jax.default_backend())
+    table[key] = [rule.min_rows, rule.max_rows]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: probe again next time
+    return rule

@@ -1,0 +1,230 @@
+"""The programs a decode or a training run compiles, built from shapes alone: no weight is read
+and nothing is allocated. Params, optimizer state, caches and batches are `jax.eval_shape`
+structures placed by the sharding table on a mesh of fake CPU devices, and each program is the
+jitted function the run itself calls, with those structures as its arguments. `infer.memory_plan`
+compiles them for their memory figures; `infer.lower` lowers them for a TPU or a GPU.
+
+    mesh = fake_mesh("fsdp=4,tensor=2")          # before anything else starts a jax backend
+    dispatch.KERNEL_PLATFORM = "tpu"             # the kernels a TPU run picks (ops.dispatch)
+    for program in speculative_programs(cfg, mesh, DecodeShape(batch=8), "auto"):
+        program.lower("tpu")
+
+The target's shapes come from a local HF directory's config.json, a GGUF file's metadata (and
+so the embedded `smollm2-135m-instruct`) or, offline, from `KNOWN_TARGETS` for the hub ids of
+configs/*.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import sharding
+from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.io import assets
+from dflash_jax.io.gguf import read_gguf
+
+# config.json fields of the targets configs/*.py name, for planning without the hub.
+KNOWN_TARGETS = {
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen3-4B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560,
+        "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000,
+        "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+    },
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """What a decode is planned or lowered for: rows, prompt buffer width, new tokens per row,
+    block size (0: the drafter's trained one) and the param and cache dtype."""
+
+    batch: int = 32
+    prompt_len: int = 1024
+    max_new_tokens: int = 1024
+    block_size: int = 0
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One jitted program and its abstract arguments (ShapeDtypeStructs with shardings)."""
+
+    name: str
+    fn: Any
+    args: tuple
+
+    def lower(self, platform: str | None = None):
+        """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend)."""
+        platforms = None if platform is None else (platform,)
+        return self.fn.trace(*self.args).lower(lowering_platforms=platforms)
+
+
+def fake_mesh(spec: str) -> jax.sharding.Mesh:
+    """The mesh `spec` describes ("" = one device) over exactly as many fake CPU devices as it
+    needs (an axis left out, `data` included, has size 1). Call it before anything starts a
+    jax backend; a bad spec raises ValueError naming what is wrong."""
+    sizes = sharding.parse_mesh(spec) if spec.strip() else {}
+    count = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+    return sharding.make_mesh(sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1))
+
+
+def target_config(source: str, dtype: str) -> TargetConfig:
+    """The target's config from `source` (an HF directory, a .gguf file, the embedded
+    `smollm2-135m-instruct`, or a hub id of `KNOWN_TARGETS`) without reading a weight;
+    ValueError when it is none of these."""
+    path = Path(source).expanduser()
+    if source.lower() == assets.SMOLLM2_NAME:
+        path = assets.smollm2_gguf_path()
+    if path.is_file() and path.suffix == ".gguf":
+        return TargetConfig.from_hf(read_gguf(path)[0], dtype=dtype)
+    if (path / "config.json").is_file():
+        return TargetConfig.from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
+    if source in KNOWN_TARGETS:
+        return TargetConfig.from_hf(KNOWN_TARGETS[source], dtype=dtype)
+    raise ValueError(
+        f"target {source!r}: give an HF directory (its config.json), a .gguf file, "
+        f"{assets.SMOLLM2_NAME!r} or one of {sorted(KNOWN_TARGETS)}"
+    )
+
+
+def abstract_params(init, config, dtype, mesh):
+    """The params `init(config, rng)` makes, as `dtype` ShapeDtypeStructs placed on `mesh` by
+    the sharding table."""
+    out = jax.eval_shape(functools.partial(init, config), jax.random.key(0))
+    out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), out)
+    return sharding.put(out, sharding.param_shardings(out, mesh))
+
+
+def _configs(cfg, dtype: str, attention_impl: str):
+    """(target config, drafter config) of training config `cfg` in `dtype` with
+    `attention_impl`."""
+    from dflash_jax.training.trainer import drafter_config_for
+
+    tcfg = dataclasses.replace(target_config(cfg.target, dtype), attention_impl=attention_impl)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.compute_dtype, cfg.attention_impl = dtype, attention_impl
+    return tcfg, drafter_config_for(cfg, tcfg)
+
+
+def train_program(cfg, mesh, attention_impl: str) -> Program:
+    """The training step of config `cfg` (`train_step_on_mesh`) on (train state, frozen target
+    params, batch): the batch has the config's rows, sequence length and anchors, and its taps
+    when `cfg.taps` is "cached" (otherwise the step runs the target for them)."""
+    from dflash_jax.models.target import init_params
+    from dflash_jax.training import checkpoint
+    from dflash_jax.training.loss import default_gamma
+    from dflash_jax.training.step import OptimizerConfig, train_step_on_mesh
+
+    tcfg, dcfg = _configs(cfg, cfg.compute_dtype, attention_impl)
+    optimizer = OptimizerConfig.from_config(cfg, cfg.num_steps or 1000)
+    state = checkpoint.abstract_state(dcfg, optimizer, mesh)
+    target = abstract_params(init_params, tcfg, cfg.compute_dtype, mesh)
+    b, s, n = cfg.batch_size, cfg.seq_len, cfg.num_anchors
+    batch = {
+        "tokens": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "length": jax.ShapeDtypeStruct((b,), jnp.int32),
+        "anchors": jax.ShapeDtypeStruct((b, n), jnp.int32),
+        "anchor_valid": jax.ShapeDtypeStruct((b, n), jnp.bool_),
+        "index": jax.ShapeDtypeStruct((b,), jnp.int32),
+    }
+    if cfg.taps == "cached":
+        features = len(dcfg.target_layer_ids) * tcfg.hidden_size
+        batch["taps"] = jax.ShapeDtypeStruct((b, s, features), jnp.dtype(cfg.tap_cache_dtype))
+    batch = sharding.put(batch, sharding.batch_shardings(batch, mesh))
+    step = train_step_on_mesh(
+        mesh, state, target, batch,
+        target_config=tcfg, drafter_config=dcfg, optimizer=optimizer,
+        loss_gamma=float(cfg.loss_gamma or default_gamma(cfg.block_size)),
+        ce_chunk_rows=cfg.ce_chunk_rows, vocab_negatives=cfg.vocab_negatives,
+    )  # fmt: skip
+    return Program("train_step", step, (state, target, batch))
+
+
+def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, statics: dict):
+    """[start, advance] of a decode as `decoding.runner` runs them on `mesh`: start on
+    (*params, prompt, lengths, rng), advance on those, `inputs`, the step limit and the loop
+    state start returns (donated)."""
+    from dflash_jax.decoding import programs
+    from dflash_jax.decoding.state import carry_shardings
+
+    start, advance = halves
+    start_fn, start_args, _ = programs.on_mesh(start, mesh, head, statics)
+    state = jax.eval_shape(start_fn, *start_args)
+    state = sharding.put(state, carry_shardings(state, mesh))
+    args = (*head, *inputs, jax.ShapeDtypeStruct((), jnp.int32), state)  # step limit, state
+    advance_fn, advance_args, _ = programs.on_mesh(advance, mesh, args, statics)
+    return [Program(names[0], start_fn, start_args), Program(names[1], advance_fn, advance_args)]
+
+
+def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:
+    """(target params, prompt [B,P], lengths [B], rng) as ShapeDtypeStructs."""
+    from dflash_jax.models.target import init_params
+
+    return (
+        abstract_params(init_params, tcfg, shape.dtype, mesh),
+        jax.ShapeDtypeStruct((shape.batch, shape.prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((shape.batch,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+
+
+def speculative_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> list[Program]:
+    """[start, advance] of the speculative decode of config `cfg`'s target and drafter
+    (`decoding.speculative`), the programs `infer.generate` and `infer.benchmark` run."""
+    from dflash_jax.decoding import speculative
+    from dflash_jax.models.drafter import init_drafter_params
+
+    tcfg, dcfg = _configs(cfg, shape.dtype, attention_impl)
+    decode = DecodeConfig(
+        max_new_tokens=shape.max_new_tokens, block_size=shape.block_size or dcfg.block_size
+    )
+    target, *rest = _decode_head(tcfg, shape, mesh)
+    drafter = abstract_params(init_drafter_params, dcfg, shape.dtype, mesh)
+    inputs = (
+        jax.eval_shape(lambda: speculative.step_cost_array(decode)),
+        jax.ShapeDtypeStruct((), jnp.int32),  # forced kind
+    )
+    statics = dict(target_config=tcfg, drafter_config=dcfg, decode_config=decode)
+    halves = (speculative.start_speculative, speculative.advance_speculative)
+    names = ("start_speculative", "advance_speculative")
+    return _halves(names, halves, mesh, (target, drafter, *rest), inputs, statics)
+
+
+def autoregressive_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> list[Program]:
+    """[start, advance] of the autoregressive decode of config `cfg`'s target (the baseline of
+    `infer.benchmark`, and `infer.generate --drafter=none`)."""
+    from dflash_jax.decoding import autoregressive
+
+    tcfg, _ = _configs(cfg, shape.dtype, attention_impl)
+    decode = autoregressive.autoregressive_config(DecodeConfig(max_new_tokens=shape.max_new_tokens))
+    statics = dict(target_config=tcfg, decode_config=decode)
+    halves = (autoregressive.start_autoregressive, autoregressive.advance_autoregressive)
+    names = ("start_autoregressive", "advance_autoregressive")
+    return _halves(names, halves, mesh, _decode_head(tcfg, shape, mesh), (), statics)

@@ -1,0 +1,231 @@
+r"""Lowers a config's real programs for a TPU or a GPU on this machine, before renting one.
+
+  python -m infer.lower --platform=tpu --config=configs/qwen3_8b_b16.py --mesh=fsdp=4,tensor=2 \
+      --what=decode
+  python -m infer.lower --platform=tpu,cuda --what=decode,train --config=... --mesh=...
+
+The programs are the ones the runs call (`infer.aot`): for --what=decode the speculative and
+the autoregressive decodes' two halves (start: prefill -> loop state; advance: the loop), for
+--what=train the training step, all with shape-only params, caches and batches placed on a mesh
+of fake CPU devices by the sharding table. Each is lowered to StableHLO for the platform, with
+the kernels `ops.dispatch` picks there (`dispatch.KERNEL_PLATFORM`), and one JSON line per
+program goes to stdout:
+
+  {"program": "advance_speculative", "what": "decode", "platform": "cuda", "ok": true,
+   "error": null, "custom_calls": {"__gpu$xla.gpu.triton": 41},
+   "kernels": [{"name": "dflash_attention_fwd", "target": "__gpu$xla.gpu.triton", "count": 41,
+                "outside_shard_map": 0}], "seconds": 1.2, ...}
+
+(a call site counts once per layer: 41 = Qwen3-8B's 36 target layers + the drafter's 5).
+
+A program fails (ok false, its error in the line, and the command exits 1) when lowering raises
+(jax refuses to partition a Mosaic kernel, a kernel refuses a shape) or, on a mesh of more than
+one device, when a kernel call lies outside a `shard_map` over every mesh axis in use: GSPMD
+cannot split a Mosaic or Triton custom call, so it would gather the call's operands onto every
+device. Lowering is not compiling: what only XLA's TPU or GPU compiler finds (VMEM or shared
+memory limits, register pressure) does not show here. Shard_map regions are recognised as
+Shardy's `sdy.manual_computation` (jax's default partitioner).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections import Counter
+
+import jax
+from absl import app, flags
+from jax.interpreters.mlir import ir
+from ml_collections import config_flags
+
+from dflash_jax.config import ATTENTION_IMPLS
+from dflash_jax.ops import dispatch
+from infer import aot, distributed  # noqa: F401  (distributed: --mesh)
+
+PLATFORMS = ("tpu", "cuda")
+WHATS = ("decode", "train")
+# custom-call targets of Pallas kernels (Mosaic TPU, Triton, Mosaic GPU): calls GSPMD cannot
+# partition.
+KERNEL_TARGETS = frozenset(
+    ("tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu_v2")
+)
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "Training config (configs/*.py): the target, the drafter and the train batch."
+)
+flags.DEFINE_list(
+    "platform", ["tpu", "cuda"],
+    f"Platforms to lower for, comma-separated, of {', '.join(PLATFORMS)} ('cuda': NVIDIA GPUs).",
+)  # fmt: skip
+flags.DEFINE_list(
+    "what", ["decode", "train"],
+    "Programs to lower, comma-separated: 'decode' (the speculative and the autoregressive "
+    "decodes, start and advance halves), 'train' (the training step).",
+)  # fmt: skip
+flags.DEFINE_enum(
+    "attention_impl", "auto", list(ATTENTION_IMPLS),
+    "Attention as the run would choose it on the platform: 'auto' (the run's default: Pallas "
+    "kernels on GPU and TPU where they take the shapes, else xla), 'pallas' (kernels or a "
+    "refusal), 'xla' (no kernels).",
+)  # fmt: skip
+_SHAPE = aot.DecodeShape()
+flags.DEFINE_integer("batch", _SHAPE.batch, "Decode: rows decoded together.", lower_bound=1)
+flags.DEFINE_integer("prompt_len", _SHAPE.prompt_len, "Decode: prompt buffer width.", lower_bound=1)
+flags.DEFINE_integer(
+    "max_new_tokens", _SHAPE.max_new_tokens, "Decode: new tokens per row.", lower_bound=1
+)
+flags.DEFINE_integer(
+    "block_size", _SHAPE.block_size, "Decode: block size (0: the config's).", lower_bound=0
+)
+flags.DEFINE_enum(
+    "dtype", _SHAPE.dtype, ["bfloat16", "float32"],
+    "Decode: param and cache dtype (training uses the config's compute_dtype).",
+)  # fmt: skip
+flags.mark_flag_as_required("config")
+for _name, _choices in (("platform", PLATFORMS), ("what", WHATS)):
+    flags.register_validator(
+        _name,
+        lambda values, choices=_choices: bool(values) and set(values) <= set(choices),
+        f"--{_name} takes a comma-separated list of {', '.join(_choices)}",
+    )
+
+
+def _kernel_name(op) -> str | None:
+    """A kernel call's name: Mosaic's `kernel_name`, Triton's backend_config `name`."""
+    attrs = op.attributes
+    if "kernel_name" in attrs:
+        return ir.StringAttr(attrs["kernel_name"]).value
+    for key in ("mhlo.backend_config", "backend_config"):
+        if key in attrs and isinstance(attrs[key], ir.DictAttr) and "name" in attrs[key]:
+            return ir.StringAttr(attrs[key]["name"]).value
+    return None
+
+
+def custom_calls(module) -> Counter:
+    """(target, kernel name or None, mesh axes in manual mode there) -> count, over a lowered
+    StableHLO module; a call inside a private function counts once per call site."""
+    funcs = {
+        ir.StringAttr(op.attributes["sym_name"]).value: op.operation
+        for op in module.body.operations
+        if op.operation.name == "func.func"
+    }
+    held: dict[tuple[str, frozenset], Counter] = {}  # (function, manual axes) -> its calls
+
+    def walk(op, manual: frozenset, found: Counter) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    inner = manual
+                    if child.name == "stablehlo.custom_call":
+                        target = ir.StringAttr(child.attributes["call_target_name"]).value
+                        found[(target, _kernel_name(child), manual)] += 1
+                    elif child.name == "sdy.manual_computation":  # a shard_map
+                        axes = str(child.attributes["manual_axes"])
+                        inner = manual | set(re.findall(r'"(\w+)"', axes))
+                    elif child.name == "func.call":
+                        key = (ir.FlatSymbolRefAttr(child.attributes["callee"]).value, manual)
+                        if key not in held:
+                            held[key] = Counter()
+                            walk(funcs[key[0]], manual, held[key])
+                        found.update(held[key])
+                    walk(child, inner, found)
+
+    found: Counter = Counter()
+    walk(funcs["main"], frozenset(), found)
+    return found
+
+
+def report(found: Counter, mesh) -> dict:
+    """The JSON fields of one lowered program: custom calls by target, kernels by name with the
+    calls outside a shard_map over every mesh axis of size > 1, and the error those make."""
+    split = {name for name, size in mesh.shape.items() if size > 1}
+    by_target: Counter = Counter()
+    kernels: dict = {}
+    for (target, name, manual), count in found.items():
+        by_target[target] += count
+        if target not in KERNEL_TARGETS:
+            continue
+        row = kernels.setdefault(
+            (target, name), {"name": name, "target": target, "count": 0, "outside_shard_map": 0}
+        )
+        row["count"] += count
+        row["outside_shard_map"] += 0 if split <= manual else count
+    outside = [k for k in kernels.values() if k["outside_shard_map"]]
+    error = None
+    if outside:
+        calls = ", ".join(
+            f"{k['outside_shard_map']} x {k['name']} ({k['target']})" for k in outside
+        )
+        error = (
+            f"kernel calls outside a shard_map over the mesh axes {sorted(split)}: {calls}; "
+            "GSPMD cannot partition a custom call and would gather its operands onto every device"
+        )
+    return {
+        "custom_calls": dict(sorted(by_target.items())),
+        "kernels": sorted(kernels.values(), key=lambda k: (k["target"], k["name"] or "")),
+        "error": error,
+    }
+
+
+def lower_one(program: aot.Program, platform: str, mesh) -> dict:
+    """Lowers `program` for `platform`. -> {ok, error, custom_calls, kernels, seconds}."""
+    t0 = time.perf_counter()
+    try:
+        module = program.lower(platform).compiler_ir("stablehlo")
+        out = report(custom_calls(module), mesh)
+    except Exception as e:  # noqa: BLE001  (any failure is the finding, reported in the line)
+        out = {"custom_calls": None, "kernels": None, "error": f"{type(e).__name__}: {e}"}
+    seconds = round(time.perf_counter() - t0, 2)
+    return {"ok": out["error"] is None, "error": out.pop("error"), **out, "seconds": seconds}
+
+
+def programs(what: str, mesh) -> list[aot.Program]:
+    """The programs --what=`what` names for the flags' config, shapes and attention."""
+    cfg, impl = FLAGS.config, FLAGS.attention_impl
+    if what == "train":
+        return [aot.train_program(cfg, mesh, impl)]
+    shape = aot.DecodeShape(
+        FLAGS.batch, FLAGS.prompt_len, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.dtype
+    )
+    return [
+        *aot.speculative_programs(cfg, mesh, shape, impl),
+        *aot.autoregressive_programs(cfg, mesh, shape, impl),
+    ]
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        mesh = aot.fake_mesh(FLAGS.mesh)
+    except ValueError as e:
+        raise app.UsageError(f"--mesh: {e}") from e
+    spec = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+    failed = 0
+    for platform in FLAGS.platform:
+        dispatch.KERNEL_PLATFORM = platform
+        jax.clear_caches()  # traces made for another platform hold its kernels
+        for what in FLAGS.what:
+            head = {"what": what, "platform": platform, "mesh": spec}
+            head["attention_impl"] = FLAGS.attention_impl
+            try:
+                lines = [
+                    {"program": program.name, **head, **lower_one(program, platform, mesh)}
+                    for program in programs(what, mesh)
+                ]
+            except Exception as e:  # noqa: BLE001  (a refusal while tracing is a finding too)
+                lines = [
+                    {"program": what, **head, "ok": False, "error": f"{type(e).__name__}: {e}"}
+                ]
+            for line in lines:
+                failed += not line["ok"]
+                print(json.dumps(line), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)
