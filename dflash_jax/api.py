@@ -5,12 +5,15 @@ call `speculative_decode` directly."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
+import os
 import time
 
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig
+from dflash_jax.config import DecodeConfig, cache_root
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
@@ -144,6 +147,51 @@ class TokenStream:
                 if text.startswith(old) and not text.endswith("\ufffd") and text != old:
                     self.on_text(row, text[len(old) :])
                     self._text[row] = text
+
+
+def fastest_dtype(target, drafter, block_size: int) -> tuple[str, dict[str, float]]:
+    """The precision to decode in when the user does not say: the one whose DFlash step floor
+    (`block_size` rows through the target's and the drafter's matrices and the head,
+    `decoding.breakdown.gemm_floors`, weights cast) is fastest on this machine. bf16 wins where
+    matrix units make a 16-row pass cheap (an Intel Xeon with AMX: 28 ms vs 56 ms in fp32 for
+    SmolLM2) and loses badly without them (an AMD EPYC without AVX-512: ~9x slower). Measured
+    once per machine and shapes, kept in <cache_root>/dtype_floors.json. The target alone
+    (drafter None): float32, whose one-row pass is the fast one everywhere measured.
+    -> (dtype, {dtype: step floor in seconds})."""
+    if drafter is None:
+        return "float32", {}
+    from dflash_jax.decoding import breakdown
+    from dflash_jax.ops.invariance import machine_name
+
+    path = cache_root() / "dtype_floors.json"
+    key = "|".join(
+        [machine_name(), jax.__version__, repr(target.config.num_layers),
+         repr(target.config.hidden_size), repr(target.config.intermediate_size),
+         repr(target.config.vocab_size), repr(drafter.config.num_layers), str(block_size)]
+    )  # fmt: skip
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        floors = {}
+        for dtype in ("float32", "bfloat16"):
+            cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
+            tcfg = dataclasses.replace(target.config, dtype=dtype)
+            out = breakdown.gemm_floors(
+                cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
+            )
+            floors[dtype] = out["gemm_floor_step_s"]
+        table[key] = floors
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    floors = table[key]
+    return min(floors, key=floors.get), floors
 
 
 def compile_decodes(

@@ -13,6 +13,7 @@ speedup = mean(TPOT_AR) / mean(TPOT_DFlash), a ratio of means. tau counts the bo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -24,8 +25,10 @@ from tqdm import tqdm
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import breakdown, calibration
+from dflash_jax.decoding import breakdown, calibration, programs
 from dflash_jax.decoding.lookup import prompt_lookup_taus
+from dflash_jax.io import load_target
+from dflash_jax.ops import invariance
 from infer import common
 
 FLAGS = flags.FLAGS
@@ -59,7 +62,23 @@ flags.DEFINE_bool(
 flags.DEFINE_integer(
     "breakdown_repeats", 20, "Timed calls per phase and floor (the median is kept).", lower_bound=3
 )
+flags.DEFINE_list(
+    "fastest_ar_dtypes",
+    ["float32", "bfloat16"],
+    "Precisions whose plain autoregressive decode (no batch invariance: the fastest AR this "
+    "code runs) compete for `speedup_vs_fastest_ar`. Each is timed for a few steps on the "
+    "first prompt; those within 1.3x of the fastest are then timed on every prompt, the others "
+    "are reported with their step cost and left out (they cannot be the fastest).",
+)
+flags.register_validator(
+    "fastest_ar_dtypes",
+    lambda ds: bool(ds) and all(d in ("float32", "bfloat16") for d in ds),
+    "--fastest_ar_dtypes: a non-empty list of float32, bfloat16",
+)
 flags.mark_flag_as_required("output")
+# A precision whose AR step (on the first prompt) costs more than this times the fastest one's
+# is not timed on every prompt.
+_FASTEST_AR_MARGIN = 1.3
 
 HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -101,7 +120,7 @@ def load_conversations(dataset: str, limit: int) -> list[list[str]]:
 
 def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
     """One synchronised run; the first run of each compiled shape is a discarded warm-up."""
-    key = (drafter is None, prompt.shape, cfg)
+    key = (id(target), drafter is None, prompt.shape, cfg)
     kw = {} if drafter is None else {"step_costs": step_costs}
     if key not in warmed:
         api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
@@ -109,12 +128,27 @@ def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
     return api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
 
 
-def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
+def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None):
+    """AR (the lossless reference: the same config, target alone), DFlash, and each target in
+    `plain_ars` {dtype: target} decoding alone without batch invariance (the fastest ARs)."""
     prompt, lengths = api.pad_prompts([ids])
     ar_cfg = api.baseline_config(cfg)
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
     prefill_s = ar.start_s  # the AR decode's start half: the target prefill and nothing else
     df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
+    plain = {}
+    ref_is_plain = programs.run_target_config(target.config, ar_cfg).invariant_rows is None
+    for dtype, t in (plain_ars or {}).items():
+        plain_cfg = dataclasses.replace(ar_cfg, batch_invariant=False)
+        # The reference AR already is this one: the same target, no batch invariance.
+        run = (
+            ar
+            if t is target and ref_is_plain
+            else _timed(t, None, prompt, lengths, plain_cfg, warmed)
+        )
+        n = int(run.output.lengths[0])
+        # Its own prefill excluded (a plain pass, in its own precision).
+        plain[dtype] = max(run.run_s - run.start_s, 1e-9) / (n - 1) if n > 1 else None
     n_ar, n_df = int(ar.output.lengths[0]), int(df.output.lengths[0])
     steps = int(df.output.num_steps[0])
     taus = np.asarray(df.output.acceptance_lengths[0, :steps]).tolist()
@@ -139,6 +173,7 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None):
         "outputs_identical": bool(
             n_ar == n_df and np.array_equal(ar.output.tokens[0, :n_ar], df.output.tokens[0, :n_df])
         ),
+        "plain_ar_tpot_s": plain,
     }, np.asarray(df.output.tokens[0, :n_df]).tolist()
 
 
@@ -149,7 +184,28 @@ def kind_mix(turns: list[dict]) -> dict:
     return {str(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
 
 
-def aggregate(turns: list[dict], block_size: int) -> dict:
+def fastest_ar(timed: list[dict], ar_tpot: float, df_tpot: float, dtype: str) -> dict:
+    """`speedup` against the same precision's fastest AR (the reference AR, or the plain one
+    when it is faster), and `speedup_vs_fastest_ar`: against the fastest AR of any precision
+    timed on every prompt (`--fastest_ar_dtypes`)."""
+    plain = {
+        d: float(np.mean([t["plain_ar_tpot_s"][d] for t in timed]))
+        for d in (timed[0]["plain_ar_tpot_s"] if timed else {})
+        if all(t["plain_ar_tpot_s"].get(d) for t in timed)
+    }
+    same = min([ar_tpot] + ([plain[dtype]] if dtype in plain else []))
+    best_dtype = min(plain, key=plain.get) if plain else dtype
+    best = min(same, plain.get(best_dtype, same))
+    return {
+        "plain_ar_tokens_per_s": {d: 1.0 / t for d, t in plain.items()},
+        "speedup": same / df_tpot,
+        "speedup_vs_reference_ar": ar_tpot / df_tpot,
+        "fastest_ar": {"dtype": best_dtype if best < same else dtype, "tokens_per_s": 1.0 / best},
+        "speedup_vs_fastest_ar": best / df_tpot,
+    }
+
+
+def aggregate(turns: list[dict], block_size: int, dtype: str = "float32") -> dict:
     timed = [t for t in turns if t["ar_tpot_s"] and t["dflash_tpot_s"]]
     ar_tpot = float(np.mean([t["ar_tpot_s"] for t in timed]))
     df_tpot = float(np.mean([t["dflash_tpot_s"] for t in timed]))
@@ -168,7 +224,7 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
         "tau_histogram": {str(k): int(hist[k]) for k in range(1, block_size + 1)},
         "ar_tokens_per_s": 1.0 / ar_tpot,
         "dflash_tokens_per_s": 1.0 / df_tpot,
-        "speedup": ar_tpot / df_tpot,
+        **fastest_ar(timed, ar_tpot, df_tpot, dtype),
         "outputs_identical": all(t["outputs_identical"] for t in turns),
         "dflash_step_s": float(df_step),
         "ar_step_s": float(ar_step),
@@ -176,6 +232,34 @@ def aggregate(turns: list[dict], block_size: int) -> dict:
         "mean_new_tokens": float(np.mean([t["dflash_tokens"] for t in turns])),
         "step_kind_mix": kind_mix(turns),
     }
+
+
+def pick_plain_ars(target, ids, cfg: DecodeConfig) -> tuple[dict, dict]:
+    """The targets whose plain AR decode (`batch_invariant=False`) is timed on every prompt:
+    each precision of --fastest_ar_dtypes decodes the first prompt for a few steps (after a
+    warm-up), and those within _FASTEST_AR_MARGIN of the fastest step are kept.
+    -> ({dtype: target}, {dtype: {"step_s", "timed"}})."""
+    prompt, lengths = api.pad_prompts([ids])
+    plain_cfg = dataclasses.replace(api.baseline_config(cfg), batch_invariant=False)
+    targets, steps = {}, {}
+    for dtype in FLAGS.fastest_ar_dtypes:
+        t = target
+        if dtype != target.config.dtype:
+            loaded = load_target(
+                FLAGS.target, dtype=dtype, cache=FLAGS.target_cache, mesh=common.distributed.mesh()
+            )
+            t = common.with_attention_impl(loaded)[0]
+        for _ in range(2):  # compile + warm, then timed
+            run = api.timed_decode(t, None, prompt, lengths, FLAGS.seed, plain_cfg, step_limit=16)
+        taken = max(int(np.max(np.asarray(run.output.num_steps))), 1)
+        targets[dtype], steps[dtype] = t, max(run.run_s - run.start_s, 1e-9) / taken
+    fastest = min(steps.values())
+    keep = {d: t for d, t in targets.items() if steps[d] <= _FASTEST_AR_MARGIN * fastest}
+    probe = {d: {"step_s": steps[d], "timed": d in keep} for d in steps}
+    left = [f"{d} ({steps[d] / fastest:.1f}x the fastest step)" for d in steps if d not in keep]
+    if left:
+        print(f"plain AR not timed on every prompt: {', '.join(left)}")
+    return keep, probe
 
 
 def calibrate(target, drafter, ids, cfg: DecodeConfig) -> np.ndarray:
@@ -317,24 +401,18 @@ def main(argv):
     common.distributed.initialize()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
-        target, drafter = common.with_attention_impl(
-            *api.load_pair(
-                FLAGS.target,
-                FLAGS.drafter,
-                FLAGS.dtype,
-                FLAGS.target_cache,
-                mesh=common.distributed.mesh(),
-            )
-        )
+        target, drafter, dtype, dtype_why = common.load_models()
         if drafter is None:
             raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
-        cfg = common.decode_config(
-            FLAGS.block_size or drafter.config.block_size, api.stop_token_ids(target)
+        # The same defaults as infer.generate (`api.decode_mode`): no flags, the same decode.
+        block, is_adaptive = api.decode_mode(
+            target, drafter, FLAGS.block_size or None, FLAGS.adaptive
         )
+        cfg = common.decode_config(block, api.stop_token_ids(target), is_adaptive)
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
     floors_before = gemm_floors(target, drafter, block) if FLAGS.breakdown else None
-    warmed, turns, step_costs = set(), [], None
+    warmed, turns, step_costs, plain_ars, ar_probe = set(), [], None, None, {}
     for conv_id, user_turns in enumerate(
         tqdm(
             convs,
@@ -348,7 +426,9 @@ def main(argv):
             ids = api.render_prompt(target.tokenizer, messages, chat=True)
             if cfg.adaptive and step_costs is None:
                 step_costs = calibrate(target, drafter, ids, cfg)
-            stats, answer = run_turn(target, drafter, ids, cfg, warmed, step_costs)
+            if plain_ars is None:
+                plain_ars, ar_probe = pick_plain_ars(target, ids, cfg)
+            stats, answer = run_turn(target, drafter, ids, cfg, warmed, step_costs, plain_ars)
             stats.update(conversation=conv_id, turn=turn_id)
             turns.append(stats)
             messages.append(
@@ -357,7 +437,8 @@ def main(argv):
                     "content": target.tokenizer.decode(answer, skip_special_tokens=True),
                 }
             )
-    agg = aggregate(turns, block)
+    agg = aggregate(turns, block, dtype)
+    agg["fastest_ar_probe"] = ar_probe
     if step_costs is not None:
         agg["step_kinds"] = list(cfg.all_kinds)
         agg["step_costs"] = [float(c) for c in step_costs]
@@ -374,7 +455,13 @@ def main(argv):
             "platform": jax.default_backend(),
             "jax_version": jax.__version__,
             "python": platform.python_version(),
-            "dtype": FLAGS.dtype,
+            "dtype": dtype,
+            "dtype_choice": dtype_why or "--dtype",
+            "machine": invariance.machine_name(),
+            "batch_invariant": programs.run_target_config(target.config, cfg).invariant_rows
+            is not None,
+            "row_rule": list(programs.run_target_config(target.config, cfg).invariant_rows or []),
+            "adaptive": cfg.adaptive,
             "block_size": block,
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,
@@ -400,7 +487,9 @@ def main(argv):
         f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f} "
         f"(prompt lookup {agg['prompt_lookup_tau_mean']:.2f}), "
         f"AR {agg['ar_tokens_per_s']:.1f} tok/s, DFlash {agg['dflash_tokens_per_s']:.1f} tok/s, "
-        f"speedup {agg['speedup']:.2f}x, one DFlash step = {agg['step_cost_ratio']:.2f} AR steps, "
+        f"speedup {agg['speedup']:.2f}x (vs the fastest AR, {agg['fastest_ar']['dtype']}: "
+        f"{agg['speedup_vs_fastest_ar']:.2f}x), one DFlash step = {agg['step_cost_ratio']:.2f} "
+        "AR steps, "
         f"outputs identical: {agg['outputs_identical']} (written to {FLAGS.output})"
     )
 

@@ -26,7 +26,12 @@ flags.DEFINE_string(
     "Drafter: 'default' (the one shipped for SmolLM2), our Orbax directory, a z-lab HF "
     "directory, a hub id such as z-lab/Qwen3-8B-DFlash-b16, or 'none' for the target alone.",
 )  # fmt: skip
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+flags.DEFINE_enum(
+    "dtype", "auto", ["auto", "float32", "bfloat16"],
+    "Compute/parameter dtype. 'auto': the one whose DFlash step (a block of rows through the "
+    "target's and drafter's matrices) is fastest on this machine, measured once and cached "
+    "(api.fastest_dtype): bfloat16 where matrix units make it cheap, else float32.",
+)  # fmt: skip
 flags.DEFINE_bool(
     "target_cache", True,
     "Reuse the converted target (params, config, tokenizer) kept in $DFLASH_JAX_CACHE "
@@ -61,9 +66,9 @@ flags.DEFINE_bool(
     "adaptive", None,
     "Adaptive draft length: every step picks a block size among --step_kinds (1 = a plain "
     "target step) by expected tokens per unit of cost, measured for this machine by a short "
-    "calibration on the first prompt (cached under ~/.cache/dflash_jax). Unset: on for "
-    "infer.generate on CPU (measured fastest there, see the README), off elsewhere and for "
-    "infer.benchmark.",
+    "calibration on the first prompt (cached under ~/.cache/dflash_jax). Unset: on on CPU "
+    "(measured fastest there, see the README), off elsewhere; infer.generate and "
+    "infer.benchmark take the same default.",
 )  # fmt: skip
 flags.DEFINE_list(
     "step_kinds", [],
@@ -76,6 +81,14 @@ flags.DEFINE_list(
     "prompt and the text so far (decoding/lookup.py) and verified like the drafter's; the "
     "controller tracks how often a copy would be accepted after every step. Unset: "
     f"{list(DEFAULT_LOOKUP_KINDS)} (those <= the block size); empty (--lookup_kinds=) for none.",
+)  # fmt: skip
+flags.DEFINE_bool(
+    "batch_invariant", None,
+    "Batch-invariant target passes (dflash_jax/ops/invariance.py): a position's logits are the "
+    "same bits in an AR step, a verify or a prefill, so greedy DFlash output equals greedy AR "
+    "output in any dtype. --nobatch_invariant runs the passes as XLA picks them (faster; bf16 "
+    "output may then differ from AR). Unset: on for bfloat16, off for float32 (whose "
+    "rounding differences have not flipped a token on any benchmark prompt).",
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
@@ -111,8 +124,32 @@ def decode_config(
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
         top_p=FLAGS.top_p, block_size=block_size, stop_token_ids=stop_token_ids,
         adaptive=adaptive, step_kinds=tuple(int(k) for k in FLAGS.step_kinds) if adaptive else (),
-        lookup_kinds=lookup if adaptive else (),
+        lookup_kinds=lookup if adaptive else (), batch_invariant=FLAGS.batch_invariant,
     )  # fmt: skip
+
+
+def load_models(block_size: int = 0):
+    """(target, drafter, dtype, why) as the flags ask, on the mesh of --mesh (`distributed`),
+    with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` at `block_size` (0: the
+    default block size), `why` saying what it measured (None when --dtype was given)."""
+    mesh = distributed.mesh()
+    dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
+    load = lambda dt: with_attention_impl(
+        *api.load_pair(FLAGS.target, FLAGS.drafter, dt, FLAGS.target_cache, mesh=mesh)
+    )
+    target, drafter = load(dtype)
+    why = None
+    if FLAGS.dtype == "auto":
+        block = block_size or (api.default_block_size(target, drafter) if drafter else 1)
+        dtype, floors = api.fastest_dtype(target, drafter, block)
+        if floors:
+            costs = ", ".join(f"{d} {1e3 * s:.1f} ms" for d, s in floors.items())
+            why = f"a {block}-row DFlash step floor costs {costs} here"
+        else:
+            why = "the target alone runs one row per step, fastest in float32"
+        if dtype != "float32":
+            target, drafter = load(dtype)
+    return target, drafter, dtype, why
 
 
 def with_attention_impl(target, drafter=None):
@@ -171,6 +208,6 @@ def load_for_prompt(prompt_text: str | None):
     if not prompt_text:
         raise app.UsageError("--prompt is required")
     with usage_errors():
-        target, drafter = api.load_pair(FLAGS.target, FLAGS.drafter, FLAGS.dtype)
+        target, drafter, _, _ = load_models()
         prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, prompt_text)])
     return target, drafter, prompt, lengths

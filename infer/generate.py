@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.decoding import calibration
+from dflash_jax.decoding import calibration, programs
 from infer import common
 
 FLAGS = flags.FLAGS
@@ -46,15 +46,7 @@ def main(argv):
         raise app.UsageError("--prompt is required (and must not be empty)")
     t0 = time.perf_counter()
     with common.usage_errors():
-        target, drafter = common.with_attention_impl(
-            *api.load_pair(
-                FLAGS.target,
-                FLAGS.drafter,
-                FLAGS.dtype,
-                FLAGS.target_cache,
-                mesh=common.distributed.mesh(),
-            )
-        )
+        target, drafter, dtype, dtype_why = common.load_models()
         block, is_adaptive = api.decode_mode(
             target, drafter, FLAGS.block_size or None, FLAGS.adaptive
         )
@@ -104,6 +96,10 @@ def main(argv):
         "load_s": load_s,
         "mode": ("adaptive dflash" if cfg.adaptive else "dflash") if drafter else "autoregressive",
         "block_size": block,
+        "dtype": dtype,
+        "dtype_choice": dtype_why or "--dtype",
+        "batch_invariant": programs.run_target_config(target.config, cfg).invariant_rows
+        is not None,
     }
     if cfg.adaptive:
         kinds = np.asarray(run.output.block_sizes[0, :steps])
@@ -145,6 +141,7 @@ def summary(result: dict) -> str:
         )
     if "step_kind_mix" in result:
         line += f" | steps by block size {result['step_kind_mix']}"
+    line += f" | {result['dtype']} ({result['dtype_choice']})"
     compile_s = result["compile_s"] + result.get("ar_compile_s", 0.0)
     return f"{line} | load {result['load_s']:.1f}s, compile {compile_s:.1f}s (not timed)"
 
