@@ -1,0 +1,152 @@
+"""Batch-invariant target passes (`ops.invariance`): a position's logits are bitwise the same
+in a prefill, an AR step, a 4/8/16-token verify and a batch of rows of different lengths, in
+fp32 and bf16, at SmolLM2-135M's shapes (2 of its 30 layers, random weights) under the row
+rule probed on this machine; and the same checks fail without the rule's padding."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.models.target import Transformer, init_cache, init_params
+from dflash_jax.ops.invariance import RowRule, machine_row_rule
+
+SMOLLM2_SHAPES = dict(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=2,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    attention_impl="xla",
+)
+P0 = 40  # the prefix every pass continues from
+CACHE = 128
+
+
+def _config(dtype: str) -> TargetConfig:
+    return TargetConfig(**SMOLLM2_SHAPES, dtype=dtype)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def target(request):
+    cfg = _config(request.param)
+    params = init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda w: (w * 4).astype(request.param), params)  # livelier logits
+    rule = machine_row_rule(cfg)
+    return cfg, params, rule
+
+
+@functools.cache
+def _pass(cfg):
+    return jax.jit(lambda p, t, pos, c, n: Transformer(cfg).apply({"params": p}, t, pos, c, n))
+
+
+def _forward(cfg, params, tokens_bt, positions_bt, cache, lengths_b):
+    logits, _, cache = _pass(cfg)(params, tokens_bt, positions_bt, cache, lengths_b)
+    return np.asarray(logits.astype(jnp.float32)), cache
+
+
+def _prefill(cfg, params, tokens_bp):
+    b, p = tokens_bp.shape
+    cache = init_cache(cfg, b, CACHE)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    return _forward(cfg, params, tokens_bp, positions, cache, None)
+
+
+def _continue(cfg, params, cache, tokens_bt, lengths_b):
+    """One pass of T tokens after each row's lengths[b] cached ones -> (logits [B,T,V], cache)."""
+    t = tokens_bt.shape[1]
+    positions = jnp.asarray(lengths_b)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return _forward(cfg, params, tokens_bt, positions, cache, jnp.asarray(lengths_b, jnp.int32))
+
+
+def _ways(cfg, params, tokens):
+    """The logits of positions P0 .. P0+15 of `tokens` [64] computed five ways (batch 1)."""
+    seq = jnp.asarray(tokens, jnp.int32)[None]
+    out = {"prefill": _prefill(cfg, params, seq[:, : P0 + 16])[0][0, P0:]}
+    _, cache0 = _prefill(cfg, params, seq[:, :P0])
+    steps, cache = [], cache0
+    for i in range(16):
+        logits, cache = _continue(cfg, params, cache, seq[:, P0 + i : P0 + i + 1], [P0 + i])
+        steps.append(logits[0, 0])
+    out["ar"] = np.stack(steps)
+    for t in (4, 8, 16):
+        parts, cache = [], cache0
+        for i in range(0, 16, t):
+            logits, cache = _continue(cfg, params, cache, seq[:, P0 + i : P0 + i + t], [P0 + i])
+            parts.append(logits[0])
+        out[f"verify{t}"] = np.concatenate(parts)
+    return out
+
+
+def _tokens(seed=1):
+    return np.random.default_rng(seed).integers(3, 49152, size=80)
+
+
+def test_every_pass_gives_every_position_the_same_bits(target):
+    cfg, params, rule = target
+    inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
+    ways = _ways(inv, params, _tokens())
+    for name, logits in ways.items():
+        np.testing.assert_array_equal(logits, ways["ar"], err_msg=f"{name} vs ar ({rule})")
+
+
+def test_a_batch_of_rows_of_different_lengths(target):
+    """Row 0 (40 cached tokens) beside rows of 57 and 23: its 16-token verify, and 16 AR steps
+    at batch 3, give the batch-1 AR logits."""
+    cfg, params, rule = target
+    inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
+    toks = [_tokens(1), _tokens(2), _tokens(3)]
+    lengths = np.array([P0, 57, 23], np.int32)
+    prompt = np.stack([t[:57] for t in toks]).astype(np.int32)
+    _, cache = _prefill(inv, params, jnp.asarray(prompt))
+    # Re-prefill rows to their own lengths: the slots past a row's length are rewritten below.
+    block = np.stack([t[n : n + 16] for t, n in zip(toks, lengths, strict=True)]).astype(np.int32)
+    verify, _ = _continue(inv, params, cache, jnp.asarray(block), lengths)
+    steps = []
+    for i in range(16):
+        logits, cache = _continue(inv, params, cache, jnp.asarray(block[:, i : i + 1]), lengths + i)
+        steps.append(logits[:, 0])
+    batch_ar = np.stack(steps, 1)
+    single = _ways(inv, params, toks[0])["ar"]
+    np.testing.assert_array_equal(verify[0], single)
+    np.testing.assert_array_equal(batch_ar[0], single)
+    np.testing.assert_array_equal(verify, batch_ar)
+
+
+def test_the_check_fails_without_the_padding(target):
+    """The same comparison with the AR step left at one row (min_rows 1, the matrix-vector
+    kernel): some position's logits differ. This is what the rule exists for."""
+    cfg, params, rule = target
+    assert rule.min_rows > 1, f"this machine's kernels are row-invariant from one row: {rule}"
+    unpadded = dataclasses.replace(cfg, invariant_rows=(1, rule.max_rows))
+    ways = _ways(unpadded, params, _tokens())
+    assert not np.array_equal(ways["ar"], ways["verify16"])
+
+
+def test_the_rule_keeps_every_matmul_inside_the_probed_class():
+    """`RowRule.rows_matmul` pads small row counts and tiles large ones: the function only ever
+    sees row counts in [min_rows, max_rows], and the rows come back in order."""
+    seen = []
+
+    def fn(x):
+        seen.append(x.shape[0])
+        return x * 2
+
+    rule = RowRule(2, 8)
+    for m in (1, 2, 5, 8, 9, 30):
+        seen.clear()
+        x = jnp.arange(m * 3, dtype=jnp.float32).reshape(m, 3)
+        np.testing.assert_array_equal(rule.rows_matmul(x, fn), np.asarray(x) * 2)
+        assert all(2 <= s <= 8 for s in seen), (m, seen)
