@@ -43,7 +43,7 @@ CASES = ("train", "draft", "verify", "memory")
 SETTINGS = (
     "what", "impls", "batch", "seq_len", "num_anchors", "block_size", "decode_batch", "cache_len",
     "num_heads", "num_kv_heads", "head_dim", "dtype", "rows", "keys", "block_keys", "splits",
-    "num_warps", "num_stages", "warmup", "repeats",
+    "bwd_rows", "bwd_keys", "num_warps", "num_stages", "warmup", "repeats",
 )  # fmt: skip
 IMPLS = ("xla", "pallas", "cudnn")
 
@@ -66,6 +66,12 @@ flags.DEFINE_integer("keys", 64, "Pallas tile: context/cache slots per loop step
 flags.DEFINE_integer("block_keys", 16, "Pallas tile: block keys per loop step.")
 flags.DEFINE_integer("splits", 0, "Pallas: context splits per row tile (0 = from the shapes).")
 flags.DEFINE_integer(
+    "bwd_rows", 0, "Pallas backward tile: query rows (0 = from the head dim: 32 at head dim 128)."
+)
+flags.DEFINE_integer(
+    "bwd_keys", 0, "Pallas backward tile: context keys (0 = from the head dim: 32 at head dim 128)."
+)
+flags.DEFINE_integer(
     "num_warps", 0, "Pallas/Triton: warps per program (0 = 4 up to head_dim 64, else 8)."
 )
 flags.DEFINE_integer("num_stages", 2, "Pallas/Triton: software pipeline stages.")
@@ -77,7 +83,8 @@ flags.mark_flag_as_required("output")
 def _tiles() -> pallas_gpu.Tiles:
     return pallas_gpu.Tiles(
         rows=FLAGS.rows, keys=FLAGS.keys, block_keys=FLAGS.block_keys, splits=FLAGS.splits,
-        num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages,
+        bwd_rows=FLAGS.bwd_rows, bwd_keys=FLAGS.bwd_keys, num_warps=FLAGS.num_warps,
+        num_stages=FLAGS.num_stages,
     )  # fmt: skip
 
 

@@ -87,11 +87,21 @@ def test_bounds_are_the_dense_masks(window):
 # --- training / drafting kernel ------------------------------------------------------------
 
 
+# The backward on tiles of its own, smaller than the forward's (as at head dim 128 by default).
+SPLIT_BWD = pallas_gpu.Tiles(rows=32, keys=32, block_keys=16, bwd_rows=16, bwd_keys=16)
+
+
 @pytest.mark.parametrize(
-    "groups,h,causal,window",
-    [(1, 64, False, None), (3, 64, True, 3), (4, 128, False, None), (4, 64, False, 6)],
+    "groups,h,causal,window,tiles",
+    [
+        (1, 64, False, None, SMALL),
+        (3, 64, True, 3, SMALL),
+        (4, 128, False, None, SMALL),
+        (4, 64, False, 6, SMALL),
+        (2, 64, True, None, SPLIT_BWD),
+    ],
 )
-def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window):
+def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window, tiles):
     j, s = 4, 37  # 37 context slots: not a multiple of the 16-slot tile
     args, lengths, anchors = _block_inputs(
         1, batch=3, blocks=4, j=j, s=s, kv_heads=2, groups=groups, h=h
@@ -106,11 +116,26 @@ def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window
     def ker(q, ck, cv, bk, bv):
         return pallas_gpu.block_attention(
             q, ck, cv, bk, bv, lo, hi, block_size=j, causal=causal, window=window,
-            interpret=True, tiles=SMALL,
+            interpret=True, tiles=tiles,
         )  # fmt: skip
 
     assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
     _check_grads(ref, ker, args, atol=1e-4)
+
+
+def test_tile_choices_for_h200():
+    """Backward tiles by head dim (two fp32 [keys, H] accumulators within 32 KiB); splits:
+    the target's passes by the buffer alone (an AR step, a two-row-tile verify and a prefill
+    alike), the drafter while its grid is small (decode) and never in training."""
+    assert [pallas_gpu.backward_tiles(h) for h in (64, 128, 256)] == [(64, 64), (32, 32), (16, 16)]
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    cache = sd(1, 8, 4096, 128)  # Qwen3-8B: 8 KV heads, GQA 4
+    spec = lambda q, k, block: pallas_gpu._make_spec(q, k, block, 0, False, None, False, None)
+    for queries in (1, 16, 32, 2048):
+        got = spec(sd(1, queries, 32, 128), cache, 0)
+        assert (got.splits, got.tiles.bwd_rows, got.tiles.bwd_keys) == (8, 32, 32), queries
+    assert spec(sd(1, 16, 32, 128), cache, 16).splits == 8  # drafting: 16 programs
+    assert spec(sd(8, 8192, 32, 128), sd(8, 8, 4096, 128), 16).splits == 1  # training
 
 
 def test_block_kernel_bf16_within_bf16_tolerance():
@@ -198,6 +223,80 @@ def test_prefill_kernel_matches_xla_values_and_gradients():
     )
     assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
     _check_grads(ref, ker, args, atol=1e-4)
+
+
+# --- tile schedule ----------------------------------------------------------------------------
+
+
+def _expected_visits(mask_bts, groups, tiles, splits, block_tiles=0):
+    """From the dense mask alone: per (row, row tile, split) the key tiles that split owns
+    (c = split mod splits) holding a slot some query of the row tile sees, plus the block-key
+    tiles the last split visits. -> [B, splits, row_tiles] int."""
+    b, t, s = mask_bts.shape
+    seen_bmc = np.repeat(mask_bts, groups, axis=1).reshape(b, t * groups, -1, tiles.keys)
+    seen_bmc = seen_bmc.any(-1)
+    row_tiles = -(-t * groups // tiles.rows)
+    pad = row_tiles * tiles.rows - t * groups
+    seen_bic = np.pad(seen_bmc, ((0, 0), (0, pad), (0, 0))).reshape(b, row_tiles, tiles.rows, -1)
+    seen_bic = seen_bic.any(2)
+    owner_c = np.arange(seen_bic.shape[-1]) % splits
+    out = np.stack([(seen_bic & (owner_c == p)).sum(-1) for p in range(splits)], 1)
+    out[:, -1] += block_tiles
+    return out
+
+
+def test_gpu_kernels_visit_only_live_tiles_split_by_the_live_length():
+    """The loop trips of every forward program (`tile_visits`) are exactly the key tiles its
+    rows' masks touch, dealt to the splits by tile (c mod splits): a 384-slot buffer (24 tiles,
+    so 3 splits) whose rows hold 0, 5, 100 and 368 live slots. A kernel that looped over every
+    tile and masked the dead ones, or split the buffer rather than the live tiles (row 2's 8
+    live tiles all in split 0), fails; the verify has two row tiles and is split too. Dead slots
+    hold NaN, and the results still match XLA."""
+    rng = np.random.default_rng(21)
+    tiles = pallas_gpu.Tiles(rows=16, keys=16, block_keys=16)
+    b, t, s, kh, g, h = 4, 16, 384, 2, 2, 16
+    splits = 3
+    q = _normal(rng, (b, t, kh * g, h))
+    k, v = _normal(rng, (b, kh, s, h)), _normal(rng, (b, kh, s, h))
+    new_k, new_v = _normal(rng, (b, kh, t, h)), _normal(rng, (b, kh, t, h))
+    lengths = jnp.array([0, 5, 100, s - t], jnp.int32)
+    mask = xla.causal_cache_mask(lengths, t, s)
+    dead = ~jnp.any(mask, axis=1)[:, None, :, None]
+    k_nan, v_nan = jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v)
+    hi = xla.causal_cache_bounds(lengths, t)
+    want_visits = _expected_visits(np.asarray(mask), g, tiles, splits)
+    assert want_visits[2].T.tolist() == [[3, 2, 2], [3, 3, 2]]  # 7 and 8 live tiles, 3 splits
+    verify = pallas_gpu.tile_visits(
+        pallas_gpu.causal_attention, q, k_nan, v_nan, hi, interpret=True, tiles=tiles
+    )
+    np.testing.assert_array_equal(verify, np.broadcast_to(want_visits[:, None], verify.shape))
+    got = pallas_gpu.causal_attention(q, k_nan, v_nan, hi, interpret=True, tiles=tiles)
+    assert _max_err(xla.attention(q, k, v, mask), got) <= 1e-5
+
+    # The same tiles when the step's rows come as a patch over the unwritten cache.
+    live = jnp.arange(s)[None, None, :, None] < lengths[:, None, None, None]
+    k_old, v_old = jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan)
+    appended = pallas_gpu.tile_visits(
+        pallas_gpu.appended_attention, q, k_old, v_old, new_k, new_v, lengths,
+        interpret=True, tiles=tiles,
+    )  # fmt: skip
+    np.testing.assert_array_equal(appended, verify)
+
+    # Drafting: one block of 16 queries per row over a windowed context, block keys apart.
+    j, window = 16, 40
+    ctx_len = jnp.array([s, 100, 0, 250], jnp.int32)
+    anchors = ctx_len[:, None]
+    lo, hi = xla.context_bounds(ctx_len, anchors, j, window)
+    ctx_mask = xla.context_mask(ctx_len, anchors, j, s, window)
+    dead = ~jnp.any(ctx_mask, axis=1)[:, None, :, None]
+    bk, bv = _normal(rng, (b, kh, j, h)), _normal(rng, (b, kh, j, h))
+    draft = pallas_gpu.tile_visits(
+        pallas_gpu.block_attention, q, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v),
+        bk, bv, lo, hi, block_size=j, causal=True, window=window, interpret=True, tiles=tiles,
+    )  # fmt: skip
+    want_visits = _expected_visits(np.asarray(ctx_mask), g, tiles, splits, block_tiles=1)
+    assert want_visits[0].sum() == (3 + 1) + (2 + 1)  # tiles 21-23 / 22-23, and the block
+    np.testing.assert_array_equal(draft, np.broadcast_to(want_visits[:, None], draft.shape))
 
 
 # --- lowering for the real backends ----------------------------------------------------------

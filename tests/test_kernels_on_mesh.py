@@ -282,6 +282,8 @@ KERNELS = {
     # name: (module, its `interpret` argument on CPU, cache slots, head dim, kernel options)
     "gpu": (pallas_gpu, True, 100, 16, dict(tiles=pallas_gpu.Tiles(rows=16, keys=16))),
     "gpu_default_tiles": (pallas_gpu, True, 150, 64, {}),
+    # 24 key tiles: 3 splits in the AR step and in the verify's 4 row tiles alike.
+    "gpu_split": (pallas_gpu, True, 384, 16, dict(tiles=pallas_gpu.Tiles(rows=16, keys=16))),
     "tpu": (pallas_tpu_decode, pallas_tpu_decode.INTERPRET, 300, 64, {}),
 }
 

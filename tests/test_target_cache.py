@@ -2,11 +2,13 @@
 damaged entry is rebuilt with one warning, a changed source never meets its old entry, and the
 cache can be turned off. Every test caches into its own tmp_path."""
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import jax
@@ -133,7 +135,7 @@ def test_killed_writer_leaves_no_entry(tmp_path, cache_dir):
     code = (
         "import os\n"
         "from dflash_jax.io import load_target, target_cache\n"
-        "def die(file, arrays):\n"
+        "def die(file, arrays, fill=None):\n"
         "    open(file, 'wb').write(b'half an array')\n"
         "    os._exit(9)\n"
         "target_cache.write_safetensors = die\n"
@@ -246,3 +248,121 @@ def test_smollm2_hit_is_identical(cache_dir, monkeypatch):
             messages, add_generation_prompt=True, tokenize=tokenize
         ) == b.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
     assert cached.chat_template == b.chat_template and cached.chat_template
+
+
+# --- per shard, on a mesh of 8 fake devices --------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD_MESH = "fsdp=4,tensor=2"
+# A vocabulary large enough that the embedding (8192 x 64 fp32, 2 MiB) dwarfs every other param
+# and anything a load allocates besides: one shard of it (vocab / tensor x embed / fsdp) is
+# 256 KiB.
+BIG_VOCAB = 8192
+
+
+class _Intervals:
+    """Host memory a call allocates (tracemalloc: numpy's buffers included, memory maps not):
+    the peak during the call above the memory at its start, nested calls included. On CPU a
+    device buffer may be the host array it was made from, so what a whole load allocates counts
+    the placed params too; each shard's callback, each param's cache write and the
+    tied-embedding check are measured instead, the steps where a whole param could appear on
+    the host."""
+
+    def __init__(self):
+        self.open, self.largest = [], 0
+
+    def wrap(self, fn):
+        def measured(*args, **kwargs):
+            self._sync()
+            self.open.append([tracemalloc.get_traced_memory()[0], 0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                start, peak = self.open.pop()
+                self.largest = max(self.largest, peak - start)
+
+        return measured
+
+    def _sync(self):
+        peak = tracemalloc.get_traced_memory()[1]
+        for interval in self.open:
+            interval[1] = max(interval[1], peak)
+        tracemalloc.reset_peak()
+
+
+def sharded_load_peaks(directory: str) -> dict:
+    """(Runs in a fresh process with 8 fake devices.) The most host memory one step of each
+    load onto SHARD_MESH allocates (`_Intervals`): an HF directory whose lm_head repeats the
+    tied embedding (converted and cached; then read from the cache), and the same model as a
+    GGUF (dequantised and cached). Each sharded load must equal the one-device load."""
+    from dflash_jax import sharding
+    from dflash_jax.io import hf as hf_io
+    from dflash_jax.io import load_target
+
+    directory = Path(directory)
+    hf, gguf_file = directory / "hf", directory / "tiny-llama.gguf"
+    mesh = sharding.mesh_from_spec(SHARD_MESH)
+    make_array = jax.make_array_from_callback
+    peaks = {}
+    for name, source in [("hf_convert", hf), ("hf_cached", hf), ("gguf_convert", gguf_file)]:
+        intervals = _Intervals()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                jax, "make_array_from_callback",
+                lambda shape, s, callback, w=intervals.wrap: make_array(shape, s, w(callback)),
+            )  # fmt: skip
+            mp.setattr(target_cache, "_store", intervals.wrap(target_cache._store))
+            mp.setattr(hf_io, "_equal_by_rows", intervals.wrap(hf_io._equal_by_rows))
+            tracemalloc.start()
+            target = load_target(str(source), mesh=mesh)
+            tracemalloc.stop()
+        peaks[name] = intervals.largest
+        whole = load_target(str(source), cache=False)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(target.params), jax.tree_util.tree_leaves(whole.params),
+            strict=True,
+        ):  # fmt: skip
+            assert len(a.sharding.device_set) == 8
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    embedding = target.params["embed_tokens"]["embedding"]
+    peaks["leaf"] = embedding.nbytes
+    peaks["shard"] = embedding.addressable_shards[0].data.nbytes
+    return peaks
+
+
+def test_sharded_load_holds_no_host_array_larger_than_a_few_shards(tmp_path, cache_dir):
+    """On fsdp=4 x tensor=2: converting an HF directory (the tied-embedding check included) and
+    caching it, reading it back from the cache, and converting and caching a GGUF: no step
+    allocates more than three shards' worth on the host (a GGUF chunk of whole rows, the
+    region and the device's private copy), under half the embedding, so no param was ever
+    whole there. Before, the cache write gathered every param onto the host at once (the whole
+    model), the GGUF was dequantised a tensor at a time (the whole embedding in its first
+    shard's callback) and the tied check read two whole embeddings."""
+    model = make_tiny_hf_model("llama", tie=True, vocab_size=BIG_VOCAB)
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    tensors = load_file(hf / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    make_tiny_gguf(tmp_path, model)
+    flag = "--xla_force_host_platform_device_count=8"
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
+    code = (
+        "import json, sys, test_target_cache as t; "
+        "print(json.dumps(t.sharded_load_peaks(sys.argv[1])))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
+        text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    peaks = json.loads(out.stdout.splitlines()[-1])
+    assert peaks["leaf"] == BIG_VOCAB * 64 * 4 and peaks["shard"] == peaks["leaf"] // 8, peaks
+    for name in ("hf_convert", "hf_cached", "gguf_convert"):
+        assert 0 < peaks[name] <= 3 * peaks["shard"] + (64 << 10) < peaks["leaf"] // 2, peaks
+    assert len(_entries(cache_dir)) == 2  # the HF directory's and the GGUF's

@@ -1,7 +1,9 @@
 """GGUF (llama.cpp) targets: metadata -> HF-style config dict, tensors -> HF names and layout.
 
 Tensors are dequantised with the gguf package's numpy reader and renamed onto the HF names that
-`hf.convert_to_params` expects, so both formats share one conversion. llama.cpp permutes the rows
+`hf.convert_to_params` expects, so both formats share one conversion. Loaded onto a mesh, each
+tensor is dequantised by the rows a process's slices need (`StoredTensor.read_part`), never
+whole. llama.cpp permutes the rows
 of q/k for its interleaved RoPE; `_unpermute` undoes it (as transformers' own GGUF loader does).
 """
 
@@ -70,6 +72,37 @@ def _dequantized(tensor, n_head: int | None, file: str, shape: tuple[int, ...]) 
     return w if n_head is None else _unpermute(w, n_head)
 
 
+def _dequantized_part(
+    tensor, n_head: int | None, file: str, shape: tuple[int, ...], index: tuple[slice, ...]
+) -> np.ndarray:
+    """The region `index` ([rows, cols] slices, HF layout) of a tensor, dequantising only its
+    rows (ggml stores a matrix row by row, each row whole blocks), a few at a time, so no more
+    than the region and one chunk of whole rows is ever held. q/k rows are dequantised by whole
+    heads: llama.cpp's permutation moves rows only inside a head."""
+    if len(shape) != 2:
+        return _dequantized(tensor, n_head, file, shape)[index]
+    rows, cols = index
+    unit = shape[0] // n_head if n_head else 1  # rows that must be read together
+    lo, hi = rows.start // unit * unit, -(-rows.stop // unit) * unit
+    out = np.empty((rows.stop - rows.start, cols.stop - cols.start), np.float32)
+    step = max(unit, out.size // shape[1] // unit * unit)
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        w = gguf.quants.dequantize(tensor.data[a:b], tensor.tensor_type)
+        if w.shape != (b - a, shape[1]):
+            raise CheckpointError(
+                f"{file}: rows {a}:{b} of tensor {tensor.name!r} dequantised to {w.shape}, "
+                f"expected {(b - a, shape[1])}"
+            )
+        w = w.astype(np.float32, copy=False)
+        w = w if n_head is None else _unpermute(w, (b - a) // unit)
+        keep = slice(max(a, rows.start), min(b, rows.stop))
+        out[keep.start - rows.start : keep.stop - rows.start] = w[
+            keep.start - a : keep.stop - a, cols
+        ]
+    return out
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor], bool]:
     """Returns (HF-style config dict for `TargetConfig.from_hf`, canonical HF name ->
     StoredTensor in HF layout, whether the file embeds a tokenizer). Only the llama
@@ -127,6 +160,10 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor]
         m = _BLOCK.fullmatch(t.name)
         n_head = heads.get(m.group(2)) if m else None
         tensors[hf_name(t.name)] = StoredTensor(
-            t.name, file, shape, lambda t=t, n=n_head, s=shape: _dequantized(t, n, file, s)
+            t.name,
+            file,
+            shape,
+            lambda t=t, n=n_head, s=shape: _dequantized(t, n, file, s),
+            lambda index, t=t, n=n_head, s=shape: _dequantized_part(t, n, file, s, index),
         )
     return config, tensors, tokens is not None

@@ -16,6 +16,19 @@ that convert the source, so a changed file never meets an old entry (and the old
 source and dtype is removed). An entry is written to a temporary directory and renamed into
 place: a killed process leaves no entry rather than half of one. Every read checks the files
 against the manifest; an entry that fails is logged in one warning, removed and rebuilt.
+
+Per shard. A target loaded onto a mesh is written from its device shards, one at a time, into
+the memory-mapped file (`write_safetensors(fill=...)`), and read back the same way (`place`
+slices each device's part out of the memory map): no host array is ever larger than one shard,
+so an 8-GPU node caches a 70B target without 140 GB of host memory. Only a single-process load
+writes an entry (the loader skips it, with one log line, when params are sharded over several
+processes): on a TPU pod or a multi-node GPU job each process holds only its slices, and a
+whole-array entry would have to gather the others' over the network onto one host's disk; an
+entry of each process's own slices would be tied to one mesh and process layout and rebuilt
+whenever either changes. Nor is one needed there: each process already reads only its slices
+from the source (safetensors memory-mapped, a GGUF dequantised by rows, see `gguf`), so the
+conversion costs each host its share of the model. An entry that exists (a single-process run
+on the host wrote it) is read per slice by every process.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -205,8 +219,8 @@ def _read(entry: Entry, place=None) -> Cached:
 
 
 def _fill(directory: Path, entry: Entry, config: TargetConfig, params: dict, tokenizer) -> None:
-    arrays = {name: np.asarray(w) for name, w in _flatten(params)}
-    write_safetensors(directory / _PARAMS, arrays)
+    arrays = dict(_flatten(params))
+    write_safetensors(directory / _PARAMS, arrays, lambda name, out: _store(arrays[name], out))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory / _TOKENIZER))
     files = {
@@ -221,10 +235,26 @@ def _fill(directory: Path, entry: Entry, config: TargetConfig, params: dict, tok
         "dtype": entry.dtype,
         "config": dataclasses.asdict(config),
         "tokenizer": None if tokenizer is None else _tokenizer_info(tokenizer),
-        "arrays": {n: {"shape": list(w.shape), "dtype": w.dtype.name} for n, w in arrays.items()},
+        "arrays": {
+            n: {"shape": list(w.shape), "dtype": np.dtype(w.dtype).name} for n, w in arrays.items()
+        },
         "files": files,
     }
     (directory / _MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _store(w, out: np.ndarray) -> None:
+    """Writes the array `w` into `out` (same shape): a jax.Array one addressable shard at a time,
+    each distinct slice once (replicas are skipped), so the host holds one shard at most."""
+    if not isinstance(w, jax.Array):
+        out[...] = np.asarray(w)
+        return
+    written = set()
+    for shard in w.addressable_shards:
+        key = tuple(s.indices(n)[:2] for s, n in zip(shard.index, w.shape, strict=True))
+        if key not in written:
+            written.add(key)
+            out[shard.index] = np.asarray(shard.data)
 
 
 def _tokenizer_info(tokenizer) -> dict[str, str]:

@@ -22,8 +22,16 @@ empty (context past the anchors, cache slots past a row's live length, other blo
 read; with sorted anchors that is all of them. Softmax is online in fp32; matmuls take the
 input dtype with fp32 accumulation. A row that sees no key returns zeros.
 
-Decode (one row tile) splits the context over `splits` programs whose partial results are
-merged by log-sum-exp (flash-decoding); training has many row tiles and uses one split.
+Splitting the context (flash-decoding): `splits` programs share one row tile's keys and their
+partial results are merged by log-sum-exp. Split p takes the key tiles c = p (mod splits) of the
+rows' live range, so each split gets ceil(live tiles / splits) whatever the buffer size (a
+4096-slot cache with 1000 live slots keeps all its splits busy), and the tile -> split map is
+fixed by the buffer alone. Contiguous shares of [lo, hi) would move their edges with the live
+length, and so with the pass: a position's result would differ between an AR step and a verify.
+The target's passes (`causal_attention`, `appended_attention`) take their split count from the
+buffer size alone, however many row tiles (a 16-query verify with GQA 8 has two) and rows the
+pass has, so the AR step, the verify and the prefill over one cache reduce in the same order;
+the drafter (`block_attention`) splits only while its grid is small (decode), not in training.
 
 Verify and AR steps (`appended_attention`) read the target's cache before the step's new rows
 are written to it: the few key tiles those rows fall in come as a separate patch (the tiles as
@@ -35,7 +43,11 @@ cache is written once, after acceptance, by the decode loop.
 Backward (custom_vjp): delta = rowsum(dO*O); dq mirrors the forward; dk/dv run one program per
 key tile over the row tiles that can see it: for context keys a range computed from the rows'
 bounds (a suffix of the row tiles when anchors are sorted), for block keys the rows of the same
-blocks.
+blocks. Its tiles are smaller than the forward's (`backward_tiles`): a dk/dv program keeps two
+fp32 [keys, H] accumulators beside its k, v, q and dO tiles, and at head dim 128 the forward's
+64 x 64 would hold 64 KiB of accumulators alone, more than sm_90's 255 registers per thread
+leave room for; 32 x 32 (what jax's own Pallas GPU flash attention uses for its backward) keeps
+them at 32 KiB.
 
 Pallas GPU kernels are per-device: under a multi-device mesh, call them inside `shard_map`.
 """
@@ -57,7 +69,12 @@ from dflash_jax.ops.caches import patched_tiles
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_SPLITS = 16
-SPLIT_TILES = 8  # context key tiles per split, at least, before decode splits the context
+SPLIT_TILES = 8  # a split's share of the key buffer, in key tiles, at least
+# The drafter splits its context only while its grid has fewer programs than this (twice
+# H200's 132 SMs): decode drafting, never training's thousands of row tiles.
+MIN_PROGRAMS = 264
+# Backward tiles: the dk/dv program's two fp32 [keys, H] accumulators at most this many bytes.
+BACKWARD_ACCUMULATOR_BYTES = 32 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,22 +82,29 @@ class Tiles:
     """Tile sizes (powers of two, >= 16 for Triton's MMA).
 
     rows: folded query rows (queries x G heads) per program; keys: context/cache slots per
-    loop step (and per dk/dv program); block_keys: block keys per loop step (and per dk/dv
-    program); splits: programs that share one row tile's context (0: chosen from the shapes);
-    num_warps/num_stages: Triton launch settings (num_warps 0: 4 up to head_dim 64, else 8,
-    as jax's Pallas flash attention picks).
+    loop step; block_keys: block keys per loop step (and per block dk/dv program); splits:
+    programs that share one row tile's context (0: chosen from the shapes, see the module
+    doc); bwd_rows / bwd_keys: the backward's row tile and context key tile (0: from the head
+    dim, `backward_tiles`; rows at most `rows`); num_warps/num_stages: Triton launch settings
+    (num_warps 0: 4 up to head_dim 64, else 8, as jax's Pallas flash attention picks).
+    count_visits: for the tile-schedule tests (`tile_visits`), not for use.
     """
 
     rows: int = 64
     keys: int = 64
     block_keys: int = 16
     splits: int = 0
+    bwd_rows: int = 0
+    bwd_keys: int = 0
     num_warps: int = 0
     num_stages: int = 2
+    count_visits: bool = False
 
     def __post_init__(self):
-        for name in ("rows", "keys", "block_keys"):
+        for name in ("rows", "keys", "block_keys", "bwd_rows", "bwd_keys"):
             size = getattr(self, name)
+            if name.startswith("bwd") and size == 0:
+                continue
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Tiles.{name}={size} must be a power of two >= 16")
         if not 0 <= self.splits <= MAX_SPLITS:
@@ -130,6 +154,8 @@ def block_attention(
             f"as many block keys, got {blk_k.shape[2]}"
         )
     spec = _make_spec(q_bqnh, ctx_k, block_size, q_len, causal, window, interpret, tiles)
+    if spec.tiles.count_visits:
+        return _fold_and_forward(q_bqnh, ctx_k, ctx_v, blk_k, blk_v, lo_bq, hi_bq, spec)[0][2]
     return _attend(q_bqnh, ctx_k, ctx_v, blk_k, blk_v, lo_bq, hi_bq, spec)
 
 
@@ -148,7 +174,10 @@ def causal_attention(
     s < hi[b,t]; slots at or past it are never read). -> [B,T,N,H] in q's dtype.
     """
     spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles)
-    return _attend(q_btnh, k_bksh, v_bksh, None, None, jnp.zeros_like(hi_bt), hi_bt, spec)
+    lo_bt = jnp.zeros_like(hi_bt)
+    if spec.tiles.count_visits:
+        return _fold_and_forward(q_btnh, k_bksh, v_bksh, None, None, lo_bt, hi_bt, spec)[0][2]
+    return _attend(q_btnh, k_bksh, v_bksh, None, None, lo_bt, hi_bt, spec)
 
 
 def appended_attention(
@@ -181,22 +210,55 @@ def appended_attention(
     bounds = (_fold_bounds(jnp.zeros_like(hi_bt), spec.groups, rows),)
     bounds += (_fold_bounds(hi_bt, spec.groups, rows),)
     q_bkmh = _fold_rows(q_btnh, kh, rows)
-    o_bkmh, _ = _forward(q_bkmh, k_bksh, v_bksh, *bounds, None, None, spec, patch)
-    return _unfold_rows(o_bkmh, t, n)
+    out = _forward(q_bkmh, k_bksh, v_bksh, *bounds, None, None, spec, patch)
+    return out[2] if spec.tiles.count_visits else _unfold_rows(out[0], t, n)
+
+
+def tile_visits(attention, *args, **kwargs) -> jax.Array:
+    """The key tiles (context, patch and block tiles) each forward program of `attention`
+    (`block_attention`, `causal_attention` or `appended_attention`, called with these
+    arguments) runs its loop body for: [B,K,splits,row_tiles] int32. The tile-schedule test
+    compares it with the tiles the masks touch: a tile that is skipped, not masked."""
+    tiles = kwargs.pop("tiles", None) or Tiles()
+    return attention(*args, **kwargs, tiles=dataclasses.replace(tiles, count_visits=True))
+
+
+def backward_tiles(head_dim: int) -> tuple[int, int]:
+    """(rows, keys) of the backward's tiles for `head_dim`: the largest power of two up to 64
+    whose dk/dv accumulators (2 x keys x head_dim fp32) fit BACKWARD_ACCUMULATOR_BYTES, and as
+    many rows (dq's accumulator is [rows, head_dim] fp32): 64 up to head dim 64, 32 at 128,
+    16 at 256 (see the module doc)."""
+    keys = 64
+    while keys > 16 and 2 * keys * head_dim * 4 > BACKWARD_ACCUMULATOR_BYTES:
+        keys //= 2
+    return keys, keys
+
+
+def _splits(tiles: Tiles, programs: int, key_tiles: int, target: bool) -> int:
+    """Programs per row tile's context: from the key buffer alone for the target's passes
+    (batch-invariant, see the module doc); for the drafter while its grid of `programs` (batch
+    x KV heads x row tiles) is under MIN_PROGRAMS."""
+    if tiles.splits:
+        return tiles.splits
+    splits = key_tiles // SPLIT_TILES
+    if not target:
+        splits = min(splits, pl.cdiv(MIN_PROGRAMS, programs))
+    return max(1, min(MAX_SPLITS, splits))
 
 
 def _make_spec(q_btnh, k_bksh, block_size, num_block_keys, causal, window, interpret, tiles):
-    _, t, n, h = q_btnh.shape
+    b, t, n, h = q_btnh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     tiles = tiles or Tiles()
-    splits = tiles.splits
-    if not splits:
-        row_tiles = pl.cdiv(t * (n // kh), tiles.rows)
-        key_tiles = pl.cdiv(s, tiles.keys)
-        # One row tile (decode) leaves the GPU idle unless the context is split.
-        splits = 1 if row_tiles > 1 else max(1, min(MAX_SPLITS, key_tiles // SPLIT_TILES))
-    if not tiles.num_warps:
-        tiles = dataclasses.replace(tiles, num_warps=4 if h <= 64 else 8)
+    programs = b * kh * pl.cdiv(t * (n // kh), tiles.rows)
+    splits = _splits(tiles, programs, pl.cdiv(s, tiles.keys), target=not block_size)
+    bwd_rows, bwd_keys = backward_tiles(h)
+    tiles = dataclasses.replace(
+        tiles,
+        bwd_rows=min(tiles.bwd_rows or bwd_rows, tiles.rows),
+        bwd_keys=tiles.bwd_keys or bwd_keys,
+        num_warps=tiles.num_warps or (4 if h <= 64 else 8),
+    )
     return _Spec(
         groups=n // kh,
         block_size=block_size,
@@ -232,7 +294,8 @@ def training_buffers(
     m_pad = _round_up(queries * (num_heads // kv_heads), tiles.rows)
     rows_h = batch * kv_heads * m_pad * head_dim * item
     rows_f32 = batch * kv_heads * m_pad * 4
-    key_tiles = pl.cdiv(context, tiles.keys)
+    bwd_keys = tiles.bwd_keys or backward_tiles(head_dim)[1]  # the dk/dv programs' key tile
+    key_tiles = pl.cdiv(context, bwd_keys)
     # A padded copy of k and v, and padded dk/dv, when n is not a multiple of the tile.
     pad = lambda n, tile: (
         0 if n % tile == 0 else 4 * batch * kv_heads * _round_up(n, tile) * head_dim * item
@@ -246,7 +309,7 @@ def training_buffers(
         "delta": rows_f32,
         "folded_dq": rows_h,
         "dkv_row_ranges": 2 * batch * key_tiles * 4,
-        "key_padding": pad(context, tiles.keys) + pad(queries, tiles.block_keys),
+        "key_padding": pad(context, bwd_keys) + pad(queries, tiles.block_keys),
         "on_chip_per_program": (tiles.rows + 2 * tiles.keys) * head_dim * item
         + tiles.rows * head_dim * 4
         + tiles.rows * tiles.keys * 4,
@@ -342,8 +405,30 @@ def _row_queries(first_row, spec: _Spec):
 
 
 def _context_slots(lo_r, hi_r, num_keys: int):
-    """The context slots rows with bounds lo_r/hi_r can see: [min lo, min(max hi, S))."""
-    return jnp.min(lo_r), jnp.minimum(jnp.max(hi_r), num_keys)
+    """The context slots rows with bounds lo_r/hi_r can see: [min lo, min(max hi, S)) over the
+    rows that see any (padding rows' empty [0, 0) would pull the start to slot 0); [0, 0) when
+    none does."""
+    seen = hi_r > lo_r
+    hi = jnp.minimum(jnp.max(jnp.where(seen, hi_r, 0)), num_keys)
+    return jnp.minimum(jnp.min(jnp.where(seen, lo_r, num_keys)), hi), hi
+
+
+def _split_loop(first, last, step, carry, split, splits: int):
+    """carry = step(c, carry) over the key tiles c in [first, last) that `split` owns (c = split
+    mod splits), in increasing order: ceil((last - first) / splits) trips at most."""
+    if splits == 1:
+        return lax.fori_loop(first, jnp.maximum(first, last), step, carry)
+    start = first + lax.rem(split - lax.rem(first, splits) + splits, splits)
+    trips = _cdiv(jnp.maximum(last - start, 0), splits)
+    return lax.fori_loop(0, trips, lambda i, c: step(start + i * splits, c), carry)
+
+
+def _counted(step, count: bool):
+    """`step` on the softmax carry; with `count` (`tile_visits`) on (carry, visits), adding one
+    visit per call."""
+    if not count:
+        return step
+    return lambda c, carry: (step(c, carry[0]), carry[1] + 1)
 
 
 def _block_slots(first_row, spec: _Spec):
@@ -380,8 +465,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         first_ref, pk_ref, pv_ref, *refs = refs
     if spec.block_size:
         bk_ref, bv_ref, *refs = refs
-    o_ref, lse_ref = refs
+    o_ref, lse_ref, *visits_ref = refs
     ti = spec.tiles
+    count = ti.count_visits
     i, split = pl.program_id(2), pl.program_id(3)
     q = q_ref[...]
     lo, hi = lo_ref[...], hi_ref[...]
@@ -390,7 +476,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         jnp.full((ti.rows,), NEG_INF, jnp.float32),
         jnp.zeros((ti.rows,), jnp.float32),
     )
-    split_tiles = pl.cdiv(pl.cdiv(num_keys, ti.keys), spec.splits)
+    carry = (carry, jnp.int32(0)) if count else carry
+    loop = functools.partial(_split_loop, split=split, splits=spec.splits)
     slot_lo, slot_hi = _context_slots(lo, hi, num_keys)
 
     def context_step(c, carry, refs=(k_ref, v_ref), base=0):
@@ -402,17 +489,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         visible = _context_visible(lo, hi, start + jnp.arange(ti.keys))
         return _online_softmax(q, k, v, visible, spec.scale, carry)
 
-    first = jnp.maximum(lax.div(slot_lo, ti.keys), split * split_tiles)
-    last = jnp.maximum(first, jnp.minimum(_cdiv(slot_hi, ti.keys), (split + 1) * split_tiles))
+    first, last = lax.div(slot_lo, ti.keys), _cdiv(slot_hi, ti.keys)
+    cache_step = _counted(context_step, count)
     if spec.patch_tiles:  # tiles [p0, p0 + patch_tiles) come from the patch, in order
         base = jnp.max(first_ref[...])
         p0 = lax.div(base, ti.keys)
         clip = lambda c: jnp.minimum(jnp.maximum(c, first), last)
         patch_step = functools.partial(context_step, refs=(pk_ref, pv_ref), base=base)
-        carry = lax.fori_loop(first, clip(p0), context_step, carry)
-        carry = lax.fori_loop(clip(p0), clip(p0 + spec.patch_tiles), patch_step, carry)
+        carry = loop(first, clip(p0), cache_step, carry)
+        carry = loop(clip(p0), clip(p0 + spec.patch_tiles), _counted(patch_step, count), carry)
         first = clip(p0 + spec.patch_tiles)
-    carry = lax.fori_loop(first, last, context_step, carry)
+    carry = loop(first, last, cache_step, carry)
 
     if spec.block_size:
         first_row = i * ti.rows
@@ -429,8 +516,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         b_first, b_last = lax.div(key_lo, ti.block_keys), _cdiv(key_hi, ti.block_keys)
         # The block keys belong to the last split only.
         b_first = jnp.where(split == spec.splits - 1, b_first, b_last)
-        carry = lax.fori_loop(b_first, jnp.maximum(b_first, b_last), block_step, carry)
+        block_loop = _counted(block_step, count)
+        carry = lax.fori_loop(b_first, jnp.maximum(b_first, b_last), block_loop, carry)
 
+    if count:
+        carry, visits = carry
+        visits_ref[0][...] = jnp.full((ti.rows,), visits, jnp.int32)
     acc, m, l = carry
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -439,7 +530,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
 
 
 def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, patch=()):
-    """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows).
+    """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows),
+    and with tiles.count_visits the tiles each program visited [B,K,splits,M_pad/rows].
     patch: with spec.patch_tiles, (first patched slot [B,M_pad], patch k, patch v
     [B,K,patch_tiles*keys,H])."""
     b, kh, m_pad, h = q_bkmh.shape
@@ -463,30 +555,37 @@ def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, pa
         args += [blk_k, blk_v]
     # Several splits are merged in fp32 afterwards.
     o_dtype = q_bkmh.dtype if splits == 1 else jnp.float32
-    o, lse = pl.pallas_call(
+    row_vec = pl.BlockSpec((None, None, None, ti.rows), lambda b_, k_, i, p: (b_, k_, p, i))
+    out_specs = [
+        pl.BlockSpec((None, None, None, ti.rows, h), lambda b_, k_, i, p: (b_, k_, p, i, 0)),
+        row_vec,
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kh, splits, m_pad, h), o_dtype),
+        jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.float32),
+    ]
+    if ti.count_visits:
+        out_specs.append(row_vec)
+        out_shape.append(jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.int32))
+    o, lse, *visits = pl.pallas_call(
         functools.partial(_fwd_kernel, spec=spec, num_keys=s),
         grid=(b, kh, m_pad // ti.rows, splits),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, ti.rows, h), lambda b_, k_, i, p: (b_, k_, p, i, 0)),
-            pl.BlockSpec((None, None, None, ti.rows), lambda b_, k_, i, p: (b_, k_, p, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kh, splits, m_pad, h), o_dtype),
-            jax.ShapeDtypeStruct((b, kh, splits, m_pad), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=ti.num_warps, num_stages=ti.num_stages),
         interpret=spec.interpret,
         name="dflash_attention_fwd",
     )(*args)
+    visits = tuple(v[..., :: ti.rows] for v in visits)  # one count per program
     if splits == 1:
-        return o[:, :, 0], lse[:, :, 0]
+        return o[:, :, 0], lse[:, :, 0], *visits
     # Merge the splits by log-sum-exp; an empty split has lse NEG_INF and zero output.
     lse_max = jnp.max(lse, axis=2, keepdims=True)
     w_bkpm = jnp.exp(lse - lse_max)
     denom_bkm = jnp.sum(w_bkpm, axis=2)
     o_bkmh = jnp.sum(o * w_bkpm[..., None], axis=2) / denom_bkm[..., None]
-    return o_bkmh.astype(q_bkmh.dtype), lse_max[:, :, 0] + jnp.log(denom_bkm)
+    return o_bkmh.astype(q_bkmh.dtype), lse_max[:, :, 0] + jnp.log(denom_bkm), *visits
 
 
 def _dq_kernel(
@@ -578,7 +677,8 @@ def _context_row_tiles(lo_bm, hi_bm, rows: int, keys: int, key_tiles: int):
     """For each context key tile, the range [first, last) of row tiles whose rows can see it
     (min lo / max hi per row tile against the tile's slots). -> two [B, key_tiles] int32."""
     b, m_pad = lo_bm.shape
-    lo_bi = jnp.min(lo_bm.reshape(b, -1, rows), axis=-1)
+    big = jnp.iinfo(jnp.int32).max  # rows that see nothing (padding) bound nothing
+    lo_bi = jnp.min(jnp.where(hi_bm > lo_bm, lo_bm, big).reshape(b, -1, rows), axis=-1)
     hi_bi = jnp.max(hi_bm.reshape(b, -1, rows), axis=-1)
     start_c = jnp.arange(key_tiles) * keys
     hit_bic = (
@@ -600,9 +700,11 @@ def _backward(spec: _Spec, res, do_btnh):
     q_bkmh, k_bksh, v_bksh, blk_k, blk_v, lo_bm, hi_bm, o_bkmh, lse_bkm = res
     b, kh, m_pad, h = q_bkmh.shape
     t, n = do_btnh.shape[1], do_btnh.shape[2]
-    ti = spec.tiles
+    do_bkmh = _fold_rows(do_btnh, kh, spec.tiles.rows)  # padded as q was, to M_pad
+    # The backward's own tiles (bwd_rows divides M_pad: powers of two, at most `rows`).
+    ti = dataclasses.replace(spec.tiles, rows=spec.tiles.bwd_rows, keys=spec.tiles.bwd_keys)
+    spec = dataclasses.replace(spec, tiles=ti)
     s = k_bksh.shape[2]
-    do_bkmh = _fold_rows(do_btnh, kh, ti.rows)
     delta_bkm = jnp.sum(o_bkmh.astype(jnp.float32) * do_bkmh.astype(jnp.float32), axis=-1)
     params = plgpu.CompilerParams(num_warps=ti.num_warps, num_stages=ti.num_stages)
 
@@ -667,13 +769,21 @@ def _attend(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
     return _attend_fwd(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec)[0]
 
 
-def _attend_fwd(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
-    t, n = q_btnh.shape[1], q_btnh.shape[2]
+def _fold_and_forward(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
+    """-> (what `_forward` returns, the folded q [B,K,M_pad,H], lo and hi [B,M_pad])."""
     kh = k_bksh.shape[1]
     q_bkmh = _fold_rows(q_btnh, kh, spec.tiles.rows)
     lo_bm = _fold_bounds(lo_bt, spec.groups, spec.tiles.rows)
     hi_bm = _fold_bounds(hi_bt, spec.groups, spec.tiles.rows)
-    o_bkmh, lse_bkm = _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec)
+    out = _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec)
+    return out, q_bkmh, lo_bm, hi_bm
+
+
+def _attend_fwd(q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec: _Spec):
+    t, n = q_btnh.shape[1], q_btnh.shape[2]
+    (o_bkmh, lse_bkm), q_bkmh, lo_bm, hi_bm = _fold_and_forward(
+        q_btnh, k_bksh, v_bksh, blk_k, blk_v, lo_bt, hi_bt, spec
+    )
     res = (q_bkmh, k_bksh, v_bksh, blk_k, blk_v, lo_bm, hi_bm, o_bkmh, lse_bkm)
     return _unfold_rows(o_bkmh, t, n), res
 
