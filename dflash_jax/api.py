@@ -226,14 +226,19 @@ def generate(
     lookup_kinds: tuple[int, ...] | None = None,
     seed: int = 0,
     chat: bool = True,
+    tree_nodes: int = 0,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
     and returns the generated texts (stop token removed). block_size / adaptive None: the
     measured defaults (`decode_mode`); adaptive step costs are
     calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
-    prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`)."""
+    prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`).
+    tree_nodes: verify a token tree of this many tokens per step (`decoding.tree`; an unset
+    `adaptive` is then off); 0: a chain."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    if tree_nodes and adaptive is None:
+        adaptive = False
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
     if lookup_kinds is None:
         lookup_kinds = default_lookup_kinds(block_size)
@@ -246,6 +251,7 @@ def generate(
         stop_token_ids=stop_token_ids(target),
         adaptive=adaptive,
         lookup_kinds=tuple(lookup_kinds) if adaptive else (),
+        tree_nodes=tree_nodes,
     )
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}

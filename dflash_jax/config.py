@@ -15,7 +15,32 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_TARGET_ARCHS = ("llama", "qwen3")
+SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Families whose layers are built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated
+# DeltaNet linear-attention layers beside (gated) full attention.
+LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Hybrid families: zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# HF model_type (text model or its multimodal wrapper) -> arch.
+_TARGET_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
+_ARCH_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+}
+_HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
@@ -136,9 +161,30 @@ class TargetConfig:
     # independent of the pass it is in. None: matmuls as XLA picks them. The decodes fill it
     # from `DecodeConfig.batch_invariant` (`decoding.programs.run_target_config`).
     invariant_rows: tuple[int, int] | None = None
+    # MoE (qwen3_moe, qwen3_next, qwen3_5_moe; 0 experts: dense MLPs): top-k of num_experts
+    # routed experts of width moe_intermediate_size, renormalised when norm_topk_prob; a layer is
+    # sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step; an optional gated
+    # shared expert of width shared_expert_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    # Hybrid (HYBRID_ARCHS): "linear_attention" / "full_attention" per layer (() = all full);
+    # Gated DeltaNet sizes; RoPE on the first partial_rotary_factor of each head.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
+        self._check_layers()
         if self.invariant_rows is not None:
             lo, hi = self.invariant_rows
             if lo < 1 or (hi and hi < lo):
@@ -157,13 +203,70 @@ class TargetConfig:
 
     @property
     def use_qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch != "llama"
+
+    def _check_layers(self) -> None:
+        types = self.layer_types
+        if types and (
+            len(types) != self.num_layers or set(types) - {"linear_attention", "full_attention"}
+        ):
+            raise ConfigError(
+                f"layer_types={types} must give one of linear_attention/full_attention per layer"
+            )
+        if "linear_attention" in types and not (
+            self.linear_num_key_heads and self.linear_key_head_dim
+        ):
+            raise ConfigError(
+                "linear_attention layers need linear_num_key_heads and linear_key_head_dim"
+            )
+        if self.linear_num_key_heads and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]"
+            )
+        if (types or self.num_experts) and self.arch not in LAYERED_ARCHS:
+            raise ConfigError(f"{self.arch}: layer_types / experts need one of {LAYERED_ARCHS}")
+
+    @property
+    def layered(self) -> bool:
+        """Layers built per kind (`models/hybrid.py`) instead of the dense `DecoderLayer`."""
+        return self.arch in LAYERED_ARCHS
+
+    @property
+    def hybrid(self) -> bool:
+        return self.arch in HYBRID_ARCHS
+
+    def layer_kind(self, i: int) -> tuple[str, str]:
+        """(mixer, mlp) of layer i: mixer "attention" | "linear", mlp "dense" | "moe"."""
+        linear = bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+        sparse = (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+        return ("linear" if linear else "attention", "moe" if sparse else "dense")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i)[0] == "attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i)[0] == "linear")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
         """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
+        if hf.get("text_config") and hf.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
+            # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
+            hf = {**hf["text_config"], "model_type": hf["model_type"]}
         model_type = hf.get("model_type")
-        arch = {"llama": "llama", "qwen3": "qwen3"}.get(model_type)
+        arch = _TARGET_MODEL_TYPES.get(model_type)
         if arch is None:
             archs = hf.get("architectures") or []
             raise ConfigError(
@@ -183,7 +286,10 @@ class TargetConfig:
             arch=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            # Qwen3.5-MoE has no dense MLP width (every layer is sparse).
+            intermediate_size=int(hf.get("intermediate_size") or hf["moe_intermediate_size"])
+            if arch == "qwen3_5_moe"
+            else int(hf["intermediate_size"]),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
@@ -196,12 +302,13 @@ class TargetConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             dtype=dtype,
+            **_layered_from_hf(hf, arch),
         )
 
     def to_hf(self) -> dict[str, Any]:
         return {
-            "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "LlamaForCausalLM"],
-            "model_type": self.arch,
+            "architectures": [_ARCH_CLASSES[self.arch]],
+            "model_type": _HF_MODEL_TYPE.get(self.arch, self.arch),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -217,7 +324,77 @@ class TargetConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
             **_rope_to_hf(self.rope_theta, self.rope_scaling),
+            **_layered_to_hf(self),
         }
+
+
+_MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+)
+_LINEAR_KEYS = (
+    "layer_types",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def _layered_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE and hybrid fields of a LAYERED_ARCHS config.json (empty for the dense ones)."""
+    if arch not in LAYERED_ARCHS:
+        return {}
+    out: dict[str, Any] = {}
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts:
+        out["num_experts"] = int(experts)
+        out["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
+        out["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
+        # Qwen3.5-MoE's router always renormalises its top-k (no config key).
+        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", arch == "qwen3_5_moe"))
+        out["decoder_sparse_step"] = int(hf.get("decoder_sparse_step") or 1)
+        out["mlp_only_layers"] = _as_int_tuple(hf.get("mlp_only_layers"))
+        out["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+    if arch in HYBRID_ARCHS:
+        n = int(hf["num_hidden_layers"])
+        types = hf.get("layer_types")
+        if not types:  # older configs: every full_attention_interval-th layer is full attention
+            every = int(hf.get("full_attention_interval", 4))
+            types = [
+                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
+            ]
+        out["layer_types"] = tuple(types)
+        for key in _LINEAR_KEYS[1:]:
+            if hf.get(key) is not None:
+                out[key] = int(hf[key])
+        rope = hf.get("rope_parameters") or {}
+        out["partial_rotary_factor"] = float(
+            rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        )
+    return out
+
+
+def _layered_to_hf(c: TargetConfig) -> dict[str, Any]:
+    """The inverse of `_layered_from_hf`."""
+    if not c.layered:
+        return {}
+    out: dict[str, Any] = {}
+    if c.num_experts:
+        out |= {k: getattr(c, k) for k in _MOE_KEYS}
+        out["mlp_only_layers"] = list(c.mlp_only_layers)
+        out["moe_intermediate_size"] = c.moe_intermediate_size
+    if c.hybrid:
+        out |= {k: getattr(c, k) for k in _LINEAR_KEYS}
+        out["layer_types"] = list(c.layer_types)
+        out["partial_rotary_factor"] = c.partial_rotary_factor
+    return out
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -232,9 +409,18 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     )
 
 
+# DFlash2's `dflash_config` keys, named as the reference `dflash.DFlash2DraftModel` reads them.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash drafter (Qwen3-style layers with K/V injection), as in z-lab's config.json."""
+    """A DFlash drafter (Qwen3-style layers with K/V injection), as in z-lab's config.json.
+
+    DFlash2 (`DFlash2DraftModel`) when the four `dflash_config` fields below are set (all or
+    none): a grouped dynamic causal convolution (`conv_kernel_size` taps, dynamic kernels shared
+    by `conv_group_size` channels) around each layer's attention and MLP, and a candidate
+    selector over each slot's `selector_top_k` candidates with rank-`selector_rank` codebooks."""
 
     hidden_size: int
     intermediate_size: int
@@ -257,6 +443,10 @@ class DrafterConfig:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
 
@@ -283,6 +473,26 @@ class DrafterConfig:
             raise ConfigError("drafter has no target_layer_ids")
         if self.block_size < 2:
             raise ConfigError(f"drafter block_size={self.block_size} must be at least 2")
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        sizes = {name: getattr(self, name) for name in DFLASH2_FIELDS}
+        if any(sizes.values()) and not all(v > 0 for v in sizes.values()):
+            raise ConfigError(f"a DFlash2 drafter needs all of {sizes} positive")
+        if self.is_dflash2 and self.hidden_size % self.conv_group_size:
+            raise ConfigError(
+                f"drafter hidden_size={self.hidden_size} is not a multiple of "
+                f"conv_group_size={self.conv_group_size}"
+            )
+        if self.is_dflash2 and self.selector_top_k > self.vocab_size:
+            raise ConfigError(
+                f"drafter selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}"
+            )
+
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2 drafter: convolutions around each sublayer and a candidate selector."""
+        return self.conv_kernel_size > 0
 
     @property
     def num_taps(self) -> int:
@@ -302,9 +512,8 @@ class DrafterConfig:
         """Reads a z-lab drafter `config.json`. Lookup order for DFlash keys: `dflash_config`,
         then top level, then the default."""
         archs = hf.get("architectures") or ["DFlashDraftModel"]
-        if "DFlash2DraftModel" in archs:
-            raise ConfigError("DFlash2 drafters (DFlash2DraftModel) are not supported yet")
-        if "DFlashDraftModel" not in archs:
+        dflash2 = "DFlash2DraftModel" in archs
+        if not dflash2 and "DFlashDraftModel" not in archs:
             raise ConfigError(f"not a DFlash drafter config: architectures={archs}")
         dcfg = hf.get("dflash_config") or {}
 
@@ -327,6 +536,10 @@ class DrafterConfig:
                     "num_target_layers to derive them from"
                 )
             tap_ids = default_target_layer_ids(num_target_layers, num_layers)
+        v2 = {name: int(lookup(name, 0) or 0) for name in DFLASH2_FIELDS} if dflash2 else {}
+        if dflash2 and not all(v2.values()):
+            missing = [name for name, v in v2.items() if not v]
+            raise ConfigError(f"DFlash2DraftModel config lacks dflash_config {missing}")
         theta, scaling = _rope_from_hf(hf, "drafter")
         n_heads = int(hf["num_attention_heads"])
         is_causal = lookup("causal", hf.get("is_causal"))
@@ -352,6 +565,7 @@ class DrafterConfig:
             input_embedding_scale=lookup("input_embedding_scale"),
             output_multiplier=lookup("output_multiplier"),
             final_logit_softcapping=lookup("final_logit_softcapping"),
+            **v2,
             dtype=dtype,
         )
 
@@ -364,9 +578,12 @@ class DrafterConfig:
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
             if getattr(self, name) is not None:
                 dflash_config[name] = getattr(self, name)
+        arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
+        if self.is_dflash2:
+            dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}
         out = {
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "architectures": [arch],
+            "auto_map": {"AutoModel": f"dflash.{arch}"},
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -431,10 +648,21 @@ class DecodeConfig:
     # prompt has flipped, but often in bf16). None: on for every dtype but float32
     # (`decoding.programs.run_target_config`).
     batch_invariant: bool | None = None
+    # Tree verification (decoding/tree.py): each step verifies a tree of this many tokens (the
+    # anchor and tree_nodes - 1 drafted nodes, grown best-first from the drafter's per-position
+    # distributions) in one target pass and commits its longest accepted path. 0: a chain.
+    tree_nodes: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.tree_nodes and (self.tree_nodes < 2 or self.block_size < 2):
+            raise ConfigError(
+                f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "
+                f"draft) and block_size >= 2 (got {self.block_size}); 0 = a chain"
+            )
+        if self.tree_nodes and self.adaptive:
+            raise ConfigError("tree_nodes with adaptive=True is not supported yet")
         kinds = self.step_kinds
         if self.adaptive and not kinds:
             kinds = tuple(sorted({1, *(b for b in (4, 8) if b < self.block_size), self.block_size}))

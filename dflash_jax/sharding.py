@@ -33,23 +33,43 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # MoE experts (expert parallelism): each device of `tensor` holds E / |tensor| whole
+    # experts; their own dims then stay unsplit over `tensor` (a mesh axis maps once per array).
+    ("expert", "tensor"),
 )
 
 # param path (joined with "/") -> logical axes, first match wins; target and drafter alike.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|/)embed_tokens/embedding$", ("vocab", "embed")),
     (r"(^|/)lm_head/kernel$", ("embed", "vocab")),
+    # MoE: stacked experts [E,D,F] / [E,F,D], the router [D,E], the shared expert's gate [D,1].
+    (r"/experts/(gate|up)_proj$", ("expert", "embed", None)),
+    (r"/experts/down_proj$", ("expert", None, "embed")),
+    (r"/mlp/gate/kernel$", ("embed", None)),
+    (r"/shared_expert_gate/kernel$", ("embed", None)),
+    # Gated DeltaNet (hybrid targets): the model dim over fsdp, its channels unsplit.
+    (r"/linear_attn/in_proj_[a-z]+/kernel$", ("embed", None)),
+    (r"/linear_attn/out_proj/kernel$", (None, "embed")),
+    (r"/linear_attn/conv1d/kernel$", (None, None)),
+    (r"/linear_attn/(dt_bias|A_log)$", ("norm",)),
     (r"/q_proj/kernel$", ("embed", "heads", "head_dim")),
     (r"/[kv]_proj/kernel$", ("embed", "kv_heads", "head_dim")),
     (r"/o_proj/kernel$", ("heads", "head_dim", "embed")),
     (r"/(gate|up)_proj/kernel$", ("embed", "mlp")),
     (r"/down_proj/kernel$", ("mlp", "embed")),
     (r"(^|/)fc/kernel$", ("taps_embed", "embed")),
+    # DFlash2: the convolutions' taps and the candidate selector's codebooks and projection.
+    (r"/base_kernel$", (None, None, "embed")),
+    (r"/kernel_projection/kernel$", ("embed", None)),
+    (r"(^|/)(predecessor|successor)_codebook/embedding$", ("vocab", None)),
+    (r"(^|/)hidden_projection/kernel$", ("embed", None)),
     (r"(^|/)[a-z_]*norm/scale$", ("norm",)),
 )
 
 KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 QUERY_AXES = ("batch", "length", "heads", "head_dim")  # attention queries and outputs [B,T,N,H]
+# A linear-attention layer's carried state: conv [B,W,C], recurrent [B,Hv,Dk,Dv].
+LINEAR_STATE_AXES = (("batch", None, None), ("batch", None, None, None))
 
 _WARNED: set[tuple] = set()
 
@@ -155,11 +175,22 @@ def param_shardings(params, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
 
 
 def cache_shardings(cache, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-    """NamedSharding pytree for a KV cache whose buffers are [B,K,S,H]."""
-    return jax.tree_util.tree_map(
+    """NamedSharding pytree for a KV cache whose buffers are [B,K,S,H]; a hybrid target's
+    linear-layer states (`KVCache.state`) by `LINEAR_STATE_AXES`."""
+    state = getattr(cache, "state", None)
+    if state is not None:
+        cache = cache.replace(state=None)
+    out = jax.tree_util.tree_map(
         lambda buf: NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, buf.shape, mesh, rules)),
         cache,
     )
+    if state is None:
+        return out
+    spec = lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
+    layers = tuple(
+        tuple(spec(axes, x) for axes, x in zip(LINEAR_STATE_AXES, s, strict=True)) for s in state
+    )
+    return out.replace(state=layers)
 
 
 def batch_sharding(mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> NamedSharding:

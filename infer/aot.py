@@ -54,19 +54,45 @@ KNOWN_TARGETS = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
         },
     },
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 10000000,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    # Qwen3.5-9B's shape (its config.json keeps these under text_config).
+    "Qwen/Qwen3.5-9B": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 262144,
+        "tie_word_embeddings": False, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25},
+    },
 }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
     """What a decode is planned or lowered for: rows, prompt buffer width, new tokens per row,
-    block size (0: the drafter's trained one) and the param and cache dtype."""
+    block size (0: the drafter's trained one), the param and cache dtype, and the row rule of a
+    batch-invariant decode (`TargetConfig.invariant_rows`).
+
+    The row rule is a fact of the machine that runs the decode, probed there at its first bf16
+    decode (`ops.invariance.machine_row_rule`); a machine cannot probe another's. So the
+    programs are lowered without one by default (the plain program, which is also what
+    `--batch_invariant=false` runs), and with the rule given here to lower the invariant one."""
 
     batch: int = 32
     prompt_len: int = 1024
     max_new_tokens: int = 1024
     block_size: int = 0
     dtype: str = "bfloat16"
+    invariant_rows: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +228,11 @@ def speculative_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> 
     from dflash_jax.models.drafter import init_drafter_params
 
     tcfg, dcfg = _configs(cfg, shape.dtype, attention_impl)
+    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows)
     decode = DecodeConfig(
-        max_new_tokens=shape.max_new_tokens, block_size=shape.block_size or dcfg.block_size
+        max_new_tokens=shape.max_new_tokens,
+        block_size=shape.block_size or dcfg.block_size,
+        batch_invariant=shape.invariant_rows is not None,
     )
     target, *rest = _decode_head(tcfg, shape, mesh)
     drafter = abstract_params(init_drafter_params, dcfg, shape.dtype, mesh)
@@ -223,7 +252,12 @@ def autoregressive_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) 
     from dflash_jax.decoding import autoregressive
 
     tcfg, _ = _configs(cfg, shape.dtype, attention_impl)
-    decode = autoregressive.autoregressive_config(DecodeConfig(max_new_tokens=shape.max_new_tokens))
+    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows)
+    decode = autoregressive.autoregressive_config(
+        DecodeConfig(
+            max_new_tokens=shape.max_new_tokens, batch_invariant=shape.invariant_rows is not None
+        )
+    )
     statics = dict(target_config=tcfg, decode_config=decode)
     halves = (autoregressive.start_autoregressive, autoregressive.advance_autoregressive)
     names = ("start_autoregressive", "advance_autoregressive")

@@ -293,10 +293,35 @@ def run_breakdown(target, drafter, turns: list[dict], cfg: DecodeConfig) -> dict
     return out
 
 
-def gemm_floors(target, drafter, block_size: int) -> dict:
+def gemm_floors(target, drafter, cfg: DecodeConfig) -> dict:
+    """The run's own floors, the AR one at the rows its AR step runs (padded when invariant)."""
+    run_cfg = programs.run_target_config(target.config, cfg)
     return breakdown.gemm_floors(
-        target.params, target.config, drafter.params, block_size, FLAGS.breakdown_repeats
+        target.params,
+        target.config,
+        drafter.params,
+        cfg.block_size,
+        FLAGS.breakdown_repeats,
+        ar_rows=run_cfg.invariant_rows[0] if run_cfg.invariant_rows else 1,
     )
+
+
+def dtype_floor_table(by_dtype: dict) -> str:
+    """`breakdown.floors_by_dtype` as text: each precision's AR and step floors, in ms and as
+    multiples of the fastest AR floor of any of them."""
+    ms = lambda s: f"{1e3 * s:8.2f} ms"
+    fastest = min(min(f["gemm_floor_ar_s"], f["gemm_floor_ar_1row_s"]) for f in by_dtype.values())
+    lines = [
+        f"{'GEMM floors by dtype':22s}{'AR, 1 row':>12s}{'AR as run':>12s}{'rows':>5s}"
+        f"{'step':>12s}{'step/fastest AR':>17s}"
+    ]
+    for dtype, f in by_dtype.items():
+        lines.append(
+            f"{dtype:22s}{ms(f['gemm_floor_ar_1row_s'])}{ms(f['gemm_floor_ar_s'])}"
+            f"{f['ar_rows']:5d}{ms(f['gemm_floor_step_s'])}"
+            f"{f['gemm_floor_step_s'] / fastest:17.2f}"
+        )
+    return "\n".join(lines)
 
 
 def breakdown_table(agg: dict) -> str:
@@ -411,7 +436,7 @@ def main(argv):
         cfg = common.decode_config(block, api.stop_token_ids(target), is_adaptive)
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
-    floors_before = gemm_floors(target, drafter, block) if FLAGS.breakdown else None
+    floors_before = gemm_floors(target, drafter, cfg) if FLAGS.breakdown else None
     warmed, turns, step_costs, plain_ars, ar_probe = set(), [], None, None, {}
     for conv_id, user_turns in enumerate(
         tqdm(
@@ -445,6 +470,9 @@ def main(argv):
     if FLAGS.breakdown:
         agg.update(run_breakdown(target, drafter, turns, cfg))
         agg.update(breakdown.bracket_floors(floors_before, agg))
+        agg["gemm_floors_by_dtype"] = breakdown.floors_by_dtype(
+            target.params, target.config, drafter.params, block, FLAGS.breakdown_repeats
+        )
     result = {
         "dataset": FLAGS.dataset,
         "temperature": FLAGS.temperature,
@@ -483,6 +511,7 @@ def main(argv):
     agg = result["aggregate"]
     if FLAGS.breakdown:
         print(breakdown_table(agg))
+        print(dtype_floor_table(agg["gemm_floors_by_dtype"]))
     print(
         f"{FLAGS.dataset}: {agg['turns']} turns, tau {agg['tau_mean']:.2f} "
         f"(prompt lookup {agg['prompt_lookup_tau_mean']:.2f}), "

@@ -56,11 +56,23 @@ flags.DEFINE_integer(
     "0 = the trained size.",
     lower_bound=0,
 )  # fmt: skip
+flags.DEFINE_integer(
+    "tree_nodes", 0,
+    "Tree verification: each step verifies a tree of this many tokens (the anchor and the "
+    "drafter's most probable continuations, grown best-first; decoding/tree.py) in one target "
+    "pass and commits its longest accepted path. 0 = a chain of --block_size. With a tree, an "
+    "unset --adaptive is off.",
+    lower_bound=0,
+)  # fmt: skip
 flags.DEFINE_enum(
     "attention_impl", "auto", list(ATTENTION_IMPLS),
-    "Attention: 'xla' (the reference), 'pallas' (Pallas kernels: Triton on GPU; on TPU only the "
-    "drafter's training attention; interpret mode on CPU, slow), 'auto' (pallas on GPU/TPU, xla "
-    "on CPU). A case the kernels lack is refused under 'pallas', done by xla under 'auto'.",
+    "Attention: 'xla' (the reference), 'pallas' (Pallas kernels: Triton on GPU for drafting, "
+    "training and the target; on TPU Mosaic decode kernels for drafting, verify, AR steps and "
+    "prefills under 128 tokens, splash for training; interpret mode on CPU, slow), 'auto' "
+    "(pallas on GPU/TPU, xla on CPU). Under --mesh every kernel runs in shard_map (batch over "
+    "data/fsdp, KV heads over tensor). A case the kernels lack (a head dim, a dtype, query heads "
+    "split over tensor while their KV heads are not) is refused under 'pallas' and done by xla "
+    "with one log line under 'auto'; `python -m infer.lower` shows which, for any platform.",
 )  # fmt: skip
 flags.DEFINE_bool(
     "adaptive", None,
@@ -116,6 +128,8 @@ def decode_config(
 ) -> DecodeConfig:
     """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
     adaptive = bool(FLAGS.adaptive) if adaptive is None else adaptive
+    if FLAGS.tree_nodes and FLAGS.adaptive is None:  # a tree decode is not adaptive by default
+        adaptive = False
     if FLAGS.lookup_kinds is None:
         lookup = default_lookup_kinds(block_size)
     else:
@@ -125,6 +139,7 @@ def decode_config(
         top_p=FLAGS.top_p, block_size=block_size, stop_token_ids=stop_token_ids,
         adaptive=adaptive, step_kinds=tuple(int(k) for k in FLAGS.step_kinds) if adaptive else (),
         lookup_kinds=lookup if adaptive else (), batch_invariant=FLAGS.batch_invariant,
+        tree_nodes=FLAGS.tree_nodes,
     )  # fmt: skip
 
 

@@ -84,6 +84,17 @@ flags.DEFINE_enum(
     "dtype", _SHAPE.dtype, ["bfloat16", "float32"],
     "Decode: param and cache dtype (training uses the config's compute_dtype).",
 )  # fmt: skip
+flags.DEFINE_list(
+    "invariant_rows", [],
+    "Decode: lower the batch-invariant program with this row rule, MIN,MAX (e.g. 8,64; "
+    "TargetConfig.invariant_rows). Empty: the plain program. The rule is probed on the machine "
+    "that decodes (ops.invariance.machine_row_rule), which this one cannot do for another.",
+)  # fmt: skip
+flags.register_validator(
+    "invariant_rows",
+    lambda v: not v or (len(v) == 2 and all(x.isdigit() for x in v) and 1 <= int(v[0])),
+    "--invariant_rows takes MIN,MAX with 1 <= MIN (MAX 0: no bound)",
+)
 flags.mark_flag_as_required("config")
 for _name, _choices in (("platform", PLATFORMS), ("what", WHATS)):
     flags.register_validator(
@@ -188,8 +199,9 @@ def programs(what: str, mesh) -> list[aot.Program]:
     cfg, impl = FLAGS.config, FLAGS.attention_impl
     if what == "train":
         return [aot.train_program(cfg, mesh, impl)]
+    rows = tuple(int(x) for x in FLAGS.invariant_rows) or None
     shape = aot.DecodeShape(
-        FLAGS.batch, FLAGS.prompt_len, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.dtype
+        FLAGS.batch, FLAGS.prompt_len, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.dtype, rows
     )
     return [
         *aot.speculative_programs(cfg, mesh, shape, impl),

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from dflash.model import (
+    DFlash2DraftModel,
     DFlashDraftModel,
     _draft_value,
     _output_head,
@@ -60,7 +61,8 @@ def make_reference_pair(
     seed: int = 0,
 ) -> tuple[Path, Path]:
     """Saves a random Qwen3ForCausalLM target (theta 1e4) and a random DFlashDraftModel (theta 1e6,
-    so a drafter that used the target's theta would fail) under tmp_path; returns their dirs."""
+    so a drafter that used the target's theta would fail) under tmp_path; returns their dirs.
+    `dflash_extra` with DFlash2's `conv_kernel_size` makes it a DFlash2DraftModel."""
     tmp_path = Path(tmp_path)
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     target_cfg = Qwen3Config(
@@ -101,7 +103,8 @@ def make_reference_pair(
         dflash_config=dflash_config,
         **extra,
     )
-    drafter = DFlashDraftModel(drafter_cfg).float().eval()
+    model_class = DFlash2DraftModel if "conv_kernel_size" in dflash_config else DFlashDraftModel
+    drafter = model_class(drafter_cfg).float().eval()
     _randomize(drafter, seed + 1)
     drafter.save_pretrained(drafter_dir)
     return target_dir, drafter_dir
@@ -109,7 +112,9 @@ def make_reference_pair(
 
 def load_reference_pair(target_dir, drafter_dir) -> tuple[Qwen3ForCausalLM, DFlashDraftModel]:
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    dflash2 = "DFlash2DraftModel" in (Path(drafter_dir) / "config.json").read_text()
+    model_class = DFlash2DraftModel if dflash2 else DFlashDraftModel
+    drafter = model_class.from_pretrained(drafter_dir, dtype=torch.float32).eval()
     return target, drafter
 
 

@@ -87,6 +87,26 @@ def _largest_constant(lowered) -> int:
     return max(sizes)
 
 
+def test_floors_by_dtype_time_each_precision_at_the_rows_its_decode_runs():
+    """fp32 decodes one plain row per AR step; bf16 decodes batch-invariant, its AR step padded
+    to the row rule's minimum, so its AR floor is timed there and at one row too."""
+    import dataclasses
+
+    from dflash_jax.decoding import programs
+
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    out = breakdown.floors_by_dtype(tp, tcfg, dp, rows=8, repeats=3)
+    assert set(out) == {"float32", "bfloat16"}
+    assert out["float32"]["ar_rows"] == 1
+    bf16 = dataclasses.replace(tcfg, dtype="bfloat16", invariant_rows=None)
+    rule = programs.run_target_config(bf16, DecodeConfig()).invariant_rows
+    assert out["bfloat16"]["ar_rows"] == rule[0]
+    for floors in out.values():
+        for name in ("gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s"):
+            assert floors[name] > 0, name
+        assert floors["break_even_tau"] == floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"]
+
+
 def test_floors_and_phases_take_the_weights_as_arguments():
     """Weights closed over by a timed step become constants of its executable, which XLA:CPU
     multiplies faster than the decode's argument params: every timed step must take them as

@@ -7,6 +7,7 @@ speculative.py     draft -> verify -> accept per step (`speculative_decode`)
 programs.py        jitting, mesh placement and input checks shared by both decodes
 adaptive.py        the on-device controller that picks each step's kind
 lookup.py          prompt lookup: drafts copied from the text so far
+tree.py            tree verification: a best-first token tree per step, one pass, a path
 sampling.py        logit processing, sampling, greedy and rejection acceptance
 runner.py          the decodes as start/advance halves: timed, streamed, step-limited
 calibration.py     each step kind's measured cost, cached on disk

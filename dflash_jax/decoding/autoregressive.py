@@ -42,6 +42,7 @@ _DRAFTING_FIELDS = (
     "probe_backoff",
     "lookup_kinds",
     "lookup_ngram",
+    "tree_nodes",
 )
 
 

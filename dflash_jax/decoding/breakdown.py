@@ -12,7 +12,9 @@ Their ratio is the physical break-even: DFlash wins only when tau exceeds it.
 
 Phases of one step, each the same function the loop body runs (`phases.py`), jitted alone:
 drafter layers, drafter head (+ argmax), target verify body, verify head + accept, commit, and
-appending the committed tokens' context K/V for the next draft. Their sum against the
+appending the committed tokens' context K/V for the next draft. A DFlash2 drafter's head phase
+is the head and its top-k candidates, and its selector's walk over them is one more phase,
+`drafter_select` (`phase_names`). Their sum against the
 measured in-loop step shows what the loop itself adds.
 """
 
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import phases, programs
+from dflash_jax.decoding import phases, programs, selector
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
 from dflash_jax.decoding.state import commit as commit_tokens
 from dflash_jax.models.target import decoding_head, unembedding_matrix
@@ -39,6 +41,14 @@ PHASES = (
     "commit",
     "append_context",
 )
+
+
+DFLASH2_PHASES = (*PHASES[:2], "drafter_select", *PHASES[2:])
+
+
+def phase_names(dcfg: DrafterConfig) -> tuple[str, ...]:
+    """The phases of a step with this drafter, in step order."""
+    return DFLASH2_PHASES if dcfg.is_dflash2 else PHASES
 
 
 def _loop_time(step, carry, weights, repeats: int) -> float:
@@ -99,8 +109,11 @@ def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array,
     return x_rd, sink
 
 
-def floor_fns(target_params, tcfg: TargetConfig, drafter_params, rows: int) -> dict:
-    """The two GEMM floors as loop steps: {"gemm_floor_ar_s": 1 row through the target's
+def floor_fns(
+    target_params, tcfg: TargetConfig, drafter_params, rows: int, ar_rows: int = 1
+) -> dict:
+    """The two GEMM floors as loop steps: {"gemm_floor_ar_s": `ar_rows` rows (1, or the row
+    rule's minimum that a batch-invariant AR step pads its row to) through the target's
     matrices and its head, "gemm_floor_step_s": `rows` rows through the target's, the
     drafter's (`fc` included) and the head for rows - 1 draft rows}, each
     (step, carry, weights) with step(carry, *weights) -> carry, as `phase_fns`."""
@@ -132,16 +145,54 @@ def floor_fns(target_params, tcfg: TargetConfig, drafter_params, rows: int) -> d
         0.0,
     )
     return {
-        "gemm_floor_ar_s": (ar, (jnp.full((1, d), 0.01, dtype), 0.0), (t_layers, head_dv)),
+        "gemm_floor_ar_s": (
+            ar,
+            (jnp.full((ar_rows, d), 0.01, dtype), 0.0),
+            (t_layers, head_dv),
+        ),
         "gemm_floor_step_s": (step, step_init, (t_layers, d_layers, fc_fd, head_dv)),
     }
 
 
-def gemm_floors(target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20) -> dict:
+def gemm_floors(
+    target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20, ar_rows: int = 1
+) -> dict:
     """{"gemm_floor_ar_s", "gemm_floor_step_s"} (`floor_fns`), timed like the phases
     (`_loop_time`, weights as arguments)."""
-    fns = floor_fns(target_params, tcfg, drafter_params, rows)
+    fns = floor_fns(target_params, tcfg, drafter_params, rows, ar_rows)
     return {name: _loop_time(*fn, repeats) for name, fn in fns.items()}
+
+
+def floors_by_dtype(
+    target_params,
+    tcfg: TargetConfig,
+    drafter_params,
+    rows: int,
+    repeats=20,
+    dtypes=("float32", "bfloat16"),
+) -> dict:
+    """The GEMM floors with the weights cast to each of `dtypes`, each AR floor at the rows a
+    default decode in that dtype runs (one row, or the row rule's minimum when the dtype decodes
+    batch-invariant by default, `programs.run_target_config`) and also at one row:
+    {dtype: {"gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s", "ar_rows",
+    "break_even_tau"}}. What `--dtype=auto` compares, and the README's step-cost table."""
+    out = {}
+    for dtype in dtypes:
+        cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
+        cfg = programs.run_target_config(
+            dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None), DecodeConfig()
+        )
+        ar_rows = cfg.invariant_rows[0] if cfg.invariant_rows else 1
+        tp, dp = cast(target_params), cast(drafter_params)
+        floors = gemm_floors(tp, cfg, dp, rows, repeats, ar_rows=ar_rows)
+        one_row = floors if ar_rows == 1 else gemm_floors(tp, cfg, dp, rows, repeats)
+        out[dtype] = {
+            **floors,
+            "gemm_floor_ar_1row_s": one_row["gemm_floor_ar_s"],
+            "ar_rows": ar_rows,
+            "break_even_tau": floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"],
+        }
+    return out
 
 
 def bracket_floors(before: dict, after: dict) -> dict:
@@ -201,9 +252,9 @@ def phase_fns(
             dp, tp, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
     )(drafter_params, target_params, state)
-    drafts, draft_logp = jax.jit(lambda h, x: phases.draft_tokens(h, tcfg, dcfg, cfg, x, key))(
-        head, hidden
-    )
+    drafts, draft_logp = jax.jit(
+        lambda h, x, dp: phases.draft_tokens(h, tcfg, dcfg, cfg, x, key, dp, anchor_b1)
+    )(head, hidden, drafter_params)
     verify_bt = jnp.concatenate([anchor_b1, drafts], axis=1)
     vhidden, taps, _ = jax.jit(
         lambda tp, s: phases.verify_hidden(tp, tcfg, dcfg, verify_bt, start_b, s.cache)
@@ -224,8 +275,17 @@ def phase_fns(
 
     def drafter_head(c, tp, dp, head):
         h, sink = c
+        if dcfg.is_dflash2:  # the head and the candidates; the walk is `drafter_select`
+            return _tie(h, selector.candidates(head, tcfg, dcfg, h)), sink
         d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key)
         return _tie(h, d), sink
+
+    def drafter_select(c, tp, dp, head):
+        h, unary, cand, sink = c
+        d, _ = selector.walk(
+            dp["candidate_selector"], dcfg, cfg, h, unary, cand, anchor_b1[:, 0], key
+        )
+        return _tie(h, d), unary, cand, sink
 
     def verify_body(c, tp, dp, head):
         cache, tokens_bt, sink = c
@@ -252,7 +312,7 @@ def phase_fns(
 
     zero = jnp.float32(0.0)
     weights = (target_params, drafter_params, head)
-    return {
+    fns = {
         "drafter_layers": (drafter_layers, (state, anchor_b1, zero), weights),
         "drafter_head": (drafter_head, (hidden, zero), weights),
         "verify_body": (verify_body, (state.cache, verify_bt, zero), weights),
@@ -260,13 +320,17 @@ def phase_fns(
         "commit": (commit, (state, zero), weights),
         "append_context": (append_context, (state.ctx_k, state.ctx_v, taps), weights),
     }
+    if dcfg.is_dflash2:
+        unary, cand = jax.jit(lambda h, x: selector.candidates(h, tcfg, dcfg, x))(head, hidden)
+        fns["drafter_select"] = (drafter_select, (hidden, unary, cand, zero), weights)
+    return {name: fns[name] for name in phase_names(dcfg)}
 
 
 def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
-    """{"phase_<name>_s": seconds per call} for every phase in PHASES (`_loop_time` over
-    `repeats` calls); the arguments are `phase_fns`'."""
+    """{"phase_<name>_s": seconds per call} for every phase of `phase_names` (`_loop_time`
+    over `repeats` calls); the arguments are `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {f"phase_{name}_s": _loop_time(*fns[name], repeats) for name in PHASES}
+    return {f"phase_{name}_s": _loop_time(*fn, repeats) for name, fn in fns.items()}
 
 
 def breakdown(
@@ -276,20 +340,24 @@ def breakdown(
     break-even tau. Greedy decoding is timed whatever `cfg` says (the phases differ only in the
     sampling arithmetic)."""
     cfg = dataclasses.replace(cfg, temperature=0.0)
-    out = gemm_floors(target.params, target.config, drafter.params, cfg.block_size, repeats)
+    run_cfg = programs.run_target_config(target.config, cfg)  # as the decode compiles it
+    ar_rows = run_cfg.invariant_rows[0] if run_cfg.invariant_rows else 1
+    out = gemm_floors(
+        target.params, target.config, drafter.params, cfg.block_size, repeats, ar_rows=ar_rows
+    )
     out.update(
         phase_times(
             target.params,
             drafter.params,
             jnp.asarray(prompt),
             jnp.asarray(prompt_lengths),
-            programs.run_target_config(target.config, cfg),  # as the decode compiles it
+            run_cfg,
             drafter.config,
             cfg,
             live_length,
             repeats=repeats,
         )
     )
-    out["phases_sum_s"] = sum(out[f"phase_{p}_s"] for p in PHASES)
+    out["phases_sum_s"] = sum(out[f"phase_{p}_s"] for p in phase_names(drafter.config))
     out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
     return out

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding import selector
 from dflash_jax.decoding.sampling import (
     accept_greedy_choices,
     accept_rejection,
@@ -105,9 +106,15 @@ def draft_hidden(
     return hidden_btd[:, 1:]
 
 
-def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key):
-    """The target's frozen head on the draft slots, then argmax or a sample per slot.
+def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=None, anchor_b1=None):
+    """The target's frozen head on the draft slots, then argmax or a sample per slot; a DFlash2
+    drafter (its params and the anchors [B,1] needed) walks its candidates (`selector.py`).
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
+    if dcfg.is_dflash2:
+        selector_params = drafter_params["candidate_selector"]
+        return selector.propose(
+            head, tcfg, dcfg, cfg, selector_params, hidden_bgd, anchor_b1[:, 0], key
+        )
     hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
     if cfg.greedy and not dcfg.final_logit_softcapping:  # a positive multiplier keeps the argmax
         return head.argmax(hidden_bgd), None
@@ -160,7 +167,7 @@ def init_speculative(
     -> the speculative loop's state before any step (the adaptive controller at its prior)."""
     bs = cfg.block_size
     b, p = prompt.shape
-    cache_len = p + cfg.max_new_tokens + 2 * bs
+    cache_len = p + cfg.max_new_tokens + 2 * max(bs, cfg.tree_nodes)  # a tree: N verify slots
     state, taps_bpf = prefill(
         target_params,
         head,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import adaptive, lookup
+from dflash_jax.decoding import adaptive, lookup, tree
 from dflash_jax.decoding.phases import (
     context_rows,
     draft_hidden,
@@ -46,7 +46,7 @@ from dflash_jax.decoding.state import (
     keep_going,
     step_key,
 )
-from dflash_jax.models.target import Head, KVCache, decoding_head
+from dflash_jax.models.target import Head, KVCache, commit_states, decoding_head
 from dflash_jax.ops.caches import write_rows
 
 
@@ -71,7 +71,9 @@ class Proposal:
     accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain); k, v: the target's
     K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k, ctx_v: the drafter's context
     rows of the verified tokens, likewise; copy [B,W-1], found [B]: the copy proposed before the
-    step (adaptive mode with lookup kinds, else None), which the controller learns from."""
+    step (adaptive mode with lookup kinds, else None), which the controller learns from;
+    state: a hybrid target's per-linear-layer `LinearRows` [B,W,...] (else None), from which
+    `_apply` commits each row's recurrent state at its accepted length."""
 
     new: jax.Array
     accepted: jax.Array
@@ -82,6 +84,7 @@ class Proposal:
     ctx_v: tuple
     copy: jax.Array | None = None
     found: jax.Array | None = None
+    state: tuple | None = None
 
 
 def _propose(
@@ -123,7 +126,7 @@ def _propose(
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
-        return draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft)
+        return draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft, dparams, anchor_b1)
 
     if bs > 1:
         if sources == ("copy",):
@@ -160,6 +163,7 @@ def _propose(
         v=tuple(pad(r, 2) for r in kv_rows.v),
         ctx_k=tuple(pad(r, 2) for r in ctx_ks),
         ctx_v=tuple(pad(r, 2) for r in ctx_vs),
+        state=None if kv_rows.state is None else jax.tree.map(lambda r: pad(r, 1), kv_rows.state),
     )
 
 
@@ -177,6 +181,8 @@ def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> Lo
     )
     ctx_k = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_k, out.ctx_k, strict=True))
     ctx_v = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_v, out.ctx_v, strict=True))
+    if out.state is not None:  # recurrent state rolls back by re-running the accepted prefix
+        cache = cache.replace(state=commit_states(s.cache.state, out.state, produced_b))
     s = s.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, drf_len=s.drf_len + produced_b)
     if cfg.adaptive:
         s = adaptive.update(s, out, produced_b, active_b, cfg)
@@ -252,7 +258,9 @@ def _advance_speculative(
         prompt_lengths=prompt_lengths,
     )
     width = cfg.block_size
-    if not cfg.adaptive:
+    if cfg.tree_nodes:  # a token tree per step; its accepted path is applied like a block
+        propose = lambda s: Proposal(kind=jnp.int32(width), **tree.propose(s, ctx, width))
+    elif not cfg.adaptive:
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:
         variants = step_branches(cfg)

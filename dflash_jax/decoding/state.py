@@ -81,15 +81,17 @@ _CARRY_AXES = {
 
 def carry_shardings(state: LoopState, mesh) -> LoopState:
     """The loop state's NamedShardings on `mesh` (a LoopState of them), from `_CARRY_AXES`."""
-    return state.replace(
+    state = state.replace(
         **{
             name: jax.tree.map(
                 lambda x, axes=axes: sharding.logical_sharding(axes, x.shape, mesh),
                 getattr(state, name),
             )
             for name, axes in _CARRY_AXES.items()
+            if name != "cache"
         }
     )
+    return state.replace(cache=sharding.cache_shardings(state.cache, mesh))
 
 
 def constrain(state: LoopState, mesh) -> LoopState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.io import hf_layered
 
 
 class CheckpointError(ValueError):
@@ -33,6 +35,13 @@ class StoredTensor:
     file: str
     shape: tuple[int, ...]
     read: Callable[[], np.ndarray]
+    # index (one slice per dim, steps of 1) -> that region, reading no more of the file than
+    # it needs (GGUF: dequantising only its rows); None: read()[index] (a memory map's view).
+    read_part: Callable[[tuple[slice, ...]], np.ndarray] | None = None
+
+    def part(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The region `index` (one slice per dim) of the tensor, in HF layout."""
+        return self.read()[index] if self.read_part is None else self.read_part(index)
 
 
 # safetensors dtype codes; numpy has no bfloat16, hence ml_dtypes and our own header reader
@@ -75,28 +84,48 @@ def read_safetensors_header(file: str | Path) -> dict[str, StoredTensor]:
     return out
 
 
-def write_safetensors(file: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
+def write_safetensors(
+    file: str | Path,
+    arrays: Mapping[str, Any],
+    fill: Callable[[str, np.ndarray], None] | None = None,
+) -> None:
     """Writes name -> numpy array (any dtype `read_safetensors_header` reads, bfloat16 included)
     as one .safetensors file, in the given order. Streams the arrays: safetensors' own
-    `save_file` first copies them all into one bytes object, doubling peak memory."""
+    `save_file` first copies them all into one bytes object, doubling peak memory.
+
+    fill(name, out): the arrays may then be anything with a shape and a dtype (a sharded
+    jax.Array); the file is sized first and `fill` writes each array into `out`, its region
+    of the file memory-mapped, so no array need ever be whole in host memory."""
     codes = {np.dtype(d): code for code, d in _SAFETENSORS_DTYPES.items()}
     header, offset = {}, 0
     for name, w in arrays.items():
-        if w.dtype not in codes:
+        dtype = np.dtype(w.dtype)
+        if dtype not in codes:
             raise ValueError(f"{file}: array {name!r} has dtype {w.dtype}, not a safetensors dtype")
+        nbytes = math.prod(w.shape) * dtype.itemsize
         header[name] = {
-            "dtype": codes[w.dtype],
+            "dtype": codes[dtype],
             "shape": list(w.shape),
-            "data_offsets": [offset, offset + w.nbytes],
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += w.nbytes
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header so the data starts 8-aligned
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for w in arrays.values():
-            f.write(np.ascontiguousarray(w).reshape(-1).view(np.uint8))
+        if fill is None:
+            for w in arrays.values():
+                f.write(np.ascontiguousarray(w).reshape(-1).view(np.uint8))
+            return
+        f.truncate(8 + len(raw) + offset)
+    for name, w in arrays.items():
+        if math.prod(w.shape):  # a memory map cannot be empty
+            start = 8 + len(raw) + header[name]["data_offsets"][0]
+            out = np.memmap(file, np.dtype(w.dtype), "r+", start, tuple(w.shape))
+            fill(name, out)
+            out.flush()
+            del out
 
 
 def read_safetensors_dir(directory: str | Path) -> dict[str, StoredTensor]:
@@ -132,26 +161,113 @@ def canonical_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
+def canonical_tensors(tensors: Mapping[str, StoredTensor], config: TargetConfig) -> dict:
+    """A checkpoint's tensors by canonical name; for the MoE / hybrid families also renamed as
+    `hf_layered.rename` does (experts stacked, a multimodal wrapper's language model)."""
+    out = {canonical_name(n): t for n, t in tensors.items()}
+    return hf_layered.rename(out, config, StoredTensor) if config.layered else out
+
+
 # Buffers some older checkpoints carry; derived from the config, so never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def _t(w: np.ndarray) -> np.ndarray:
-    return w.T
+# The transforms HF layout -> ours. Each converts a whole array (`__call__`, lazily on a memory
+# map) and, given a region of ours, reads only the HF region it comes from (`part`): what lets
+# a GGUF be dequantised slice by slice. A transform without `part` (any callable) is applied to
+# the whole tensor's read() and sliced (see `Converted`).
 
 
-def _split_heads_in(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
+def _slices(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """An index of slices (None bounds allowed, steps of 1) -> explicit [start, stop) slices."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+class _Keep:
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return w
+
+    def part(self, t: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
+        return t.part(index)
+
+
+class _Transpose:
+    """[out, in] -> [in, out]"""
+
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return w.T
+
+    def part(self, t: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
+        return t.part(index[::-1]).T
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadsIn:
     """[n*h, D] -> [D, n, h]"""
-    return lambda w: w.reshape(n, h, w.shape[1]).transpose(2, 0, 1)
+
+    n: int
+    h: int
+
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(self.n, self.h, w.shape[1]).transpose(2, 0, 1)
+
+    def part(self, t: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
+        d, n, h = index
+        w = t.part((slice(n.start * self.h, n.stop * self.h), d))  # the heads' rows
+        return w.reshape(n.stop - n.start, self.h, -1)[:, h].transpose(2, 0, 1)
 
 
-def _split_heads_out(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class _HeadsOut:
     """[D, n*h] -> [n, h, D]"""
-    return lambda w: w.reshape(w.shape[0], n, h).transpose(1, 2, 0)
+
+    n: int
+    h: int
+
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(w.shape[0], self.n, self.h).transpose(1, 2, 0)
+
+    def part(self, t: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
+        n, h, d = index
+        w = t.part((d, slice(n.start * self.h, n.stop * self.h)))
+        return w.reshape(w.shape[0], n.stop - n.start, self.h)[:, :, h].transpose(1, 2, 0)
 
 
-def _keep(w: np.ndarray) -> np.ndarray:
-    return w
+_t, _keep = _Transpose(), _Keep()
+_split_heads_in, _split_heads_out = _HeadsIn, _HeadsOut
+
+
+class Converted:
+    """A tensor in our layout, read lazily by regions: `converted[index]` reads and converts only
+    what `index` needs (see the transforms above). `shape` is our layout's."""
+
+    def __init__(self, tensor: StoredTensor, fn: Callable[[np.ndarray], np.ndarray]):
+        self.tensor, self.fn = tensor, fn
+        if hasattr(fn, "part"):  # reshapes and transposes: a zero-stride stand-in has the shape
+            self.whole = None
+            self.shape = fn(np.broadcast_to(np.zeros((), np.float32), tensor.shape)).shape
+        else:  # any other transform: on the whole tensor (a memory map's view stays lazy)
+            self.whole = fn(tensor.read())
+            self.shape = self.whole.shape
+
+    def __getitem__(self, index) -> np.ndarray:
+        if self.whole is not None:
+            return self.whole[index]
+        index = _slices(index if isinstance(index, tuple) else (index,), self.shape)
+        return self.fn.part(self.tensor, index)
+
+
+def _equal_by_rows(a: StoredTensor, b: StoredTensor, rows: int = 1024) -> bool:
+    """a == b, compared `rows` rows at a time (neither tensor is ever read whole)."""
+    if a.shape != b.shape:
+        return False
+    rest = tuple(slice(0, n) for n in a.shape[1:])
+    for r in range(0, a.shape[0], rows):
+        index = (slice(r, min(r + rows, a.shape[0])), *rest)
+        if not np.array_equal(a.part(index), b.part(index)):
+            return False
+    return True
 
 
 def param_layout(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], Any]]:
@@ -183,6 +299,8 @@ def param_layout(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple
         if c.use_qk_norm:
             per_layer["self_attn.q_norm.weight"] = (("self_attn", "q_norm", "scale"), (h,), _keep)
             per_layer["self_attn.k_norm.weight"] = (("self_attn", "k_norm", "scale"), (h,), _keep)
+        if c.layered:  # MoE / hybrid layers (io/hf_layered.py)
+            per_layer = hf_layered.layer_layout(c, i)
         for name, (path, shape, fn) in per_layer.items():
             layout[hf + name] = ((ours, *path), shape, fn)
     return layout
@@ -199,9 +317,10 @@ def convert_to_params(
 
     tensors: canonical HF name -> StoredTensor. Refuses missing, unknown and mis-shaped tensors
     (naming tensor, file and expected shape); with tied embeddings an `lm_head.weight` present
-    in the file must equal the embedding. `cast` turns each converted numpy array into a leaf;
-    or `place(param path, read)` makes the leaf from `read()`, the converted array as a lazy
-    view (memory-mapped files are then read only where `place` slices them).
+    in the file must equal the embedding (compared by slices). `cast` turns each converted
+    numpy array into a leaf; or `place(param path, read)` makes the leaf from `read()`, the
+    converted array as a lazy `Converted` (files are then read, and a GGUF dequantised, only
+    where `place` slices them).
     """
     layout = param_layout(config)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
@@ -227,7 +346,7 @@ def convert_to_params(
             )
     if config.tie_word_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors["lm_head.weight"], tensors["embed_tokens.weight"]
-        if head.shape != embed.shape or not np.array_equal(head.read(), embed.read()):
+        if not _equal_by_rows(head, embed):
             raise CheckpointError(
                 f"{head.file}: config ties word embeddings but {head.name!r} differs from "
                 f"{embed.name!r}; set tie_word_embeddings=false to load an untied head"
@@ -240,7 +359,7 @@ def convert_to_params(
         if place is None:
             node[path[-1]] = cast(fn(tensors[name].read()))
         else:
-            node[path[-1]] = place(path, lambda fn=fn, t=tensors[name]: fn(t.read()))
+            node[path[-1]] = place(path, lambda fn=fn, t=tensors[name]: Converted(t, fn))
     return params
 
 

@@ -17,7 +17,7 @@ from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.io import assets, paths, target_cache
 from dflash_jax.io.gguf import read_gguf
 from dflash_jax.io.hf import (
-    canonical_name,
+    canonical_tensors,
     convert_to_params,
     generation_eos_ids,
     read_json,
@@ -176,7 +176,7 @@ def _config(hf: dict, dtype: str, where: Path, extra_eos: tuple[int, ...] = ()) 
 def _load_hf_dir(directory: Path, dtype: str, place=None, mesh=None) -> LoadedTarget:
     config_path = _config_path(directory)
     config = _config(read_json(config_path), dtype, config_path, generation_eos_ids(directory))
-    tensors = {canonical_name(n): t for n, t in read_safetensors_dir(directory).items()}
+    tensors = canonical_tensors(read_safetensors_dir(directory), config)
     params = convert_to_params(tensors, config, str(directory), _cast(dtype), place)
     tokenizer = load_hf_tokenizer(directory)
     template = getattr(tokenizer, "chat_template", None)

@@ -6,7 +6,12 @@ Tensor table (dflash-spec §8.2), torch layout [out, in], optional leading `mode
   layers.{i}.self_attn.q_proj.weight [N*H, D], {k,v}_proj.weight [K*H, D], o_proj.weight [D, N*H],
   layers.{i}.self_attn.{q,k}_norm.weight [H]; layers.{i}.mlp.{gate,up}_proj.weight [I, D],
   down_proj.weight [D, I].
-Our params mirror these names (`layers.{i}` -> `layers_{i}`, `weight` -> `kernel`/`scale`).
+DFlash2 adds layers.{i}.{attention,mlp}_conv.base_kernel [2, O, D] and .kernel_projection.weight
+[2*O*G, D], candidate_selector.{predecessor,successor}_codebook [V, R] (no `.weight`: the names
+the reference's `from_pretrained` key mapping reads and its `save_pretrained` writes; a
+`.weight` suffix is accepted) and candidate_selector.hidden_projection.weight [R, D].
+Our params mirror these names (`layers.{i}` -> `layers_{i}`, `weight` -> `kernel`/`scale`/
+`embedding`).
 """
 
 from __future__ import annotations
@@ -68,11 +73,42 @@ def _table(config: DrafterConfig) -> dict[str, tuple[tuple[str, ...], tuple[int,
             hf + "mlp.up_proj.weight": ((ours, "mlp", "up_proj", "kernel"), (i, d), "dense"),
             hf + "mlp.down_proj.weight": ((ours, "mlp", "down_proj", "kernel"), (d, i), "dense"),
         }
+        if c.is_dflash2:
+            taps, groups = c.conv_kernel_size, d // c.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                table |= {
+                    f"{hf}{conv}.base_kernel": ((ours, conv, "base_kernel"), (2, taps, d), "raw"),
+                    f"{hf}{conv}.kernel_projection.weight": (
+                        (ours, conv, "kernel_projection", "kernel"),
+                        (2 * taps * groups, d),
+                        "dense",
+                    ),
+                }
+    if c.is_dflash2:
+        sel, r = "candidate_selector", c.selector_rank
+        for book in ("predecessor_codebook", "successor_codebook"):
+            table[f"{sel}.{book}"] = ((sel, book, "embedding"), (c.vocab_size, r), "raw")
+        table[f"{sel}.hidden_projection.weight"] = (
+            (sel, "hidden_projection", "kernel"),
+            (r, d),
+            "dense",
+        )
     return table
 
 
+def _bare_codebooks(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The selector codebooks under their module names: `....codebook.weight` (a freshly built
+    reference model's `save_pretrained`) renamed to `....codebook`."""
+    return {
+        k.removesuffix(".weight")
+        if k.startswith("candidate_selector.") and "codebook" in k
+        else k: v
+        for k, v in tensors.items()
+    }
+
+
 def _to_ours(w: np.ndarray, kind: str, config: DrafterConfig) -> np.ndarray:
-    if kind == "norm":
+    if kind in ("norm", "raw"):
         return w
     if kind == "dense":
         return w.T
@@ -129,6 +165,8 @@ def read_zlab(directory: str | Path, dtype: str = "float32") -> tuple[DrafterCon
     directory = Path(directory)
     config = read_zlab_config(directory, dtype)
     tensors = _read_tensors(directory)
+    if config.is_dflash2:
+        tensors = _bare_codebooks(tensors)
     table = _table(config)
     unmapped = sorted(set(tensors) - set(table))
     if unmapped:
@@ -170,7 +208,7 @@ def write_zlab(
             w = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
         except KeyError as e:
             raise ConfigError(f"drafter params lack {'/'.join(path)} (for {key})") from e
-        if kind == "norm":
+        if kind in ("norm", "raw"):
             hf = w
         elif kind == "o_proj":
             hf = w.reshape(-1, config.hidden_size).T

@@ -10,6 +10,10 @@ One draft call (dflash-spec §1):
 Context K/V are computed once per appended context row (`context_kv`) and cached by the caller;
 `__call__` runs the layers over embedded blocks against that cache.
 
+DFlash2 (`config.is_dflash2`): each layer wraps its attention and its MLP in a grouped dynamic
+causal convolution over the block (`models/dflash2.py`; context rows are not convolved), and the
+params gain a `candidate_selector` (used after the head, by decoding and training).
+
 Letters: B batch, T context rows, S cache slots, Q block tokens (N blocks x block_size),
 N blocks, K kv heads, H head dim, D model dim, F taps width, V vocab.
 """
@@ -21,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.models.dflash2 import GroupedDynamicCausalConv, init_selector_params
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.target import Transformer
 from dflash_jax.ops.dispatch import block_attention
@@ -40,6 +45,11 @@ class DrafterLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype)
         self.mlp = MLP(c.intermediate_size, dtype)
+        if c.is_dflash2:
+            conv = lambda: GroupedDynamicCausalConv(
+                c.hidden_size, c.conv_kernel_size, c.conv_group_size, dtype
+            )
+            self.attention_conv, self.mlp_conv = conv(), conv()
 
     def context_kv(self, c_btd, cos, sin):
         """Context rows (already fc + hidden_norm) -> (k [B,K,T,H] after k_norm + RoPE, v)."""
@@ -60,7 +70,10 @@ class DrafterLayer(nn.Module):
     ):
         """x [B,Q,D] block tokens; ctx_k/ctx_v [B,K,S,H]; context_lengths [B]; anchors [B,N]
         (see `Drafter.__call__`). -> [B,Q,D]."""
+        dflash2 = self.config.is_dflash2
         h_bqd = self.input_layernorm(x_bqd)
+        if dflash2:
+            h_bqd, attn_dyn = self.attention_conv.prepare(h_bqd, block_size)
         q_bqnh = self.self_attn.query(h_bqd, cos, sin)
         k_bkqh, v_bkqh = self.self_attn.key_value(h_bqd, cos, sin)
         attn_bqnh = block_attention(
@@ -76,8 +89,15 @@ class DrafterLayer(nn.Module):
             window=window,
             impl=self.config.attention_impl,
         )
-        x_bqd = x_bqd + self.self_attn.output(attn_bqnh)
-        return x_bqd + self.mlp(self.post_attention_layernorm(x_bqd))
+        attn_bqd = self.self_attn.output(attn_bqnh)
+        if dflash2:
+            attn_bqd = self.attention_conv.finish(attn_bqd, attn_dyn, block_size)
+        x_bqd = x_bqd + attn_bqd
+        y_bqd = self.post_attention_layernorm(x_bqd)
+        if not dflash2:
+            return x_bqd + self.mlp(y_bqd)
+        y_bqd, mlp_dyn = self.mlp_conv.prepare(y_bqd, block_size)
+        return x_bqd + self.mlp_conv.finish(self.mlp(y_bqd), mlp_dyn, block_size)
 
 
 class Drafter(nn.Module):
@@ -158,9 +178,13 @@ def init_drafter_params(config: DrafterConfig, rng: jax.Array) -> dict:
 
     @jax.jit  # one compile instead of one per primitive
     def init(rng):
-        return Drafter(config).init(
+        rng, rng_selector = jax.random.split(rng) if config.is_dflash2 else (rng, None)
+        params = Drafter(config).init(
             rng, taps, x, one, one[:, None], config.block_size, method="forward_from_taps"
         )["params"]
+        if config.is_dflash2:
+            params = {**params, "candidate_selector": init_selector_params(config, rng_selector)}
+        return params
 
     return init(rng)
 

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.models import hybrid
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
+from dflash_jax.models.linear_attention import commit_state, init_state
 from dflash_jax.ops import invariance
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
@@ -38,10 +40,13 @@ def norm_rows(config: TargetConfig) -> int:
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer key/value buffers, each kv-head-major [B,K,S,H]; lengths live with the caller."""
+    """Per-layer key/value buffers, each kv-head-major [B,K,S,H]; lengths live with the caller.
+    A hybrid target's k/v hold its full-attention layers only, and `state` each of its
+    linear-attention layers' (conv [B,W,C], recurrent [B,Hv,Dk,Dv]) state, in layer order."""
 
     k: tuple
     v: tuple
+    state: tuple | None = None
 
     @classmethod
     def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
@@ -79,12 +84,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dtype, rows)
         self.mlp = MLP(c.intermediate_size, dtype, dot)
 
-    def __call__(self, x_btd, cos, sin, layer_cache=None, cache_lengths=None, defer_write=False):
+    def __call__(
+        self,
+        x_btd,
+        cos,
+        sin,
+        layer_cache=None,
+        cache_lengths=None,
+        defer_write=False,
+        tree_mask=None,
+    ):
         """x [B,T,D]. With a cache ((k, v), each [B,K,S,H]) the T new tokens are written at
         cache_lengths[b] + t and query t sees slots <= cache_lengths[b] + t (cache_lengths None:
         an empty cache, written from slot 0); without, attention is causal over the T tokens.
         -> (x [B,T,D], updated cache or None). defer_write: the cache is left unwritten and the
-        new rows (k, v) [B,K,T,H] are returned in its place."""
+        new rows (k, v) [B,K,T,H] are returned in its place. tree_mask [B,T,T] (with a cache):
+        the T tokens are a token tree, query t sees new token t' iff tree_mask[b,t,t']."""
         h_btd = self.input_layernorm(x_btd)
         q_btnh = self.self_attn.query(h_btd, cos, sin)
         k_bkth, v_bkth = self.self_attn.key_value(h_btd, cos, sin)
@@ -98,7 +113,14 @@ class DecoderLayer(nn.Module):
                 )
             new_kv = (k_bkth, v_bkth)
             attn_btnh = cached_attention(
-                q_btnh, layer_cache, new_cache, new_kv, cache_lengths, impl=impl, rows=rows
+                q_btnh,
+                layer_cache,
+                new_cache,
+                new_kv,
+                cache_lengths,
+                impl=impl,
+                rows=rows,
+                tree_mask=tree_mask,
             )
             layer_cache = (k_bkth, v_bkth) if defer_write else new_cache
         else:
@@ -122,9 +144,9 @@ def _jitted_layer(config: TargetConfig, defer_write: bool):
     the same (XLA inlines the calls), but tracing and lowering a 30-layer target in four step
     kinds drop from one trace per layer and kind to one per kind."""
 
-    def apply(params, x_btd, cos, sin, layer_cache, cache_lengths):
+    def apply(params, x_btd, cos, sin, layer_cache, cache_lengths, tree_mask=None):
         return DecoderLayer(config, parent=None).apply(
-            {"params": params}, x_btd, cos, sin, layer_cache, cache_lengths, defer_write
+            {"params": params}, x_btd, cos, sin, layer_cache, cache_lengths, defer_write, tree_mask
         )
 
     return jax.jit(apply)
@@ -139,8 +161,12 @@ class Transformer(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dtype, norm_rows(c))
+        if c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
+            self.layers = hybrid.make_layers(c)
+            self.norm = hybrid.final_norm(c)
+        else:
+            self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
+            self.norm = RMSNorm(c.rms_norm_eps, dtype, norm_rows(c))
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(
                 c.vocab_size,
@@ -148,7 +174,7 @@ class Transformer(nn.Module):
                 dtype=dtype,
                 dot_general=invariance.dot_general(row_rule(c)),
             )
-        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
         return self.embed_tokens(tokens_bt)
@@ -192,27 +218,35 @@ class Transformer(nn.Module):
         tap_layers: tuple[int, ...] = (),
         logit_indices: jax.Array | None = None,
         defer_cache_write: bool = False,
+        tree_mask: jax.Array | None = None,
     ):
         """`__call__` without the lm_head: (final-normed hidden [B,T or M,D], taps, cache). The
         decode loop applies the head itself (`Head`). defer_cache_write (with cache_lengths):
         the cache is not written; its place in the result holds the new rows, a `KVCache` of
-        [B,K,T,H] per layer, for the caller to write (`write_rows`) where it suits it."""
+        [B,K,T,H] per layer, for the caller to write (`write_rows`) where it suits it.
+        tree_mask [B,T,T] (with cache_lengths): the tokens are a token tree, each seeing the
+        cache and the new tokens it marks (`ops.attention.tree_attention_mask`)."""
         c = self.config
         for l in tap_layers:
             if not 0 <= l < c.num_layers:
                 raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
         x_btd = self.embed(tokens_bt)
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
+        if c.layered:
+            return self._layered_hidden(
+                x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices,
+                defer_cache_write, tree_mask,
+            )  # fmt: skip
         taps, new_k, new_v = {}, [], []
         params = None if self.is_initializing() else self.variables["params"]
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
             args = (x_btd, cos, sin, layer_cache, cache_lengths)
             if params is None:  # init: the submodules create their params
-                x_btd, layer_cache = layer(*args, defer_cache_write)
+                x_btd, layer_cache = layer(*args, defer_cache_write, tree_mask)
             else:
                 x_btd, layer_cache = _jitted_layer(c, defer_cache_write)(
-                    params[f"layers_{i}"], *args
+                    params[f"layers_{i}"], *args, tree_mask
                 )
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
@@ -224,6 +258,35 @@ class Transformer(nn.Module):
             x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
         return self.norm(x_btd), taps_btf, new_cache
+
+    def _layered_hidden(
+        self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask
+    ):
+        """`hidden` for the MoE / hybrid families (`hybrid.forward_layers`). A prefill (a cache
+        and no cache_lengths) of right-padded rows stops each linear layer's state at the row's
+        last logit index, its last prompt token."""
+        state_lengths = None
+        if cache is not None and cache_lengths is None and logit_indices is not None:
+            state_lengths = logit_indices[:, -1] + 1
+        params = None if self.is_initializing() else self.variables["params"]
+        x_btd, taps, new = hybrid.forward_layers(
+            self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
+            state_lengths, tap_layers, defer, tree_mask,
+        )  # fmt: skip
+        taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
+        if logit_indices is not None:
+            x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)
+        new_cache = None if new is None else KVCache(k=new[0], v=new[1], state=new[2] or None)
+        return self.norm(x_btd), taps_btf, new_cache
+
+
+def commit_states(states: tuple, rows: tuple, produced_b) -> tuple:
+    """A hybrid target's linear-layer states after a deferred verify
+    (`Transformer.hidden(defer_cache_write=True)`, whose cache slot holds each layer's
+    `LinearRows`): each advanced over the first produced[b] verified tokens only
+    (`linear_attention.commit_state`). This is the rollback of recurrent state: rejected
+    tokens leave no trace, as K/V rows past the lowered length leave none."""
+    return tuple(commit_state(s, r, produced_b) for s, r in zip(states, rows, strict=True))
 
 
 def unembedding_matrix(params, config: TargetConfig) -> jax.Array:
@@ -282,14 +345,15 @@ def decoding_head(params, config: TargetConfig) -> Head:
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    return KVCache.zeros(
-        config.num_layers,
-        batch,
-        max_len,
-        config.num_kv_heads,
-        config.head_dim,
-        jnp.dtype(dtype or config.dtype),
+    dtype = jnp.dtype(dtype or config.dtype)
+    num_kv_layers = len(config.attention_layers) if config.layered else config.num_layers
+    cache = KVCache.zeros(
+        num_kv_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype
     )
+    if config.linear_layers:
+        states = tuple(init_state(config, batch, dtype) for _ in config.linear_layers)
+        cache = cache.replace(state=states)
+    return cache
 
 
 def init_params(config: TargetConfig, rng: jax.Array):

@@ -97,6 +97,21 @@ def causal_cache_bounds(cache_lengths: jax.Array, num_queries: int) -> jax.Array
     return hi_bt.astype(jnp.int32)
 
 
+def tree_attention_mask(parent_bt: jax.Array) -> jax.Array:
+    """The mask among the T tokens of a token tree (a verify of tree proposals): token t sees
+    token t' iff t' is t or one of its ancestors. parent [B,T] int32, each token's parent index
+    (< its own; the root's is ignored), so tokens are in topological order. -> [B,T,T] bool."""
+    b, t = parent_bt.shape
+    eye_tt = jnp.eye(t, dtype=bool)
+    parent_bt = jnp.where(jnp.arange(t)[None, :] == 0, 0, parent_bt)
+
+    def add(i, anc_btt):  # row i = row parent[i] (already final, parents come first) + self
+        row_bt = jnp.take_along_axis(anc_btt, parent_bt[:, i, None, None], axis=1)[:, 0]
+        return anc_btt.at[:, i].set((row_bt & (i > 0)) | eye_tt[i])
+
+    return jax.lax.fori_loop(0, t, add, jnp.broadcast_to(eye_tt, (b, t, t)))
+
+
 def block_mask(block_size: int, causal: bool = False, window: int | None = None) -> jax.Array:
     """Inside one block (the same for every block, since slot j sits at anchor + j): all slots
     see each other (bidirectional), or only earlier ones (causal); with `window`, only slots
@@ -207,6 +222,7 @@ def append_attention(
     k_new: jax.Array,
     v_new: jax.Array,
     cache_lengths: jax.Array,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """T new queries over a KV cache and themselves: query t of row b sees cache slots
     s < cache_lengths[b] and new tokens t' <= t. Equals `attention` over the cache after the
@@ -214,7 +230,9 @@ def append_attention(
     written buffer (see `dispatch.cached_attention` for why).
 
     q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H].
-    One joint softmax in fp32 over both score blocks, normalised at the output.
+    tree_mask [B,T,T] bool (a token tree, `tree_attention_mask`): query t sees new token t'
+    iff tree_mask[b,t,t'] instead of t' <= t. One joint softmax in fp32 over both score
+    blocks, normalised at the output.
     """
     b, t, n, h = q.shape
     kh, s = k_cache.shape[1], k_cache.shape[2]
@@ -225,7 +243,10 @@ def append_attention(
     new_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_new, preferred_element_type=jnp.float32)
     old_ok_b11s = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
     query_m = jnp.tile(jnp.arange(t), g)  # row m of the folded queries is query m % T
-    new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
+    if tree_mask is None:
+        new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
+    else:  # [B,T,T] -> [B,1,M,T], row m of the folded queries is query m % T
+        new_ok_11mt = jnp.take(tree_mask, query_m, axis=1)[:, None]
     old_bkms = jnp.where(old_ok_b11s, old_bkms * scale, NEG_INF)
     new_bkmt = jnp.where(new_ok_11mt, new_bkmt * scale, NEG_INF)
     max_bkm1 = jnp.maximum(old_bkms.max(-1, keepdims=True), new_bkmt.max(-1, keepdims=True))
@@ -249,13 +270,16 @@ def tiled_attention(
     start_b: jax.Array,
     rows: RowRule,
     key_tile: int = KEY_TILE,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """The target's causal attention, batch-invariant: a query's output is bitwise the same
     whatever pass holds it (an AR step, any verify, a prefill, a batch of any rows).
 
     q [B,T,N,H]: T new tokens of row b at slots start[b] + t; cache (k, v) [B,K,S,H] holds
     the slots before start[b] (None: a prefill, nothing before); new_kv (k, v) [B,K,T,H].
-    Query t sees slots s <= start[b] + t. -> [B,T,N,H] in q's dtype.
+    Query t sees slots s <= start[b] + t; with tree_mask [B,T,T] (`tree_attention_mask`, a
+    cache must be given), the slots before start[b] and new token t' iff tree_mask[b,t,t'].
+    -> [B,T,N,H] in q's dtype.
 
     Why it is invariant: XLA compiles an op by its whole shape (a softmax over [1,3,24,64] and
     over [1,3,12,64] round apart on XLA:CPU), so every number here comes from one fixed-shape
@@ -284,6 +308,14 @@ def tiled_attention(
     )
     hi_xm = jnp.tile(hi_bt.reshape(b, tiles_q, 1, tq), (1, 1, g, 1)).reshape(-1, g * tq)
     row_x = jnp.repeat(jnp.arange(b, dtype=jnp.int32), tiles_q)
+    tree_xmt = None
+    if tree_mask is not None:  # padded queries see new token 0 only
+        pad_row = jnp.arange(t) == 0
+        tree_mask = jnp.concatenate(
+            [tree_mask, jnp.broadcast_to(pad_row, (b, tiles_q * tq - t, t))], axis=1
+        )
+        tree_xmt = jnp.tile(tree_mask.reshape(b, tiles_q, 1, tq, t), (1, 1, g, 1, 1))
+        tree_xmt = tree_xmt.reshape(-1, g * tq, t)
     if cache is None:  # a prefill: the new rows are the whole key range, from slot 0
         s = -(-t // key_tile) * key_tile
         pad = ((0, 0), (0, 0), (0, s - t), (0, 0))
@@ -304,8 +336,17 @@ def tiled_attention(
         new_kth = jnp.take(new[row], jnp.clip(offset, 0, t - 1), axis=1)
         return jnp.where(ours[None, :, None], new_kth.astype(buf.dtype), tile_kth)
 
+    def visible(slot_t, hi_m, row, tree_mt):
+        """[M, key_tile]: which of these slots each folded query sees."""
+        if tree_mt is None:
+            return slot_t[None, :] < hi_m[:, None]
+        offset_t = slot_t - start_b[row]
+        ours_t = (offset_t >= 0) & (offset_t < t)
+        tree_vis = jnp.take(tree_mt, jnp.clip(offset_t, 0, t - 1), axis=1) & ours_t[None, :]
+        return (offset_t < 0)[None, :] | tree_vis
+
     def one(args):
-        q_kmh, hi_m, row = args
+        q_kmh, hi_m, row, tree_mt = args
 
         def body(i, carry):
             max_km, sum_km, acc_kmh = carry
@@ -313,7 +354,8 @@ def tiled_attention(
             v_kth = key_tile_of(cache[1], new_v, row, i)
             sc_kmt = jnp.einsum("kmh,kth->kmt", q_kmh, k_kth, preferred_element_type=jnp.float32)
             slot_t = i * key_tile + jnp.arange(key_tile)
-            sc_kmt = jnp.where(slot_t[None, None, :] < hi_m[None, :, None], sc_kmt * scale, NEG_INF)
+            vis_mt = visible(slot_t, hi_m, row, tree_mt)
+            sc_kmt = jnp.where(vis_mt[None], sc_kmt * scale, NEG_INF)
             new_max_km = jnp.maximum(max_km, sc_kmt.max(-1))
             rescale_km = jnp.exp(max_km - new_max_km)
             p_kmt = jnp.exp(sc_kmt - new_max_km[..., None])
@@ -332,6 +374,6 @@ def tiled_attention(
         _, sum_km, acc_kmh = jax.lax.fori_loop(0, n_tiles, body, init)
         return (acc_kmh / sum_km[..., None]).astype(q.dtype)
 
-    out_xkmh = jax.lax.map(one, (q_xkmh, hi_xm, row_x))
+    out_xkmh = jax.lax.map(one, (q_xkmh, hi_xm, row_x, tree_xmt))
     out = out_xkmh.reshape(b, tiles_q, kh, g, tq, h).transpose(0, 1, 4, 2, 3, 5)
     return out.reshape(b, tiles_q * tq, n, h)[:, :t]

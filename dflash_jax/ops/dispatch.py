@@ -260,9 +260,12 @@ def cached_attention(
     *,
     impl: str = "auto",
     rows: RowRule | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
-    query t sees the cache slots before cache_lengths[b] and the new tokens up to itself.
+    query t sees the cache slots before cache_lengths[b] and the new tokens up to itself
+    (with tree_mask [B,T,T], `attention.tree_attention_mask`: the new tokens it marks, its
+    ancestors in a token tree; xla only, the kernels take causal blocks and refuse it).
 
     q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write (None: not
     written yet, see `Transformer.hidden(defer_cache_write=True)`); new_kv: the new tokens'
@@ -279,14 +282,16 @@ def cached_attention(
     for its deferred write made XLA copy every layer's whole cache every step.
     """
     kernel = _target_kernel(impl, q, old_cache[0], old_cache[1])
+    if kernel != "xla" and tree_mask is not None:
+        kernel = _fall_back(impl, "target attention", "a token-tree mask (kernels: causal only)")
     if kernel != "xla":
         fn = _decode_kernel(kernel, "appended_attention")
         keys = map(_keys, (*old_cache, *new_kv))
         return _per_device(fn, _queries(q), *keys, _rows(cache_lengths))
     if rows is not None:
-        return xla.tiled_attention(q, old_cache, new_kv, cache_lengths, rows)
+        return xla.tiled_attention(q, old_cache, new_kv, cache_lengths, rows, tree_mask=tree_mask)
     return live_window(
-        lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths),
+        lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths, tree_mask),
         old_cache,
         jnp.max(cache_lengths),
     )

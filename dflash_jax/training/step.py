@@ -2,7 +2,8 @@
 
 drafter_loss: frozen target forward (no grad, or cached taps) -> taps -> drafter over all N
 anchor blocks of each sequence at once under the block mask -> chunked CE through the frozen
-lm_head (full vocabulary or a sampled softmax) with decayed position weights.
+lm_head (full vocabulary or a sampled softmax) with decayed position weights; a DFlash2 drafter
+adds its candidate selector's CE (`selector_loss.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dflash_jax.training.loss import (
     position_weights,
     sampled_vocabulary,
 )
+from dflash_jax.training.selector_loss import selector_loss
 
 
 def _split_batch(x_b, mesh):
@@ -100,9 +102,11 @@ def drafter_loss(
     vocab_negatives: int = 0,
     vocab_rng: jax.Array | None = None,
     mesh=None,
+    selector_loss_weight: float = 1.0,
 ):
     """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
-    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1).
+    [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1, and for a
+    DFlash2 drafter the selector term's figures, `selector_loss.selector_loss`).
     On a `mesh` the taps and the drafter's hidden states stay split over the batch axes."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
@@ -144,6 +148,7 @@ def drafter_loss(
         batch["anchor_valid"],
         block_size,
     )
+    true_labels_bnj = labels_bnj
     if vocab_negatives:
         ids_u, bias_u, labels_bnj = sampled_vocabulary(
             labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng
@@ -160,9 +165,20 @@ def drafter_loss(
         def logits_fn(h_cd):
             return hidden_to_logits(target_params, target_config, drafter_config, h_cd)
 
-    return block_diffusion_loss(
+    loss, stats = block_diffusion_loss(
         hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows
     )
+    if drafter_config.is_dflash2:
+        full_logits_fn = lambda h_cd: hidden_to_logits(
+            target_params, target_config, drafter_config, h_cd
+        )
+        selector, selector_stats = selector_loss(
+            params["candidate_selector"], drafter_config, hidden_bqd, true_labels_bnj,
+            valid_bnj, weights_j, full_logits_fn, ce_chunk_rows,
+        )  # fmt: skip
+        loss = loss + selector_loss_weight * selector
+        stats = {**stats, **selector_stats}
+    return loss, stats
 
 
 def _train_step(
@@ -177,6 +193,7 @@ def _train_step(
     ce_chunk_rows: int,
     vocab_negatives: int = 0,
     mesh=None,
+    selector_loss_weight: float = 1.0,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
@@ -201,6 +218,7 @@ def _train_step(
             vocab_negatives=vocab_negatives,
             vocab_rng=vocab_rng,
             mesh=mesh,
+            selector_loss_weight=selector_loss_weight,
         )
 
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -224,6 +242,7 @@ STEP_SETTINGS = (
     "loss_gamma",
     "ce_chunk_rows",
     "vocab_negatives",
+    "selector_loss_weight",
 )
 train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
 _ON_MESH: dict = {}

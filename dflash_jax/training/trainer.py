@@ -45,6 +45,7 @@ from dflash_jax.training.step import OptimizerConfig, train_step, train_step_on_
 
 METRICS_FILE = "metrics.jsonl"
 NONFINITE_MODES = ("stop", "skip")
+SELECTOR_METRICS = ("selector_loss", "selector_accuracy", "candidate_recall")
 
 
 class NonFiniteError(FloatingPointError):
@@ -68,6 +69,13 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.drafter.head_dim = 128
     cfg.drafter.mask_token_id = -1
     cfg.drafter.target_layer_ids = ()  # empty: the reference rule for num_layers taps
+    # DFlash2 (all four > 0): convolutions around each sublayer and a candidate selector; the
+    # selector's CE joins the loss with weight `selector_loss_weight` (training/selector_loss.py).
+    cfg.drafter.conv_kernel_size = 0
+    cfg.drafter.conv_group_size = 0
+    cfg.drafter.selector_rank = 0
+    cfg.drafter.selector_top_k = 0
+    cfg.selector_loss_weight = 1.0
     cfg.block_size = 16
     cfg.seq_len = 3072
     cfg.num_anchors = 512
@@ -149,6 +157,10 @@ def drafter_config_for(cfg: ml_collections.ConfigDict, target: TargetConfig) -> 
         rope_theta=target.rope_theta,
         rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings,
+        conv_kernel_size=d.get("conv_kernel_size", 0),
+        conv_group_size=d.get("conv_group_size", 0),
+        selector_rank=d.get("selector_rank", 0),
+        selector_top_k=d.get("selector_top_k", 0),
         dtype=cfg.compute_dtype,
         attention_impl=cfg.attention_impl,
     )
@@ -207,6 +219,8 @@ def summarize(
         "skipped_steps": int(sum(not m["finite"] for m in host)),
         "blocks_per_s": timed_steps * blocks_per_step / seconds if timed_steps else None,
         "step_time_s": seconds / timed_steps if timed_steps else None,
+        # DFlash2's selector term (training/selector_loss.py), when the drafter has one
+        **{k: float(np.mean([m[k] for m in good])) for k in SELECTOR_METRICS if k in good[0]},
     }
 
 
@@ -395,6 +409,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         "ce_chunk_rows": cfg.ce_chunk_rows,
         "vocab_negatives": cfg.vocab_negatives,
     }
+    if drafter_config.is_dflash2:
+        step_settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
     run_step = _stepper(mesh, cfg.batch_size, step_settings)
     prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
     blocks_per_step = cfg.batch_size * cfg.num_anchors

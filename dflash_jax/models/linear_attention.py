@@ -1,0 +1,239 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5, with its carried state:
+a short causal depthwise convolution (state: the last `kernel - 1` inputs) and a recurrent
+matrix per value head (state [Hv, Dk, Dv], kept in fp32), updated by the gated delta rule
+
+    S_t = a_t S_{t-1} + k_t beta_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,   a_t = exp(g_t)
+
+A pass over T tokens runs the rule as a chunked scan (`gated_delta_rule`: C-token chunks, a
+unit-triangular inverse by log2(C) matmuls inside each chunk, `lax.scan` over chunks), the
+same code for a prefill, a verify block and a single AR token.
+
+Rollback. A KV cache rolls back by lowering a length; this state does not. A token with
+beta = 0 and g = 0 leaves the state exactly as it was, so the state after the first L of T
+tokens is the same rule run with the tokens from L on masked that way. A prefill of right-padded
+prompts masks each row's padding; a speculative verify returns its per-token inputs
+(`LinearRows`) instead of a new state, and `commit_state` re-runs the rule on them, masked at
+each row's accepted length (one extra T-token pass, nothing kept per position).
+
+Letters: B batch, T tokens, C conv channels (2*Hk*Dk + Hv*Dv), Hk/Hv key/value heads,
+Dk/Dv head dims, D model dim, W = kernel - 1.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64
+
+
+@flax.struct.dataclass
+class LinearRows:
+    """A pass's per-token state inputs, for `commit_state`: x [B,T,C] (the conv's inputs),
+    k [B,T,Hk,Dk] (l2-normed, fp32), v [B,T,Hv,Dv], g [B,T,Hv] (log decay), beta [B,T,Hv]."""
+
+    x: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+def _l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _repeat_heads(x_bthk, num_v_heads):
+    """Key heads -> value heads: key head i serves value heads i*r .. i*r+r-1."""
+    return jnp.repeat(x_bthk, num_v_heads // x_bthk.shape[2], axis=2)
+
+
+def _unit_lower_inverse(a_cc):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (nilpotent: A^C = 0), as the
+    product (I - A)(I + A^2)(I + A^4)... of log2(C) matmuls: no triangular-solve call, which
+    XLA:CPU runs as a LAPACK custom call (and batched decodes of a few hundred rows stalled in
+    it) and accelerators run slower than matmuls."""
+    c = a_cc.shape[-1]
+    eye = jnp.eye(c, dtype=a_cc.dtype)
+    inv, power, covered = eye - a_cc, a_cc, 2  # inv = sum_{j < covered} (-A)^j
+    while covered < c:
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=jax.lax.Precision.HIGHEST)
+        inv = jnp.einsum(
+            "...ij,...jk->...ik", inv, eye + power, precision=jax.lax.Precision.HIGHEST
+        )
+        covered *= 2
+    return inv
+
+
+def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, s_bhkv, chunk=CHUNK):
+    """The rule over T tokens from state s [B,H,Dk,Dv]; all fp32, q/k already repeated to the
+    value heads, q scaled. -> (o [B,T,H,Dv], final state [B,H,Dk,Dv])."""
+    b, t, h, dk = k_bthk.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(x):  # [B,T,H,...] -> [N,B,H,C,...]; padding tokens have beta = g = 0
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, c, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    xs = tuple(chunks(x) for x in (q_bthk, k_bthk, v_bthv, g_bth, beta_bth))
+    incl = jnp.tril(jnp.ones((c, c), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    hi = jax.lax.Precision.HIGHEST
+
+    def step(s, inp):
+        q, k, v, g, beta = inp  # [B,H,C,Dk], [B,H,C,Dk], [B,H,C,Dv], [B,H,C], [B,H,C]
+        gam = jnp.cumsum(g, axis=-1)  # log decay from the chunk's start to each token
+        decay_cc = jnp.where(
+            incl, jnp.exp(jnp.where(incl, gam[..., :, None] - gam[..., None, :], 0)), 0
+        )
+        kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=hi)
+        inv = _unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk * decay_cc, 0))
+        u = jnp.einsum("bhij,bhjv->bhiv", inv, beta[..., None] * v, precision=hi)  # [B,H,C,Dv]
+        w = jnp.einsum("bhij,bhjk->bhik", inv, (beta * jnp.exp(gam))[..., None] * k, precision=hi)
+        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=hi)
+        qk = jnp.einsum("bhik,bhjk->bhij", q, k, precision=hi) * decay_cc
+        o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gam)[..., None], s, precision=hi)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=hi)
+        tail = jnp.exp(gam[..., -1:] - gam)[..., None] * k
+        s = s * jnp.exp(gam[..., -1])[..., None, None]
+        s = s + jnp.einsum("bhck,bhcv->bhkv", tail, v_new, precision=hi)
+        return s, o
+
+    if n == 1:  # a decode step or verify block: one chunk, no loop to compile
+        s, o = step(s_bhkv, tuple(x[0] for x in xs))
+        return jnp.swapaxes(o, 1, 2)[:, :t], s
+    s, o = jax.lax.scan(step, s_bhkv, xs)  # o [N,B,H,C,Dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, -1)[:, :, :t]
+    return jnp.swapaxes(o, 1, 2), s
+
+
+def _valid_mask(lengths_b, b, t):
+    """[B,T] bool: token t counts toward the state (all when lengths is None)."""
+    if lengths_b is None:
+        return jnp.ones((b, t), bool)
+    return jnp.arange(t)[None, :] < lengths_b[:, None]
+
+
+def advance_state(state, rows: LinearRows, lengths_b=None, conv_only=False):
+    """The (conv [B,W,C], rec [B,Hv,Dk,Dv]) state after each row's first lengths[b] tokens of
+    `rows` (all T when None)."""
+    conv_bwc, rec = state
+    b, t = rows.x.shape[:2]
+    window = conv_bwc.shape[1]
+    full_btc = jnp.concatenate([conv_bwc, rows.x.astype(conv_bwc.dtype)], axis=1)
+    taken = jnp.full((b,), t, jnp.int32) if lengths_b is None else lengths_b
+    idx_bw = taken[:, None] + jnp.arange(window)[None, :]
+    conv_bwc = jnp.take_along_axis(full_btc, idx_bw[:, :, None], axis=1)
+    if conv_only:
+        return conv_bwc, rec
+    valid_bt = _valid_mask(lengths_b, b, t)
+    g = jnp.where(valid_bt[..., None], rows.g, 0.0)
+    beta = jnp.where(valid_bt[..., None], rows.beta, 0.0)
+    k = _repeat_heads(rows.k, rows.v.shape[2])
+    _, rec = gated_delta_rule(jnp.zeros_like(k), k, rows.v.astype(jnp.float32), g, beta, rec)
+    return conv_bwc, rec
+
+
+def commit_state(state, rows: LinearRows, lengths_b):
+    """A verify's state committed at each row's accepted length: `advance_state` over `rows`
+    stopped at lengths[b] (0 leaves the row's state as it was)."""
+    return advance_state(state, rows, lengths_b)
+
+
+def init_state(config, batch: int, dtype):
+    """A zero (conv [B,W,C], rec [B,Hv,Dk,Dv] fp32) state for one linear-attention layer."""
+    c = config
+    channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim
+    channels += c.linear_num_value_heads * c.linear_value_head_dim
+    conv = jnp.zeros((batch, c.linear_conv_kernel_dim - 1, channels), dtype)
+    rec_shape = (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    return conv, jnp.zeros(rec_shape, jnp.float32)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dim in fp32, scaled in the activation dtype, times silu(gate)."""
+
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, gate):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        out = scale.astype(self.dtype) * x32.astype(self.dtype)
+        return (out * nn.silu(gate.astype(jnp.float32))).astype(self.dtype)
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal conv (kernel [W+1,C]) then silu over [past W inputs ; x]."""
+
+    kernel_size: int
+
+    @nn.compact
+    def __call__(self, past_bwc, x_btc):
+        t, c = x_btc.shape[1], x_btc.shape[2]
+        w = self.param("kernel", nn.initializers.lecun_normal(), (self.kernel_size, c), jnp.float32)
+        full = jnp.concatenate([past_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B,W+T,C]
+        out = sum(full[:, j : j + t] * w[j].astype(x_btc.dtype) for j in range(self.kernel_size))
+        return nn.silu(out)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer. Params (HF names): in_proj_qkv [D,C], in_proj_z [D,Hv*Dv],
+    in_proj_b / in_proj_a [D,Hv], conv1d kernel [W+1,C], dt_bias / A_log [Hv], norm scale [Dv]
+    (a `GatedRMSNorm`), out_proj [Hv*Dv,D]."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd, state=None, lengths_b=None, defer=False):
+        """x [B,T,D]; state (conv, rec) or None (zeros, and none returned). lengths [B]: the
+        state advances over each row's first lengths[b] tokens only (None: all). defer: the
+        state is not advanced; its place in the result holds the pass's `LinearRows`.
+        -> (out [B,T,D], new state | LinearRows | None)."""
+        b, t, d = x_btd.shape
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.dtype, name=name)
+        x_btc = dense(2 * hk * dk + hv * dv, "in_proj_qkv")(x_btd)
+        z_bthv = dense(hv * dv, "in_proj_z")(x_btd).reshape(b, t, hv, dv)
+        b_bth = dense(hv, "in_proj_b")(x_btd)
+        a_bth = dense(hv, "in_proj_a")(x_btd)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), jnp.float32)
+        a_log = self.param("A_log", nn.initializers.zeros, (hv,), jnp.float32)
+        window = self.conv_kernel - 1
+        past = jnp.zeros((b, window, x_btc.shape[-1]), x_btc.dtype) if state is None else state[0]
+        conv_btc = CausalConv(self.conv_kernel, name="conv1d")(past, x_btc)
+        q, k, v = jnp.split(conv_btc, [hk * dk, 2 * hk * dk], axis=-1)
+        q = _l2norm(q.reshape(b, t, hk, dk).astype(jnp.float32)) * dk**-0.5
+        k = _l2norm(k.reshape(b, t, hk, dk).astype(jnp.float32))
+        v = v.reshape(b, t, hv, dv)
+        beta = jax.nn.sigmoid(b_bth.astype(jnp.float32))
+        g = -jnp.exp(a_log) * jax.nn.softplus(a_bth.astype(jnp.float32) + dt_bias)
+        rows = LinearRows(x=x_btc, k=k, v=v, g=g, beta=beta)
+        rec = jnp.zeros((b, hv, dk, dv), jnp.float32) if state is None else state[1]  # fp32 state
+        valid_bt = _valid_mask(lengths_b, b, t)
+        g_in = jnp.where(valid_bt[..., None], g, 0.0)
+        beta_in = jnp.where(valid_bt[..., None], beta, 0.0)
+        o_bthv, rec_new = gated_delta_rule(
+            _repeat_heads(q, hv), _repeat_heads(k, hv), v.astype(jnp.float32), g_in, beta_in, rec
+        )
+        o = GatedRMSNorm(self.eps, self.dtype, name="norm")(o_bthv.astype(self.dtype), z_bthv)
+        out = dense(d, "out_proj")(o.reshape(b, t, hv * dv))
+        if state is None:
+            return out, None
+        if defer:
+            return out, rows
+        conv_new, _ = advance_state(state, rows, lengths_b, conv_only=True)
+        return out, (conv_new, rec_new)

@@ -1,0 +1,193 @@
+"""Tree verification (decoding/tree.py) on tiny random models (fp32, CPU): the best-first tree,
+the tree attention mask, greedy tree decoding == autoregressive token for token, and sampled
+tree decoding distributed as the target (with a broken sibling rule detected)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decoding import _exact_two_token_distribution, make_pair, run_both
+
+from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.decoding import speculative_decode, tree
+from dflash_jax.ops import attention, dispatch
+from dflash_jax.ops.invariance import RowRule
+
+
+def _peaked_drafter(tp, dp, dcfg, strength):
+    """The drafter made to give every slot one fixed distribution, softmax(strength * W^T w0)
+    (W the target's head, w0 its column 0): its layers add nothing (o_proj and down_proj
+    zeroed), so each slot's hidden is the mask token's embedding, which the final norm's scale
+    turns into w0. Token 0 leads and the other tokens follow by their likeness to it, so the
+    tree holds deep paths and siblings."""
+    for name in dp:
+        if name.startswith("layers_"):
+            attn, mlp = dp[name]["self_attn"], dp[name]["mlp"]
+            attn["o_proj"]["kernel"] = jnp.zeros_like(attn["o_proj"]["kernel"])
+            mlp["down_proj"]["kernel"] = jnp.zeros_like(mlp["down_proj"]["kernel"])
+    e = tp["embed_tokens"]["embedding"][dcfg.mask_token_id]
+    e_hat = e / jnp.sqrt(jnp.mean(e**2) + dcfg.rms_norm_eps)
+    dp["norm"]["scale"] = strength * tp["lm_head"]["kernel"][:, 0] / e_hat
+    return dp
+
+
+def test_grow_tree_takes_the_most_probable_prefixes():
+    """Against brute force over every prefix of the top candidates: the tree's nodes are the
+    N - 1 best-scoring prefixes, each a child of its one-shorter prefix, parents first."""
+    rng = np.random.default_rng(0)
+    b, g, v, n = 2, 3, 7, 9
+    logp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32), -1)
+    t = jax.tree.map(np.asarray, tree.grow_tree(jnp.array([5, 6]), logp, n))
+    for row in range(b):
+        lp = np.asarray(logp[row], np.float64)
+        prefixes = [
+            p for d in range(1, g + 1) for p in itertools.product(range(v), repeat=d)
+        ]  # token tuples
+        score = {p: sum(lp[i, tok] for i, tok in enumerate(p)) for p in prefixes}
+        best = sorted(prefixes, key=lambda p: -score[p])[: n - 1]
+        paths = {0: ()}
+        for i in range(1, n):
+            assert t.valid[row, i] and t.parent[row, i] < i
+            paths[i] = paths[t.parent[row, i]] + (t.tokens[row, i],)
+            assert len(paths[i]) == t.depth[row, i]
+        assert sorted(paths[i] for i in range(1, n)) == sorted(best)
+        assert t.tokens[row, 0] == 5 + row and t.depth[row, 0] == 0
+    # Fewer prefixes than nodes (a top-k restricted draft: 2 tokens per depth, 6 prefixes for
+    # 8 nodes): all of them are taken, the rest are invalid leaves of the root.
+    keep = jnp.arange(v) < 2
+    t = jax.tree.map(
+        np.asarray, tree.grow_tree(jnp.array([5, 6]), jnp.where(keep, logp, -jnp.inf)[:, :2], n)
+    )
+    assert t.valid.sum(axis=1).tolist() == [7, 7]  # the root and 6 prefixes
+    assert (t.parent[~t.valid] == 0).all() and set(t.tokens[t.valid & (t.depth > 0)]) <= {0, 1}
+
+
+def test_tree_mask_and_attention():
+    """tree_attention_mask marks ancestors; append_attention and the batch-invariant
+    tiled_attention under it equal the dense reference over [cache ; tree]."""
+    parent = jnp.array([[0, 0, 0, 1, 1, 3], [0, 0, 1, 2, 0, 4]], jnp.int32)
+    mask = np.asarray(attention.tree_attention_mask(parent))
+    expect = np.zeros((6, 6), bool)
+    for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 1, 3, 5]]):
+        expect[i, anc] = True
+    np.testing.assert_array_equal(mask[0], expect)
+    assert mask[1, 3].tolist() == [True, True, True, True, False, False]
+
+    rng = np.random.default_rng(1)
+    b, t, n, kh, h, s = 2, 6, 4, 2, 8, 64
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(b, kh, s, h)), jnp.float32) for _ in "kv")
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, kh, t, h)), jnp.float32) for _ in "kv")
+    lengths = jnp.array([9, 30], jnp.int32)
+    # Dense reference: the tree written at slots length.., each query seeing cache + ancestors.
+    k_all, v_all = (
+        jnp.concatenate([c, x], axis=2) for c, x in ((k_cache, k_new), (v_cache, v_new))
+    )
+    cache_vis = jnp.arange(s)[None, None, :] < lengths[:, None, None]
+    dense = jnp.concatenate([jnp.broadcast_to(cache_vis, (b, t, s)), jnp.asarray(mask)], -1)
+    ref = attention.attention(q, k_all, v_all, dense)
+    got = attention.append_attention(q, k_cache, v_cache, k_new, v_new, lengths, jnp.asarray(mask))
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    tiled = attention.tiled_attention(
+        q, (k_cache, v_cache), (k_new, v_new), lengths, RowRule(1, 4), 16, tree_mask=mask
+    )
+    np.testing.assert_allclose(tiled, ref, atol=2e-6)
+    # The kernels take no tree mask: refused under "pallas" (xla with one log line under auto).
+    with pytest.raises(ConfigError, match="tree"):
+        dispatch.cached_attention(
+            jnp.zeros((b, t, n, 16)),
+            (jnp.zeros((b, kh, s, 16)),) * 2,
+            None,
+            (jnp.zeros((b, kh, t, 16)),) * 2,
+            lengths,
+            impl="pallas",
+            tree_mask=jnp.asarray(mask),
+        )
+
+
+@pytest.mark.parametrize("arch,nodes", [("qwen3", 16), ("qwen3", 5), ("llama", 12)])
+def test_greedy_tree_equals_autoregressive(arch, nodes):
+    """Rows of different lengths, each accepting its own paths (deep ones included): the tokens
+    are the target's own greedy tokens, in fewer steps than a chain of the same block."""
+    tcfg, tp, dcfg, dp = make_pair(arch)
+    dp = _peaked_drafter(tp, dp, dcfg, 0.03)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8, tree_nodes=nodes)
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    acc = sp.acceptance_lengths
+    assert acc.max() >= 3 and (acc[acc > 0] == 1).any()
+    np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
+
+
+@pytest.mark.slow
+def test_tree_takes_fewer_steps_than_chain():
+    tcfg, tp, dcfg, dp = make_pair()
+    dp = _peaked_drafter(tp, dp, dcfg, 0.03)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8)
+    ar, chain = run_both(tcfg, tp, dcfg, dp, cfg)
+    _, sp = run_both(tcfg, tp, dcfg, dp, DecodeConfig(**{**cfg.__dict__, "tree_nodes": 16}))
+    np.testing.assert_array_equal(chain.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    assert sp.num_steps.sum() < chain.num_steps.sum()
+
+
+def test_greedy_tree_with_stop_and_cap():
+    """A stop token inside an accepted path, and rows capped by max_new_tokens, as a chain."""
+    tcfg, tp, dcfg, dp = make_pair()
+    dp = _peaked_drafter(tp, dp, dcfg, 0.03)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8, tree_nodes=10)
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    stop = int(ar.tokens[0, 5])  # the first row stops at or before its sixth token
+    cfg = DecodeConfig(**{**cfg.__dict__, "stop_token_ids": (stop,)})
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    assert sp.lengths[0] <= 6 and sp.tokens[0, sp.lengths[0] - 1] == stop
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_tree_is_lossless(broken, monkeypatch):
+    """The joint law of the first two generated tokens (the second from the tree's sibling
+    walk: 11 candidates of a 12-token vocabulary) matches the target's exact law; a sibling
+    rule that forgets the rejected siblings' mass (accepting x with p(x), not p(x) / (1 - p of
+    the siblings before it)) is detected."""
+    vocab, temperature = 12, 2.0
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=1.0, seed=4)
+    dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.5)
+    if broken:
+        monkeypatch.setattr(tree, "sibling_accepts", lambda u, p, p_before: u < p)
+    jax.clear_caches()
+    prompt, n = np.array([3, 1, 4], np.int32), 6000
+    cfg = DecodeConfig(max_new_tokens=2, block_size=2, temperature=temperature, tree_nodes=12)
+    out = speculative_decode(
+        tp,
+        dp,
+        np.tile(prompt, (n, 1)),
+        np.full((n,), 3, np.int32),
+        jax.random.key(11),
+        target_config=tcfg,
+        drafter_config=dcfg,
+        decode_config=cfg,
+    )
+    jax.clear_caches()
+    toks = np.asarray(out.tokens)
+    emp = np.zeros((vocab, vocab))
+    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
+    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
+    tv = 0.5 * np.abs(emp / n - exact).sum()
+    # Sampling noise of the TV distance here is about 0.03; the broken rule gives ~0.25.
+    if broken:
+        assert tv > 0.15, tv
+    else:
+        assert tv < 0.08, tv
+
+
+def test_tree_config_is_checked():
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        DecodeConfig(tree_nodes=1)
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        DecodeConfig(tree_nodes=8, block_size=1)
+    assert DecodeConfig(tree_nodes=0) == DecodeConfig()
