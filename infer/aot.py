@@ -95,6 +95,35 @@ class DecodeShape:
     invariant_rows: tuple[int, int] | None = None
 
 
+def define_shape_flags(flags) -> None:
+    """The decode-shape flags (--batch, --prompt_len, --max_new_tokens, --block_size, --dtype)
+    of the commands that plan or lower a decode (infer.memory_plan, infer.lower), defaults
+    from `DecodeShape`; read them back with `shape_from_flags`."""
+    shape = DecodeShape()
+    flags.DEFINE_integer("batch", shape.batch, "Decode: rows decoded together.", lower_bound=1)
+    flags.DEFINE_integer(
+        "prompt_len", shape.prompt_len, "Decode: prompt buffer width.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "max_new_tokens", shape.max_new_tokens, "Decode: new tokens per row.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "block_size", shape.block_size, "Decode: block size (0: the config's).", lower_bound=0
+    )
+    flags.DEFINE_enum(
+        "dtype", shape.dtype, ["bfloat16", "float32"],
+        "Decode: param and cache dtype (training uses the config's compute_dtype).",
+    )  # fmt: skip
+
+
+def shape_from_flags(values, invariant_rows: tuple[int, int] | None = None) -> DecodeShape:
+    """The `DecodeShape` the `define_shape_flags` flags in `values` (absl's FLAGS) name."""
+    return DecodeShape(
+        values.batch, values.prompt_len, values.max_new_tokens, values.block_size, values.dtype,
+        invariant_rows,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One jitted program and its abstract arguments (ShapeDtypeStructs with shardings)."""

@@ -71,19 +71,7 @@ flags.DEFINE_enum(
     "kernels on GPU and TPU where they take the shapes, else xla), 'pallas' (kernels or a "
     "refusal), 'xla' (no kernels).",
 )  # fmt: skip
-_SHAPE = aot.DecodeShape()
-flags.DEFINE_integer("batch", _SHAPE.batch, "Decode: rows decoded together.", lower_bound=1)
-flags.DEFINE_integer("prompt_len", _SHAPE.prompt_len, "Decode: prompt buffer width.", lower_bound=1)
-flags.DEFINE_integer(
-    "max_new_tokens", _SHAPE.max_new_tokens, "Decode: new tokens per row.", lower_bound=1
-)
-flags.DEFINE_integer(
-    "block_size", _SHAPE.block_size, "Decode: block size (0: the config's).", lower_bound=0
-)
-flags.DEFINE_enum(
-    "dtype", _SHAPE.dtype, ["bfloat16", "float32"],
-    "Decode: param and cache dtype (training uses the config's compute_dtype).",
-)  # fmt: skip
+aot.define_shape_flags(flags)
 flags.DEFINE_list(
     "invariant_rows", [],
     "Decode: lower the batch-invariant program with this row rule, MIN,MAX (e.g. 8,64; "
@@ -200,9 +188,7 @@ def programs(what: str, mesh) -> list[aot.Program]:
     if what == "train":
         return [aot.train_program(cfg, mesh, impl)]
     rows = tuple(int(x) for x in FLAGS.invariant_rows) or None
-    shape = aot.DecodeShape(
-        FLAGS.batch, FLAGS.prompt_len, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.dtype, rows
-    )
+    shape = aot.shape_from_flags(FLAGS, rows)
     return [
         *aot.speculative_programs(cfg, mesh, shape, impl),
         *aot.autoregressive_programs(cfg, mesh, shape, impl),

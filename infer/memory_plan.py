@@ -42,17 +42,8 @@ config_flags.DEFINE_config_file(
     "config", None,
     "Training config (configs/*.py): the target, the drafter and, for --mode=train, the batch.",
 )  # fmt: skip
-_SHAPE = aot.DecodeShape()
 flags.DEFINE_enum("mode", "train", ["train", "decode"], "Plan a training step or a decode.")
-flags.DEFINE_integer("batch", _SHAPE.batch, "Decode: rows decoded together.", lower_bound=1)
-flags.DEFINE_integer("prompt_len", _SHAPE.prompt_len, "Decode: prompt buffer width.", lower_bound=1)
-flags.DEFINE_integer(
-    "max_new_tokens", _SHAPE.max_new_tokens, "Decode: new tokens per row.", lower_bound=1
-)
-flags.DEFINE_integer(
-    "block_size", _SHAPE.block_size, "Decode: block size (0: the config's).", lower_bound=0
-)
-flags.DEFINE_enum("dtype", _SHAPE.dtype, ["bfloat16", "float32"], "Decode: param and cache dtype.")
+aot.define_shape_flags(flags)
 flags.DEFINE_enum(
     "attention_impl", "xla", ["xla", "pallas"],
     "Attention lowered for the plan ('pallas' runs the kernels' interpret mode: slow).",
@@ -118,9 +109,7 @@ def plan_train(cfg, mesh) -> tuple[dict, dict | None]:
 
 def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
     """-> (rows in bytes per device, with "shape"; XLA's figures for start and advance)."""
-    shape = aot.DecodeShape(
-        FLAGS.batch, FLAGS.prompt_len, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.dtype
-    )
+    shape = aot.shape_from_flags(FLAGS)
     start, advance = aot.speculative_programs(cfg, mesh, shape, FLAGS.attention_impl)
     target, drafter, prompt, lengths = advance.args[:4]
     state = advance.args[-1]  # start's output: the loop carry
