@@ -259,6 +259,22 @@ class TargetConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def first_layers(self, num_layers: int) -> TargetConfig:
+        """The target cut after its first `num_layers` layers, per-layer fields cut to match
+        (a forward that stops at the last tap: the layers above cannot change the taps; their
+        params are left unused). Layer i keeps its kind (`layer_kind`)."""
+        if not 1 <= num_layers <= self.num_layers:
+            raise ConfigError(
+                f"first_layers({num_layers}) of a {self.num_layers}-layer target: need "
+                f"1 <= num_layers <= {self.num_layers}"
+            )
+        return dataclasses.replace(
+            self,
+            num_layers=num_layers,
+            layer_types=self.layer_types[:num_layers],
+            mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < num_layers),
+        )
+
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
         """Builds a config from an HF `config.json` dict; refuses what we cannot run."""

@@ -14,7 +14,12 @@ from dflash_jax.io.drafter_io import restore_drafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.target import Transformer, init_params
 from dflash_jax.training import data, tap_cache, trainer
-from dflash_jax.training.loss import NEG_INF, sampled_vocabulary
+from dflash_jax.training.loss import (
+    NEG_INF,
+    block_diffusion_loss,
+    even_chunk_rows,
+    sampled_vocabulary,
+)
 
 
 @pytest.fixture
@@ -59,6 +64,34 @@ def test_sampled_softmax_partition_is_unbiased():
     assert abs(float(jnp.mean(estimates)) - full) < 4 * stderr, (float(jnp.mean(estimates)), full)
     # Without the log(V/M) correction the estimate is far off: the test can fail.
     assert float(jnp.mean(estimates)) > 1.5 * float(jnp.exp(jax.nn.logsumexp(z[:m])))
+
+
+def test_exact_head_speedups_keep_the_loss_and_gradient():
+    """Issue 25 item 2: a positive-slot cap at the batch's token count, chunks without padded
+    rows and no remat change the sampled CE only by rounding; a cap below the distinct labels
+    would not (it is what `unique(size=)` silently truncates), so the comparison can fail."""
+    assert even_chunk_rows(7680, 1024) == 960  # 8 chunks, none padded
+    assert even_chunk_rows(100, 1024) == 100 and even_chunk_rows(97, 10) == 10  # prime: padded
+    b, s, n, j, d, v, m = 2, 12, 3, 4, 8, 50, 16
+    tokens = jax.random.randint(jax.random.key(3), (b, s), 0, v)
+    labels = tokens[:, : n * j].reshape(b, n, j)  # labels are tokens of the batch, as in training
+    valid = jnp.ones((b, n, j), bool).at[:, :, 0].set(False)
+    hidden = jax.random.normal(jax.random.key(4), (b, n * j, d))
+    head = jax.random.normal(jax.random.key(5), (d, v))
+    weights = jnp.linspace(1.0, 0.5, j)
+
+    def loss(h, cap, chunk, remat):
+        ids, bias, remapped = sampled_vocabulary(labels, valid, v, m, jax.random.key(6), cap)
+        fn = lambda x: x @ head[:, ids] + bias  # noqa: E731
+        return block_diffusion_loss(h, remapped, valid, weights, fn, chunk, remat)[0]
+
+    ref, ref_grad = jax.value_and_grad(loss)(hidden, None, 7, True)  # old: U = B*N*J, padded
+    new, new_grad = jax.value_and_grad(loss)(hidden, b * s, 9, False)  # capped, 2 chunks of 9
+    np.testing.assert_allclose(new, ref, rtol=1e-6)
+    np.testing.assert_allclose(new_grad, ref_grad, rtol=1e-5, atol=1e-6)
+    distinct = len(np.unique(np.asarray(labels)[np.asarray(valid)]))
+    too_tight = loss(hidden, distinct - 3, 9, False)
+    assert abs(float(too_tight) - float(ref)) > 1e-3
 
 
 def _online_taps(target, tokens, tap_layers):

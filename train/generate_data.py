@@ -156,9 +156,20 @@ def _read_self_prompts(cache: epath.Path) -> list[Prompt]:
 
 
 def _self_prompts(target, chat: ChatFormat, output: epath.Path, mesh) -> list[Prompt]:
+    """Sampled once and kept in `self_prompts.jsonl`, with the request that produced them in a
+    sidecar: sampling is seeded, so a resumed run asking for no more than was asked before gets
+    the same prompts from the file, even when sampling stopped short of the count (the target
+    repeats itself: ~1,240 distinct turns from 50 batches of 32), instead of sampling again."""
     cache = output / SELF_PROMPTS_FILE
+    request = output / (SELF_PROMPTS_FILE + ".request.json")
     cached = _read_self_prompts(cache)
-    if len(cached) >= FLAGS.self_prompts:
+    asked_before = json.loads(request.read_text())["requested"] if request.exists() else 0
+    if len(cached) >= FLAGS.self_prompts or (cached and asked_before >= FLAGS.self_prompts):
+        if len(cached) < FLAGS.self_prompts:
+            logging.info(
+                "%d self prompts (sampling found no more for --self_prompts=%d before)",
+                len(cached), asked_before,
+            )  # fmt: skip
         return cached[: FLAGS.self_prompts]
     if distributed.is_primary():
         prompts = self_prompts(
@@ -174,6 +185,7 @@ def _self_prompts(target, chat: ChatFormat, output: epath.Path, mesh) -> list[Pr
         cache.write_text(
             "".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts)
         )
+        request.write_text(json.dumps({"requested": FLAGS.self_prompts, "kept": len(prompts)}))
     distributed.barrier("self prompts written")
     return _read_self_prompts(cache)[: FLAGS.self_prompts]
 

@@ -158,10 +158,26 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) 
 
 
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
-    """Refuses a drafter that does not fit the target, or a block size it was not trained for."""
+    """Refuses a drafter that does not fit the target, a block size it was not trained for, or
+    a decode mode the target cannot run (`check_tree_target`)."""
     check_fits(dcfg, tcfg)
+    check_tree_target(tcfg, cfg)
     if cfg.block_size > dcfg.block_size:
         raise ConfigError(
             f"block_size={cfg.block_size} exceeds the drafter's trained block size "
             f"{dcfg.block_size}"
+        )
+
+
+def check_tree_target(tcfg: TargetConfig, cfg: DecodeConfig) -> None:
+    """Refuses tree verification (`DecodeConfig.tree_nodes`, --tree_nodes) over a target with
+    linear-attention layers: their recurrent state advances along one sequence of tokens, and a
+    token tree's branches would each need their own (the layers refuse a tree mask when traced;
+    this names the setting before anything is compiled)."""
+    if cfg.tree_nodes and tcfg.linear_layers:
+        raise ConfigError(
+            f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not supported "
+            f"for a {tcfg.arch} target, whose layers {list(tcfg.linear_layers)} are linear "
+            "attention (a recurrent state follows one chain of tokens, not a tree); use "
+            "tree_nodes=0 to verify a chain of block_size tokens"
         )

@@ -30,7 +30,27 @@ def _copy(x, dtype) -> jax.Array:
     return jnp.array(x, dtype=dtype, copy=True)
 
 
+def final_norm_scale(target_config, target_params: dict) -> jax.Array:
+    """The target's final-norm multiplier as the drafter's RMSNorm holds it (`x * scale`): the
+    stored scale, or 1 + it for the hybrid families' zero-centred norms (`x * (1 + w)`)."""
+    scale = target_params["norm"]["scale"]
+    return 1.0 + scale.astype(jnp.float32) if target_config.hybrid else scale
+
+
+def check_init_from_target(target_config) -> None:
+    """Refuses `init_from_target` for a target whose layers the drafter's cannot hold: the MoE
+    and hybrid families (sparse MLPs, linear attention, gated full attention)."""
+    if target_config.layered:
+        raise ConfigError(
+            f"init_from_target copies the target's top decoder layers into the drafter's dense "
+            f"Qwen3 layers; a {target_config.arch} target's layers (MoE MLPs and/or linear or "
+            "gated attention) have no such counterpart. Use a random init (the default), "
+            "config.init_norm_from_target or config.init_from instead"
+        )
+
+
 def _check_same_shapes(target_config, drafter_config: DrafterConfig) -> None:
+    check_init_from_target(target_config)
     pairs = {
         "hidden_size": (drafter_config.hidden_size, target_config.hidden_size),
         "intermediate_size": (drafter_config.intermediate_size, target_config.intermediate_size),
@@ -86,7 +106,7 @@ def params_from_target(
     out["fc"] = {"kernel": jnp.asarray(fc, dtype)}
     first = target_params[f"layers_{n - num}"]
     out["hidden_norm"] = {"scale": _copy(first["input_layernorm"]["scale"], dtype)}
-    out["norm"] = {"scale": _copy(target_params["norm"]["scale"], dtype)}
+    out["norm"] = {"scale": _copy(final_norm_scale(target_config, target_params), dtype)}
     layer_id = drafter_config.target_layer_ids[tap]
     if layer_id != n - num - 1:
         logging.info(
@@ -124,5 +144,6 @@ def initial_params(cfg, drafter_config: DrafterConfig, target) -> dict:
         return params_from_target(params, drafter_config, target.config, target.params)
     if cfg.init_norm_from_target:
         dtype = params["norm"]["scale"].dtype
-        params = {**params, "norm": {"scale": _copy(target.params["norm"]["scale"], dtype)}}
+        scale = final_norm_scale(target.config, target.params)
+        params = {**params, "norm": {"scale": _copy(scale, dtype)}}
     return params

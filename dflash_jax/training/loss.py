@@ -85,6 +85,7 @@ def sampled_vocabulary(
     vocab_size: int,
     num_negatives: int,
     rng: jax.Array,
+    max_distinct: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A sampled softmax's candidate set, for a CE that never builds [rows, V] logits.
 
@@ -94,13 +95,18 @@ def sampled_vocabulary(
     not in P is an unbiased estimate of sum_{j not in P} exp(z_j), so the candidates' logsumexp
     estimates the full one and the CE is a consistent estimate of the full-vocabulary CE.
 
+    `max_distinct` is a bound on the number of distinct labels that holds by construction (the
+    trainer passes B*S: every label is one of the batch's B*S tokens). It must never be tighter
+    than that: `unique(size=)` would silently drop labels beyond it.
+
     -> (ids [U] int32, bias [U] fp32, labels remapped to candidate positions [B,N,J]), with
-    U = min(B*N*J, V) + M static (unused positive slots are padding with bias NEG_INF).
+    U = min(B*N*J, max_distinct, V) + M static (unused positive slots are padding with bias
+    NEG_INF).
     """
     flat_y = labels_bnj.reshape(-1)
     flat_ok = valid_bnj.reshape(-1)
     r = flat_y.shape[0]
-    size = min(r, vocab_size)
+    size = min(r, vocab_size, max_distinct or r)
     # Sorted distinct valid labels; invalid rows and padding become the sentinel vocab_size.
     pos_p = jnp.unique(jnp.where(flat_ok, flat_y, vocab_size), size=size, fill_value=vocab_size)
     neg_m = jax.random.randint(rng, (num_negatives,), 0, vocab_size, dtype=jnp.int32)
@@ -117,25 +123,41 @@ def sampled_vocabulary(
     return ids_u, bias_u, jnp.where(flat_ok, remapped, 0).reshape(labels_bnj.shape)
 
 
+def even_chunk_rows(rows: int, chunk_rows: int) -> int:
+    """The chunk size for `rows` rows in chunks of at most `chunk_rows`: the fewest chunks that
+    divide `rows` exactly (no padded rows) if that takes at most 1.5x the minimum number of
+    chunks, else `chunk_rows` (the last chunk padded). 7,680 rows at 1,024 -> 8 chunks of 960."""
+    if rows <= chunk_rows:
+        return max(rows, 1)
+    fewest = -(-rows // chunk_rows)
+    for n in range(fewest, fewest + fewest // 2 + 1):
+        if rows % n == 0:
+            return rows // n
+    return chunk_rows
+
+
 def chunked_cross_entropy(
     hidden_rd: jax.Array,
     labels_r: jax.Array,
     logits_fn: Callable[[jax.Array], jax.Array],
     chunk_rows: int,
+    remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Hard-label CE and argmax hits per row, `chunk_rows` rows at a time.
+    """Hard-label CE and argmax hits per row, at most `chunk_rows` rows at a time.
 
-    `logits_fn` maps [C,D] -> fp32 [C,V]. The chunk body is rematerialised, so neither the
-    forward nor the backward pass ever holds more than one [C,V] logits block.
+    `logits_fn` maps [C,D] -> fp32 [C,V]. With `remat` the chunk body is rematerialised, so
+    neither the forward nor the backward pass holds more than one [C,V] logits block; without it
+    the backward reuses the forward's logits (all R x V of them are kept: only for a small V,
+    e.g. a sampled candidate set). Rows are split into equal chunks without padding where R has
+    a divisor near `chunk_rows` (`even_chunk_rows`).
     -> (ce [R] fp32, correct [R] bool).
     """
     r, d = hidden_rd.shape
-    c = min(chunk_rows, r)
+    c = even_chunk_rows(r, chunk_rows)
     pad = (-r) % c
     h_kcd = jnp.pad(hidden_rd, ((0, pad), (0, 0))).reshape(-1, c, d)
     y_kc = jnp.pad(labels_r, (0, pad)).reshape(-1, c)
 
-    @jax.checkpoint
     def one_chunk(args):
         h_cd, y_c = args
         logits_cv = logits_fn(h_cd)
@@ -143,7 +165,8 @@ def chunked_cross_entropy(
         gold_c = jnp.take_along_axis(logits_cv, y_c[:, None], axis=-1)[:, 0]
         return lse_c - gold_c, argmax_last(logits_cv) == y_c
 
-    ce_kc, correct_kc = jax.lax.map(one_chunk, (h_kcd, y_kc))
+    body = jax.checkpoint(one_chunk) if remat else one_chunk
+    ce_kc, correct_kc = jax.lax.map(body, (h_kcd, y_kc))
     return ce_kc.reshape(-1)[:r], correct_kc.reshape(-1)[:r]
 
 
@@ -154,8 +177,10 @@ def block_diffusion_loss(
     weights_j: jax.Array,
     logits_fn: Callable[[jax.Array], jax.Array],
     chunk_rows: int,
+    remat: bool = True,
 ) -> tuple[jax.Array, dict]:
     """loss = sum(w * CE) / sum(w) over valid slots; the anchor slots never reach the lm_head.
+    `remat`: see `chunked_cross_entropy`.
 
     -> (loss, {"correct": [J-1], "count": [J-1]}) with per-slot (k = 1..J-1) sums for accuracy.
     """
@@ -168,6 +193,7 @@ def block_diffusion_loss(
         labels_bnk.reshape(-1),
         logits_fn,
         chunk_rows,
+        remat,
     )
     ce_bnk = ce_r.reshape(labels_bnk.shape)
     w_bnk = jnp.where(valid_bnk, weights_j[1:][None, None, :], 0.0)

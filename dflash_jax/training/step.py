@@ -90,6 +90,9 @@ class OptimizerConfig:
         )
 
 
+HEAD_KEEP_BYTES = 1 << 30  # logits kept for the backward below this; rematerialised above
+
+
 def drafter_loss(
     params,
     target_params,
@@ -116,9 +119,7 @@ def drafter_loss(
     else:
         positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
         # Layers after the last tap cannot change the taps: skip them (their params go unused).
-        tap_config = dataclasses.replace(
-            target_config, num_layers=max(drafter_config.target_layer_ids) + 1
-        )
+        tap_config = target_config.first_layers(max(drafter_config.target_layer_ids) + 1)
         _, taps_bsf, _ = Transformer(tap_config).apply(
             {"params": target_params},
             tokens_bs,
@@ -150,9 +151,11 @@ def drafter_loss(
     )
     true_labels_bnj = labels_bnj
     if vocab_negatives:
+        # Every label is one of the batch's b*s tokens: an exact bound on the distinct ones.
         ids_u, bias_u, labels_bnj = sampled_vocabulary(
-            labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng
-        )
+            labels_bnj, valid_bnj, target_config.vocab_size, vocab_negatives, vocab_rng,
+            max_distinct=b * s,
+        )  # fmt: skip
         rows_ud = jax.lax.stop_gradient(unembedding_rows(target_params, target_config, ids_u))
 
         def logits_fn(h_cd):
@@ -165,9 +168,15 @@ def drafter_loss(
         def logits_fn(h_cd):
             return hidden_to_logits(target_params, target_config, drafter_config, h_cd)
 
+    # Remat the head only where keeping its logits for the backward would cost real memory:
+    # the sampled candidate set for SmolLM2 is 7,680 rows x ~7K columns (~0.2 GB fp32), kept;
+    # a full 49K..152K vocabulary is recomputed chunk by chunk.
+    columns = ids_u.shape[0] if vocab_negatives else target_config.vocab_size
+    keep_bytes = labels_bnj[:, :, 1:].size * columns * 4
     loss, stats = block_diffusion_loss(
-        hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows
-    )
+        hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows,
+        remat=keep_bytes > HEAD_KEEP_BYTES,
+    )  # fmt: skip
     if drafter_config.is_dflash2:
         full_logits_fn = lambda h_cd: hidden_to_logits(
             target_params, target_config, drafter_config, h_cd

@@ -39,7 +39,7 @@ from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
 from dflash_jax.training import checkpoint, data, tap_cache
 from dflash_jax.training.evaluation import EVAL_SOURCES, eval_prompts, evaluate_acceptance
-from dflash_jax.training.init import initial_params
+from dflash_jax.training.init import check_init_from_target, initial_params
 from dflash_jax.training.loss import default_gamma, implied_acceptance
 from dflash_jax.training.step import OptimizerConfig, train_step, train_step_on_mesh
 
@@ -357,6 +357,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         target, config=dataclasses.replace(target.config, attention_impl=cfg.attention_impl)
     )
     drafter_config = drafter_config_for(cfg, target.config)
+    if cfg.init_from_target:  # refused before a tap cache is built, not after
+        check_init_from_target(target.config)
     loss_gamma = cfg.loss_gamma or default_gamma(cfg.block_size)
 
     source = data.record_source(data.expand_paths(cfg.data))
