@@ -233,12 +233,10 @@ def generate(
     measured defaults (`decode_mode`); adaptive step costs are
     calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
     prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`).
-    tree_nodes: verify a token tree of this many tokens per step (`decoding.tree`; an unset
-    `adaptive` is then off); 0: a chain."""
+    tree_nodes: a step that verifies a token tree of this many tokens (`decoding.tree`): one
+    more step kind of an adaptive decode, else every step; 0: no tree."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    if tree_nodes and adaptive is None:
-        adaptive = False
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
     if lookup_kinds is None:
         lookup_kinds = default_lookup_kinds(block_size)

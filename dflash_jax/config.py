@@ -633,6 +633,24 @@ class DrafterConfig:
         return json.dumps(self.to_zlab(), indent=2, sort_keys=True)
 
 
+# A tree step of N nodes is recorded (`DecodeOutput.block_sizes`, `DecodeConfig.all_kinds`) as
+# TREE_KIND_BASE + N: above every block size (a drafting kind is its block size, a copy its
+# negative), so one int still names any step kind. `kind_label` names it "treeN".
+TREE_KIND_BASE = 1000
+
+
+def tree_kind(num_nodes: int) -> int:
+    """The recorded kind of a tree step of `num_nodes` tokens."""
+    return TREE_KIND_BASE + num_nodes
+
+
+def kind_label(kind: int) -> str:
+    """A step kind as text: its block size ("8"; "1" a plain step), "-8" for a copied block,
+    "tree16" for a tree of 16 tokens."""
+    kind = int(kind)
+    return f"tree{kind - TREE_KIND_BASE}" if kind >= TREE_KIND_BASE else str(kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Static decoding settings. `temperature == 0` is greedy; otherwise sampling with
@@ -664,9 +682,11 @@ class DecodeConfig:
     # prompt has flipped, but often in bf16). None: on for every dtype but float32
     # (`decoding.programs.run_target_config`).
     batch_invariant: bool | None = None
-    # Tree verification (decoding/tree.py): each step verifies a tree of this many tokens (the
+    # Tree verification (decoding/tree.py): a step that verifies a tree of this many tokens (the
     # anchor and tree_nodes - 1 drafted nodes, grown best-first from the drafter's per-position
-    # distributions) in one target pass and commits its longest accepted path. 0: a chain.
+    # distributions) in one target pass and commits its longest accepted path. Fixed mode: every
+    # step is one. Adaptive: one more step kind (`tree_kind(tree_nodes)`, last in `all_kinds`)
+    # the controller chooses beside the chains and copies. 0: no tree.
     tree_nodes: int = 0
 
     def __post_init__(self):
@@ -677,8 +697,11 @@ class DecodeConfig:
                 f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "
                 f"draft) and block_size >= 2 (got {self.block_size}); 0 = a chain"
             )
-        if self.tree_nodes and self.adaptive:
-            raise ConfigError("tree_nodes with adaptive=True is not supported yet")
+        if self.tree_nodes and self.block_size >= TREE_KIND_BASE:
+            raise ConfigError(
+                f"block_size={self.block_size} with a tree: block sizes below {TREE_KIND_BASE} "
+                "(a tree step's recorded kind lies above them)"
+            )
         kinds = self.step_kinds
         if self.adaptive and not kinds:
             kinds = tuple(sorted({1, *(b for b in (4, 8) if b < self.block_size), self.block_size}))
@@ -719,9 +742,11 @@ class DecodeConfig:
     @property
     def all_kinds(self) -> tuple[int, ...]:
         """Every adaptive step kind, in the order of the controller's costs and of a forced
-        kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes
-        (how `DecodeOutput.block_sizes` records them)."""
-        return self.step_kinds + tuple(-b for b in self.lookup_kinds)
+        kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes,
+        then the tree kind `tree_kind(tree_nodes)` when there is a tree (how
+        `DecodeOutput.block_sizes` records them)."""
+        tree = (tree_kind(self.tree_nodes),) if self.adaptive and self.tree_nodes else ()
+        return self.step_kinds + tuple(-b for b in self.lookup_kinds) + tree
 
     @property
     def greedy(self) -> bool:

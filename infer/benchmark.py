@@ -24,7 +24,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from dflash_jax import api
-from dflash_jax.config import DecodeConfig
+from dflash_jax.config import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.decoding import breakdown, calibration, programs
 from dflash_jax.decoding.lookup import prompt_lookup_taus
 from dflash_jax.io import load_target
@@ -57,7 +57,10 @@ flags.DEFINE_bool(
     "a block of rows through the target's and the drafter's) and each phase of one DFlash step "
     "at this run's shapes; print them as a table and add them to the JSON aggregate. The "
     "floors are timed before and after the prompts and averaged (the machine's speed drifts; "
-    "both are kept, with their ratio as `gemm_floor_drift`).",
+    "both are kept, with their ratio as `gemm_floor_drift`). With --tree_nodes, a tree step's "
+    "phases too (tree_build, tree_verify of the N nodes under the tree mask, tree_accept_move: "
+    "acceptance and the path's K/V rows written to the cache; with the chain's drafter layers, "
+    "commit and context append) and its floor (N rows through the target).",
 )
 flags.DEFINE_integer(
     "breakdown_repeats", 20, "Timed calls per phase and floor (the median is kept).", lower_bound=3
@@ -179,9 +182,11 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None)
 
 def kind_mix(turns: list[dict]) -> dict:
     """Share of DFlash steps run at each block size (adaptive mode: 1 = plain target steps,
-    -b = prompt-lookup steps of block b)."""
+    -b = prompt-lookup steps of block b, treeN = tree steps of N tokens; `kind_label`)."""
     kinds = np.asarray([k for t in turns for k in t["block_sizes"]], int)
-    return {str(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
+    return (
+        {kind_label(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
+    )
 
 
 def fastest_ar(timed: list[dict], ar_tpot: float, df_tpot: float, dtype: str) -> dict:
@@ -267,8 +272,10 @@ def calibrate(target, drafter, ids, cfg: DecodeConfig) -> np.ndarray:
     prompt), measured once per machine and cached (`calibration.calibrate_step_costs`)."""
     prompt, lengths = api.pad_prompts([ids])
     costs = calibration.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
-    pretty = ", ".join(f"{b}: {c:.2f}" for b, c in zip(cfg.all_kinds, costs, strict=True))
-    print(f"step costs in AR steps (block size, -b = lookup: cost): {pretty}")
+    pretty = ", ".join(
+        f"{kind_label(b)}: {c:.2f}" for b, c in zip(cfg.all_kinds, costs, strict=True)
+    )
+    print(f"step costs in AR steps (block size, -b = lookup, treeN = tree: cost): {pretty}")
     return costs
 
 
@@ -336,9 +343,21 @@ def breakdown_table(agg: dict) -> str:
         ("AR step (in the loop)", agg["ar_step_s"], ar_floor),
         ("GEMM floor, AR", ar_floor, ar_floor),
     ]
+    if "tree_phases_sum_s" in agg:  # --tree_nodes: a tree step's phases against its floor
+        tree_floor = agg["gemm_floor_tree_step_s"]
+        rows.append((f"tree step, {agg['tree_nodes']} nodes", None, None))
+        rows += [(f"  {p}", agg[f"phase_{p}_s"], tree_floor) for p in breakdown.TREE_PHASES]
+        rows += [
+            ("  sum of tree phases", agg["tree_phases_sum_s"], tree_floor),
+            ("GEMM floor, tree step", tree_floor, tree_floor),
+        ]
     lines = [f"{'':28s}{'time':>11s}  {'x floor':>8s}"]
-    lines += [f"{name:28s}{ms(t)}  {t / floor:8.2f}" for name, t, floor in rows]
+    lines += [
+        f"{name:28s}{ms(t)}  {t / floor:8.2f}" if t is not None else name for name, t, floor in rows
+    ]
     lines.append(f"break-even tau (step floor / AR floor): {agg['break_even_tau']:.2f}")
+    if "break_even_tau_tree" in agg:
+        lines.append(f"break-even tau of a tree step: {agg['break_even_tau_tree']:.2f}")
     if "gemm_floor_drift" in agg:
         drift = agg["gemm_floor_drift"]
         lines.append(
@@ -392,7 +411,17 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
         ax3.bar(2, 1e3 * agg["gemm_floor_step_s"], color="#bbbbbb", label="GEMM floor (step)")
         ax3.bar(3, 1e3 * agg["ar_step_s"], color="#228833", label="AR step")
         ax3.bar(4, 1e3 * agg["gemm_floor_ar_s"], color="#99dd99", label="GEMM floor (AR)")
-        ax3.set_xticks(range(5), ["phases", "step", "floor", "AR", "AR floor"])
+        ticks = ["phases", "step", "floor", "AR", "AR floor"]
+        if "tree_phases_sum_s" in agg:  # the tree step's phases, the chain's shared colours
+            bottom, shared = 0.0, list(breakdown.PHASES)
+            for i, name in enumerate(breakdown.TREE_PHASES):
+                t = 1e3 * agg[f"phase_{name}_s"]
+                color = colors[shared.index(name) if name in shared else 6 + i % 4]
+                own = name not in shared
+                ax3.bar(5, t, bottom=bottom, color=color, label=name if own else None)
+                bottom += t
+            ticks.append(f"tree {agg['tree_nodes']}")
+        ax3.set_xticks(range(len(ticks)), ticks)
         ax3.set_ylabel("ms")
         ax3.set_title(f"one step, block {block_size} (break-even tau {agg['break_even_tau']:.2f})")
         ax3.legend(fontsize=7)
@@ -401,10 +430,15 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
         turn = max(turns, key=lambda t: t["steps"])
         steps = range(len(turn["taus"]))
         ax4.bar(steps, turn["taus"], color="#4477aa", label="tau (tokens committed)")
+        kinds = np.asarray(turn["block_sizes"])
+        tree_steps = kinds >= TREE_KIND_BASE  # drawn at the block size, marked
         ax4.step(
-            steps, turn["block_sizes"], where="mid", color="#ee6677",
+            steps, np.where(tree_steps, block_size, kinds), where="mid", color="#ee6677",
             label="block size (< 0: copied by lookup)",
         )  # fmt: skip
+        if tree_steps.any():
+            at = np.flatnonzero(tree_steps)
+            ax4.plot(at, np.full(at.shape, block_size), "v", color="#aa3377", label="tree step")
         ax4.axhline(0, color="#999999", lw=0.5)
         ax4.set_xlabel("step")
         ax4.set_title(f"adaptive steps, longest turn (mix {agg['step_kind_mix']})", fontsize=9)

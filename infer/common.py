@@ -58,10 +58,11 @@ flags.DEFINE_integer(
 )  # fmt: skip
 flags.DEFINE_integer(
     "tree_nodes", 0,
-    "Tree verification: each step verifies a tree of this many tokens (the anchor and the "
+    "Tree verification: a step that verifies a tree of this many tokens (the anchor and the "
     "drafter's most probable continuations, grown best-first; decoding/tree.py) in one target "
-    "pass and commits its longest accepted path. 0 = a chain of --block_size. With a tree, an "
-    "unset --adaptive is off.",
+    "pass and commits its longest accepted path. With --adaptive the tree is one more step "
+    "kind (recorded as treeN), calibrated and chosen like the others beside the chains of "
+    "--step_kinds and the lookup kinds; without, every step is a tree. 0 = no tree.",
     lower_bound=0,
 )  # fmt: skip
 flags.DEFINE_enum(
@@ -77,7 +78,8 @@ flags.DEFINE_enum(
 flags.DEFINE_bool(
     "adaptive", None,
     "Adaptive draft length: every step picks a block size among --step_kinds (1 = a plain "
-    "target step) by expected tokens per unit of cost, measured for this machine by a short "
+    "target step), the --lookup_kinds and a --tree_nodes tree, by expected tokens per unit of "
+    "cost, measured for this machine by a short "
     "calibration on the first prompt (cached under ~/.cache/dflash_jax). Unset: on on CPU "
     "(measured fastest there, see the README), off elsewhere; infer.generate and "
     "infer.benchmark take the same default.",
@@ -128,8 +130,6 @@ def decode_config(
 ) -> DecodeConfig:
     """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
     adaptive = bool(FLAGS.adaptive) if adaptive is None else adaptive
-    if FLAGS.tree_nodes and FLAGS.adaptive is None:  # a tree decode is not adaptive by default
-        adaptive = False
     if FLAGS.lookup_kinds is None:
         lookup = default_lookup_kinds(block_size)
     else:

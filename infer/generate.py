@@ -19,6 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
+from dflash_jax.config import kind_label
 from dflash_jax.decoding import calibration, programs
 from infer import common
 
@@ -94,7 +95,7 @@ def main(argv):
         "decode_s": run.run_s,
         "compile_s": compile_s + run.compile_s,
         "load_s": load_s,
-        "mode": ("adaptive dflash" if cfg.adaptive else "dflash") if drafter else "autoregressive",
+        "mode": mode_name(cfg, drafter),
         "block_size": block,
         "dtype": dtype,
         "dtype_choice": dtype_why or "--dtype",
@@ -103,9 +104,9 @@ def main(argv):
     }
     if cfg.adaptive:
         kinds = np.asarray(run.output.block_sizes[0, :steps])
-        result["step_kind_mix"] = {str(k): int((kinds == k).sum()) for k in np.unique(kinds)}
+        result["step_kind_mix"] = {kind_label(k): int((kinds == k).sum()) for k in np.unique(kinds)}
         result["step_costs"] = {
-            str(b): float(c) for b, c in zip(cfg.all_kinds, step_costs, strict=True)
+            kind_label(b): float(c) for b, c in zip(cfg.all_kinds, step_costs, strict=True)
         }
     if FLAGS.compare_ar and drafter is not None:
         ar = api.timed_decode(target, None, prompt, lengths, FLAGS.seed, api.baseline_config(cfg))
@@ -124,6 +125,14 @@ def main(argv):
     if not stream:
         print(result["text"])
     print(summary(result), file=sys.stderr)
+
+
+def mode_name(cfg, drafter) -> str:
+    """What decodes: "autoregressive", "dflash" or "adaptive dflash", and its tree if any."""
+    if drafter is None:
+        return "autoregressive"
+    name = "adaptive dflash" if cfg.adaptive else "dflash"
+    return name + (f" + tree of {cfg.tree_nodes}" if cfg.tree_nodes else "")
 
 
 def summary(result: dict) -> str:

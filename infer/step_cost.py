@@ -24,6 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
+from dflash_jax.config import kind_label
 from infer import common
 
 FLAGS = flags.FLAGS
@@ -45,7 +46,7 @@ def main(argv):
         cfg = common.decode_config(block, (), adaptive=True)
         api.check_inputs(target, drafter, prompt, lengths, cfg)
     runs = [("ar", None, -1)] + [
-        (str(kind), drafter, index) for index, kind in enumerate(cfg.all_kinds)
+        (kind_label(kind), drafter, index) for index, kind in enumerate(cfg.all_kinds)
     ]
 
     # Prefill (and the drafter's prompt context), the decode's start half, is timed apart and

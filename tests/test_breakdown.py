@@ -4,6 +4,7 @@ step breakdown (floors and phases) running on tiny models."""
 import types
 
 import numpy as np
+import pytest
 from test_decoding import make_pair
 
 from dflash_jax.config import DecodeConfig
@@ -127,3 +128,44 @@ def test_floors_and_phases_take_the_weights_as_arguments():
     step, carry, weights = fns["verify_body"]
     closed = jax.jit(lambda c: step(c, *weights)).lower(carry)
     assert _largest_constant(closed) >= smallest_weight
+
+
+def _tree_setup():
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    prompt, lengths = np.ones((2, 16), np.int32), np.array([9, 12], np.int32)
+    cfg = DecodeConfig(max_new_tokens=16, block_size=8, tree_nodes=24)
+    return tcfg, tp, dcfg, dp, prompt, lengths, cfg
+
+
+def test_breakdown_names_a_tree_steps_phases():
+    """With tree_nodes the phases include a tree step's own (its build, its verify of N nodes
+    under the tree mask, its accept + cache move) and the floors a tree step's (N target rows);
+    without, none of them. (Timing them: the slow test below.)"""
+    tcfg, tp, dcfg, dp, prompt, lengths, cfg = _tree_setup()
+    assert breakdown.TREE_PHASES[1:4] == ("tree_build", "tree_verify", "tree_accept_move")
+    fns = breakdown.phase_fns(tp, dp, prompt, lengths, tcfg, dcfg, cfg, live_length=14)
+    own = ("tree_build", "tree_verify", "tree_accept_move")
+    assert tuple(fns) == breakdown.PHASES + own
+    assert set(breakdown.TREE_PHASES) <= set(fns)
+    floors = breakdown.floor_fns(tp, tcfg, dp, cfg.block_size, tree_rows=cfg.tree_nodes)
+    assert "gemm_floor_tree_step_s" in floors
+    _, carry, _ = floors["gemm_floor_tree_step_s"]
+    assert carry[0].shape[0] == 24 and carry[1].shape[0] == 8  # N target rows, a drafter block
+    assert "gemm_floor_tree_step_s" not in breakdown.floor_fns(tp, tcfg, dp, cfg.block_size)
+
+
+@pytest.mark.slow
+def test_breakdown_of_a_tree_step_sums_its_phases():
+    """`breakdown` with a tree: every phase timed, the tree step's sum over `TREE_PHASES`, its
+    floor and break-even tau."""
+    tcfg, tp, dcfg, dp, prompt, lengths, cfg = _tree_setup()
+    target = types.SimpleNamespace(config=tcfg, params=tp)
+    drafter = types.SimpleNamespace(config=dcfg, params=dp)
+    out = breakdown.breakdown(target, drafter, prompt, lengths, cfg, live_length=14, repeats=3)
+    for name in (*breakdown.PHASES, *breakdown.TREE_PHASES):
+        assert out[f"phase_{name}_s"] > 0, name
+    assert np.isclose(
+        out["tree_phases_sum_s"], sum(out[f"phase_{p}_s"] for p in breakdown.TREE_PHASES)
+    )
+    assert out["tree_nodes"] == 24 and out["gemm_floor_tree_step_s"] > 0
+    assert out["break_even_tau_tree"] == out["gemm_floor_tree_step_s"] / out["gemm_floor_ar_s"]

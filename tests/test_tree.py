@@ -1,6 +1,8 @@
 """Tree verification (decoding/tree.py) on tiny random models (fp32, CPU): the best-first tree,
 the tree attention mask, greedy tree decoding == autoregressive token for token, and sampled
-tree decoding distributed as the target (with a broken sibling rule detected)."""
+tree decoding distributed as the target (with a broken sibling rule detected); the tree as a
+kind of the adaptive controller (its estimates, its choice, greedy == AR with the kinds
+switching inside a row, sampling still lossless)."""
 
 import itertools
 
@@ -8,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import _exact_two_token_distribution, make_pair, run_both
+from test_decoding import LENS, PROMPT, _exact_two_token_distribution, make_pair, run_both
 
-from dflash_jax.config import ConfigError, DecodeConfig
-from dflash_jax.decoding import speculative_decode, tree
+from dflash_jax.config import ConfigError, DecodeConfig, kind_label, tree_kind
+from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode, tree
+from dflash_jax.decoding.speculative import Proposal
+from dflash_jax.decoding.state import LoopState
 from dflash_jax.ops import attention, dispatch
 from dflash_jax.ops.invariance import RowRule
 
@@ -120,6 +124,7 @@ def test_greedy_tree_equals_autoregressive(arch, nodes):
     acc = sp.acceptance_lengths
     assert acc.max() >= 3 and (acc[acc > 0] == 1).any()
     np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
+    assert set(np.unique(sp.block_sizes)) == {0, tree_kind(nodes)}  # every step a tree
 
 
 @pytest.mark.slow
@@ -191,3 +196,148 @@ def test_tree_config_is_checked():
     with pytest.raises(ConfigError, match="tree_nodes"):
         DecodeConfig(tree_nodes=8, block_size=1)
     assert DecodeConfig(tree_nodes=0) == DecodeConfig()
+    # Adaptive: the tree is one more kind, last, beside every chain and copy.
+    cfg = DecodeConfig(block_size=8, adaptive=True, lookup_kinds=(8,), tree_nodes=12)
+    assert cfg.all_kinds == (1, 4, 8, -8, tree_kind(12))
+    assert [kind_label(k) for k in cfg.all_kinds] == ["1", "4", "8", "-8", "tree12"]
+    assert DecodeConfig(block_size=8, tree_nodes=12).all_kinds == ()  # fixed mode: no kinds
+
+
+def test_controller_values_and_learns_the_tree_kind():
+    """The tree's expected tokens over the depths it reaches, floored by the chain's estimates
+    in greedy decoding only; it is chosen by value per cost; a tree step moves the tree's
+    estimates (tried depths only) and not the chain's, a chain step the reverse."""
+    cfg = DecodeConfig(block_size=8, adaptive=True, step_kinds=(1, 8), tree_nodes=4)
+    assert adaptive.tree_reach(cfg) == 3  # 3 drafted nodes: at most depth 3
+    alpha = jnp.full((1, 7), 0.9)
+    tree_alpha = jnp.full((1, 7), 0.5)
+    e = float(adaptive.tree_expected_tokens(tree_alpha, alpha, cfg)[0])
+    np.testing.assert_allclose(e, 1 + 0.9 + 0.81 + 0.729, rtol=1e-6)  # the chain's floor
+    sampled = DecodeConfig(**{**cfg.__dict__, "temperature": 1.0})
+    e = float(adaptive.tree_expected_tokens(tree_alpha, alpha, sampled)[0])
+    np.testing.assert_allclose(e, 1 + 0.5 + 0.25 + 0.125, rtol=1e-6)  # its own only
+    one = jnp.array([True])
+    # chain 8: E = 5.70; tree: E = 3.44 -> the tree wins only where the chain costs > 1.66x it.
+    choose = lambda costs: int(
+        adaptive.choose_kind(alpha, one, 0, jnp.array(costs), -1, cfg, tree_alpha_bg=tree_alpha)
+    )
+    assert choose([1.0, 1.5, 1.0]) == 1 and choose([1.0, 1.8, 1.0]) == 2
+    assert choose([1.0, 3.0, 5.0]) == 1
+    low = jnp.full((1, 7), 0.1)
+    assert int(adaptive.choose_kind(low, one, 0, jnp.array([1.0, 1.5, 1.5]), -1, cfg,
+                                    tree_alpha_bg=low)) == 0  # fmt: skip
+    state = LoopState(
+        gen=None, n_gen=None, done=None, step=None, num_steps=None, acc=None, kinds=None,
+        cache=None, alpha=alpha, plain_run=jnp.int32(0), probe_wait=jnp.int32(cfg.probe_every),
+        tree_alpha=tree_alpha,
+    )  # fmt: skip
+    step = lambda kind, a: Proposal(
+        new=None, accepted=jnp.array([a]), kind=jnp.int32(kind), k=(), v=(), ctx_k=(), ctx_v=()
+    )
+    after = adaptive.update(state, step(tree_kind(4), 2), jnp.array([3]), one, cfg)
+    np.testing.assert_array_equal(after.alpha, alpha)
+    r = cfg.adaptive_rate
+    hit, miss = 0.5 + r * 0.5, 0.5 - r * 0.5
+    np.testing.assert_allclose(after.tree_alpha[0], [hit, hit, miss, 0.5, 0.5, 0.5, 0.5])
+    assert int(after.plain_run) == 0  # a tree step is a drafting step for the probe clock
+    after = adaptive.update(state, step(8, 1), jnp.array([2]), one, cfg)
+    np.testing.assert_array_equal(after.tree_alpha, tree_alpha)
+    assert float(after.alpha[0, 0]) > 0.9 and float(after.alpha[0, 1]) < 0.9
+    # Default costs: a tree of N is costed as the chain of N rows it verifies.
+    costs = adaptive.default_step_costs((1, 8, tree_kind(12)), platform="cpu")
+    np.testing.assert_allclose(costs, [1.0, 1.84, 2.32], rtol=1e-6)
+
+
+def test_adaptive_tree_greedy_equals_autoregressive():
+    """Adaptive with a tree kind, rows of different lengths: the tokens are the target's own
+    greedy ones whatever the costs, and the costs decide what runs. A cheap tree is taken at
+    every step; an expensive one never; at equal costs the kinds alternate inside a row (the
+    chain's estimates fall below the untried tree's, then the tree's own take over). One
+    compiled loop: the costs are an input."""
+    tcfg, tp, dcfg, dp = make_pair()
+    dp = _peaked_drafter(tp, dp, dcfg, 0.03)
+    cfg = DecodeConfig(
+        max_new_tokens=24, block_size=8, adaptive=True, step_kinds=(1, 8), tree_nodes=12
+    )
+    tree_k = tree_kind(12)
+    key = jax.random.key(0)
+    ar = autoregressive_decode(tp, PROMPT, LENS, key, target_config=tcfg, decode_config=cfg)
+    ar = jax.tree.map(np.asarray, ar)
+    runs = {}
+    for name, costs in [("cheap", (1.0, 3.0, 1.2)), ("dear", (1.0, 1.2, 50.0)),
+                        ("equal", (1.0, 1.2, 1.2))]:  # fmt: skip
+        sp = speculative_decode(
+            tp, dp, PROMPT, LENS, key, target_config=tcfg, drafter_config=dcfg,
+            decode_config=cfg, step_costs=costs,
+        )  # fmt: skip
+        sp = runs[name] = jax.tree.map(np.asarray, sp)
+        np.testing.assert_array_equal(sp.tokens, ar.tokens, err_msg=name)
+        np.testing.assert_array_equal(sp.lengths, ar.lengths, err_msg=name)
+        np.testing.assert_array_equal(1 + sp.acceptance_lengths.sum(axis=1), sp.lengths)
+        assert set(np.unique(sp.block_sizes)) <= {0, 1, 8, tree_k}
+    ran = lambda sp: [sp.block_sizes[r, : sp.num_steps[r]] for r in range(len(LENS))]
+    assert all((kinds == tree_k).all() for kinds in ran(runs["cheap"]))
+    assert runs["cheap"].acceptance_lengths.max() >= 3  # deep paths accepted
+    assert not any((kinds == tree_k).any() for kinds in ran(runs["dear"]))
+    assert all({8, tree_k} <= set(kinds.tolist()) for kinds in ran(runs["equal"]))
+    # The tree's extra candidates pay: a row needs fewer steps than with the chain alone.
+    assert runs["cheap"].num_steps.sum() < runs["dear"].num_steps.sum()
+
+
+def test_calibration_times_the_tree_kind(monkeypatch, tmp_path):
+    """The calibration times every kind, the tree's included: its forced index runs tree steps
+    (and only them), and its cost is cached under a key that names the tree's size."""
+    import dataclasses
+    import types
+
+    from dflash_jax.decoding import calibration
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    tcfg, tp, dcfg, dp = make_pair()
+    target = types.SimpleNamespace(config=tcfg, params=tp)
+    drafter = types.SimpleNamespace(config=dcfg, params=dp, source="tiny")
+    cfg = DecodeConfig(
+        max_new_tokens=12, block_size=8, adaptive=True, step_kinds=(1, 8), tree_nodes=12
+    )
+    runs, real = [], calibration.timed_decode
+
+    def spy(*args, **kwargs):
+        run = real(*args, **kwargs)
+        runs.append((kwargs.get("forced_kind"), np.asarray(run.output.block_sizes)))
+        return run
+
+    monkeypatch.setattr(calibration, "timed_decode", spy)
+    costs = calibration.calibrate_step_costs(target, drafter, PROMPT, LENS, cfg, repeats=1, steps=4)
+    assert costs.shape == (3,) and np.all(costs > 0)
+    tree_runs = [kinds for forced, kinds in runs if forced == 2]
+    assert tree_runs
+    for kinds in tree_runs:
+        assert set(np.unique(kinds)) == {0, tree_kind(12)}
+    key = lambda c: calibration.calibration_key(target, drafter, PROMPT.shape, c)
+    assert key(cfg) != key(dataclasses.replace(cfg, tree_nodes=16))
+
+
+def test_adaptive_sampling_through_a_tree_step_is_lossless():
+    """Sampled, adaptive, the tree the cheapest kind: the second token comes from the tree's
+    sibling walk inside the adaptive loop, and the joint law of the first two tokens matches
+    the target's exact one."""
+    vocab, temperature = 12, 2.0
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=1.0, seed=4)
+    dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.5)
+    prompt, n = np.array([3, 1, 4], np.int32), 6000
+    cfg = DecodeConfig(
+        max_new_tokens=2, block_size=2, temperature=temperature, adaptive=True,
+        step_kinds=(1, 2), tree_nodes=12,
+    )  # fmt: skip
+    out = speculative_decode(
+        tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
+        target_config=tcfg, drafter_config=dcfg, decode_config=cfg, step_costs=(5.0, 5.0, 1.0),
+    )  # fmt: skip
+    jax.clear_caches()
+    assert (np.asarray(out.block_sizes)[:, 0] == tree_kind(12)).all()
+    toks = np.asarray(out.tokens)
+    emp = np.zeros((vocab, vocab))
+    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
+    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
+    tv = 0.5 * np.abs(emp / n - exact).sum()
+    assert tv < 0.08, tv  # sampling noise ~0.03 (test_sampled_tree_is_lossless)

@@ -11,7 +11,8 @@ tree.py            tree verification: a best-first token tree per step, one pass
 sampling.py        logit processing, sampling, greedy and rejection acceptance
 runner.py          the decodes as start/advance halves: timed, streamed, step-limited
 calibration.py     each step kind's measured cost, cached on disk
-breakdown.py       each phase of a step timed apart, and the GEMM floors
+breakdown.py       each phase of a step (a chain's, a tree's) timed apart
+floors.py          the GEMM floors a step is judged against, and the in-loop timing
 """
 
 from dflash_jax.decoding.autoregressive import autoregressive_decode

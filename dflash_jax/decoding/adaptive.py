@@ -21,6 +21,20 @@ Prompt-lookup kinds (`DecodeConfig.lookup_kinds`, recorded as -b) draft by copyi
 every step whatever kind ran (`update_lookup_estimates`: the copy proposed before the step
 against the tokens the step committed), and only for rows where a copy exists.
 
+A tree kind (`DecodeConfig.tree_nodes` in adaptive mode, recorded as `tree_kind(N)`; a step of
+`decoding/tree.py`: a best-first tree of N tokens, one verify under the tree mask, the longest
+accepted path) is valued the same way with its own per-depth estimates `tree_alpha` (the chance
+that the accepted path reaches depth j given it reached j - 1), moved only by tree steps, over
+the depths the tree can reach (`tree_reach`: min(G, N - 1)). In greedy decoding each is floored
+by the chain's alpha_j: the tree's nodes are the drafter's most probable prefixes, the chain's
+own drafts (the per-depth argmax) among them as deep as the tree reaches them, and there the
+tree keeps a node wherever the chain keeps its draft. The floor lets a tree that has not run yet
+look at least as good as the chain: one that costs about as much as the chain is tried, and its
+own estimates take over where it does better. It is a heuristic past the depth to which the
+tree holds the chain, and for a DFlash2 drafter (whose chain is its selector's walk); sampling
+has no floor (a sampled draft need not be in the tree). A wrong estimate costs speed, never the
+output. A tree step moves the chain's estimates not at all, a chain step the tree's likewise.
+
 cost(b) is one step of kind b in AR-step units. `decoding.calibration` measures it for a
 target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
 as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
@@ -35,16 +49,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DecodeConfig
+from dflash_jax.config import TREE_KIND_BASE, DecodeConfig
 
 
 def default_step_costs(kinds: tuple[int, ...], platform: str | None = None) -> np.ndarray:
     """Step costs in AR steps when none were measured. CPU: 1 + 0.12 (b - 1), from SmolLM2-135M
     on our 2-core CPU (a 16-token step cost 2.7 AR steps, an 8-token one 1.8); a CPU pays for
     every verified token. GPU/TPU: 1.1 for every drafting kind, since a 16-token verify costs
-    about one AR step there and the draft about a tenth of one (dflash-spec §11)."""
+    about one AR step there and the draft about a tenth of one (dflash-spec §11). A tree of N
+    tokens is costed as a chain of N: its verify's rows (building it is a few top-k calls)."""
     platform = platform or jax.default_backend()
-    b = np.abs(np.asarray(kinds, np.float32))  # a lookup kind (-b) costs its verify
+    kinds = np.asarray(kinds, np.int64)
+    # The rows a kind verifies: a lookup kind (-b) b, a tree N.
+    b = np.where(kinds >= TREE_KIND_BASE, kinds - TREE_KIND_BASE, np.abs(kinds)).astype(np.float32)
     if platform == "cpu":
         costs = 1.0 + 0.12 * (b - 1.0)
     else:
@@ -59,6 +76,20 @@ def expected_tokens(alpha_bg: jax.Array, kinds: tuple[int, ...]) -> jax.Array:
     return jnp.stack(cols, axis=-1)
 
 
+def tree_reach(cfg: DecodeConfig) -> int:
+    """The deepest node a tree step can accept: min(G, N - 1) (G = block size - 1 drafted
+    depths; N - 1 drafted nodes make at most a chain of N - 1)."""
+    return min(cfg.block_size - 1, cfg.tree_nodes - 1)
+
+
+def tree_expected_tokens(tree_alpha_bg, alpha_bg, cfg: DecodeConfig) -> jax.Array:
+    """E[tau | tree] [B] from the tree's per-depth estimates [B, G] over the depths it can
+    reach; in greedy decoding each estimate at least the chain's (`alpha_bg`, module
+    docstring)."""
+    a_bg = jnp.maximum(tree_alpha_bg, alpha_bg) if cfg.greedy else tree_alpha_bg
+    return 1.0 + jnp.sum(jnp.cumprod(a_bg[:, : tree_reach(cfg)], axis=-1), axis=-1)
+
+
 def choose_kind(
     alpha_bg,
     active_b,
@@ -69,17 +100,21 @@ def choose_kind(
     probe_wait=None,
     lookup_alpha_bg=None,
     found_b=None,
+    tree_alpha_bg=None,
 ):
     """Index into cfg.all_kinds of the kind to run now (see the module docstring): a probe
     once `plain_run` reaches `probe_wait` (default cfg.probe_every); `forced_kind` >= 0
     overrides the choice (calibration). Lookup kinds are valued with `lookup_alpha_bg`, and
-    only for rows where a copy was `found_b`."""
+    only for rows where a copy was `found_b`; the tree kind (last) with `tree_alpha_bg`."""
     probe_wait = cfg.probe_every if probe_wait is None else probe_wait
     kinds = cfg.step_kinds
     value_bk = expected_tokens(alpha_bg, kinds)
     if cfg.lookup_kinds:
         gain_bk = expected_tokens(lookup_alpha_bg, cfg.lookup_kinds) - 1.0
         value_bk = jnp.concatenate([value_bk, 1.0 + gain_bk * found_b[:, None]], axis=-1)
+    if cfg.tree_nodes:
+        tree_b = tree_expected_tokens(tree_alpha_bg, alpha_bg, cfg)
+        value_bk = jnp.concatenate([value_bk, tree_b[:, None]], axis=-1)
     value_bk = value_bk / costs_k[None, :]
     weight_b = active_b.astype(jnp.float32)
     value_k = jnp.sum(value_bk * weight_b[:, None], 0) / jnp.maximum(jnp.sum(weight_b), 1.0)
@@ -145,17 +180,27 @@ def update(state, step, produced_b, active_b, cfg: DecodeConfig):
     """The controller's in-loop state after one step, everything it learns in one place.
 
     state: the loop state (`LoopState`) after the step's commit, its controller fields
-    (alpha, plain_run, probe_wait, lookup_alpha) still as the step found them; step: the
-    step's `Proposal` (kind: bs, -bs for a copied block, 1 for a plain step; accepted [B];
+    (alpha, plain_run, probe_wait, lookup_alpha, tree_alpha) still as the step found them; step:
+    the step's `Proposal` (kind: bs, -bs for a copied block, 1 for a plain step, `tree_kind(N)`
+    for a tree; accepted [B]: drafts accepted, a tree's accepted depth;
     new [B,W] the committed tokens; copy [B,W-1] and found [B]: the copy proposed before the
     step, when there are lookup kinds); produced_b [B]: tokens the step committed; active_b [B]:
     the rows still decoding when the step ran. -> the state with the drafter's estimates moved
-    on what a drafting step tried (`update_estimates`), the plain-step run and the probe wait
-    advanced (`next_probe_wait`), and the lookup estimates moved on what the step committed
-    (`update_lookup_estimates`)."""
+    on what a drafting step tried (`update_estimates`: the chain's after a chain step, the
+    tree's after a tree step), the plain-step run and the probe wait advanced
+    (`next_probe_wait`; a tree step counts as drafting), and the lookup estimates moved on what
+    the step committed (`update_lookup_estimates`)."""
     block = jnp.maximum(step.kind, 1)  # the probe clock counts a copied step as plain
     tried_b = jnp.where(active_b, step.accepted + 1, 0)
-    alpha = update_estimates(state.alpha, step.accepted, tried_b, step.kind, cfg.adaptive_rate)
+    is_tree = step.kind >= TREE_KIND_BASE
+    chain = jnp.where(is_tree, 0, step.kind)  # 0: the chain's estimates stay
+    alpha = update_estimates(state.alpha, step.accepted, tried_b, chain, cfg.adaptive_rate)
+    if cfg.tree_nodes:  # depths 1..tree_reach tried, each as far as the path got
+        reach = jnp.where(is_tree, tree_reach(cfg) + 1, 0)
+        tree_alpha = update_estimates(
+            state.tree_alpha, step.accepted, tried_b, reach, cfg.adaptive_rate
+        )
+        state = state.replace(tree_alpha=tree_alpha)
     state = state.replace(
         alpha=alpha,
         plain_run=jnp.where(block == 1, state.plain_run + 1, 0),

@@ -1,14 +1,6 @@
 """Where a decode step's time goes: each phase of the speculative step timed apart at real shapes,
-and the GEMM floors every step is judged against (`infer.benchmark --breakdown`).
-
-GEMM floor: the time to multiply a batch of rows through every weight matrix of a model, the
-lm_head included, with nothing else (no attention, norms, RoPE, caches or sampling): what the
-hardware needs for the weights alone.
-  * `gemm_floor_ar_s`: 1 row through the target;
-  * `gemm_floor_step_s`: T rows through the target (the verify) plus T rows through the
-    drafter's layers and `fc` (the draft and the context append), plus the head for the T-1
-    draft rows.
-Their ratio is the physical break-even: DFlash wins only when tau exceeds it.
+and the GEMM floors every step is judged against (`decoding.floors`, re-exported here), for
+`infer.benchmark --breakdown`.
 
 Phases of one step, each the same function the loop body runs (`phases.py`), jitted alone:
 drafter layers, drafter head (+ argmax), target verify body, verify head + accept, commit, and
@@ -16,22 +8,52 @@ appending the committed tokens' context K/V for the next draft. A DFlash2 drafte
 is the head and its top-k candidates, and its selector's walk over them is one more phase,
 `drafter_select` (`phase_names`). Their sum against the
 measured in-loop step shows what the loop itself adds.
+
+With a tree (`DecodeConfig.tree_nodes` = N, `decoding/tree.py`) a tree step is timed too, its
+phases named `TREE_PHASES`: the drafter layers (the chain's), `tree_build` (the drafter head's
+per-depth distributions and the best-first growth of the N-token tree), `tree_verify` (the
+target over the N nodes under the tree mask, the cache read, not written), `tree_accept_move`
+(the target head, acceptance down the tree, and the accepted path's K/V rows gathered and
+written into the cache at the anchor's slot), then the chain's commit and context append (a
+tree step commits a path as a chain step commits a block). `gemm_floor_tree_step_s` is its
+floor: N rows through the target and the head, a block through the drafter.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import phases, programs, selector
-from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
+from dflash_jax.decoding import phases, programs, selector, tree
+from dflash_jax.decoding.floors import (
+    bracket_floors,
+    floor_fns,
+    floors_by_dtype,
+    gemm_floors,
+    loop_time,
+    tie,
+)
 from dflash_jax.decoding.state import commit as commit_tokens
-from dflash_jax.models.target import decoding_head, unembedding_matrix
+from dflash_jax.models.target import decoding_head
+from dflash_jax.ops.caches import write_rows
+
+# The floors are `decoding.floors`'; the benchmark and the tests reach them from here too.
+__all__ = [
+    "DFLASH2_PHASES",
+    "PHASES",
+    "TREE_PHASES",
+    "bracket_floors",
+    "breakdown",
+    "floor_fns",
+    "floors_by_dtype",
+    "gemm_floors",
+    "phase_fns",
+    "phase_names",
+    "phase_times",
+]
 
 PHASES = (
     "drafter_layers",
@@ -45,171 +67,21 @@ PHASES = (
 
 DFLASH2_PHASES = (*PHASES[:2], "drafter_select", *PHASES[2:])
 
+# A tree step's phases in step order (module docstring); the first and the last two are the
+# chain step's own.
+TREE_PHASES = (
+    "drafter_layers",
+    "tree_build",
+    "tree_verify",
+    "tree_accept_move",
+    "commit",
+    "append_context",
+)
+
 
 def phase_names(dcfg: DrafterConfig) -> tuple[str, ...]:
     """The phases of a step with this drafter, in step order."""
     return DFLASH2_PHASES if dcfg.is_dflash2 else PHASES
-
-
-def _loop_time(step, carry, weights, repeats: int) -> float:
-    """Seconds per call of `step` (carry, *weights -> carry), run `repeats` times inside one
-    jitted `fori_loop` compiled as the decode loop is: no per-call dispatch, buffers the step
-    updates are updated in place, and the weights are arguments of the jitted function, as the
-    decode's params are. (Closed over, they would be constants of the executable, which XLA:CPU
-    multiplies faster: 16 rows through SmolLM2's matrices took ~9% less time that way, a floor
-    no decode can reach.) Median of 3 timed runs, after a compiling one."""
-    run = jax.jit(
-        lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c),
-        donate_argnums=0,
-        compiler_options=LOOP_COMPILER_OPTIONS,
-    )
-    # Own copies: the loop donates its carry, and phases share their inputs.
-    carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
-    carry = jax.block_until_ready(run(carry, weights))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(carry, weights))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / repeats
-
-
-def _tie(x: jax.Array, out) -> jax.Array:
-    """x, made to depend on `out` (x + 0 * sum): the loop cannot hoist a step whose inputs are
-    otherwise loop-invariant, and XLA does not fold a float multiplied by zero."""
-    leaves = [jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(out)]
-    return x + (0.0 * sum(leaves)).astype(x.dtype)
-
-
-def _layer_matrices(layer: dict) -> list[jax.Array]:
-    """A decoder layer's projection kernels as 2-D [in, out] matrices."""
-    attn, mlp = layer["self_attn"], layer["mlp"]
-    q, k, v, o = (attn[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    d = q.shape[0]
-    return [
-        q.reshape(d, -1),
-        k.reshape(d, -1),
-        v.reshape(d, -1),
-        o.reshape(-1, d),
-        mlp["gate_proj"]["kernel"],
-        mlp["up_proj"]["kernel"],
-        mlp["down_proj"]["kernel"],
-    ]
-
-
-def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array, jax.Array]:
-    """Rows through each layer's matrices in their real order (q,k,v from the input, o after q;
-    gate/up, then down), so every product has its real shape. -> (rows out, a checksum of the
-    k/v products, which would otherwise be dead code)."""
-    sink = jnp.zeros((), x_rd.dtype)
-    for q, k, v, o, gate, up, down in layers:
-        sink += jnp.sum(x_rd @ k) + jnp.sum(x_rd @ v)
-        x_rd = x_rd + (x_rd @ q) @ o
-        x_rd = x_rd + ((x_rd @ gate) * (x_rd @ up)) @ down
-    return x_rd, sink
-
-
-def floor_fns(
-    target_params, tcfg: TargetConfig, drafter_params, rows: int, ar_rows: int = 1
-) -> dict:
-    """The two GEMM floors as loop steps: {"gemm_floor_ar_s": `ar_rows` rows (1, or the row
-    rule's minimum that a batch-invariant AR step pads its row to) through the target's
-    matrices and its head, "gemm_floor_step_s": `rows` rows through the target's, the
-    drafter's (`fc` included) and the head for rows - 1 draft rows}, each
-    (step, carry, weights) with step(carry, *weights) -> carry, as `phase_fns`."""
-    head_dv = jax.jit(unembedding_matrix, static_argnums=1)(target_params, tcfg)
-    t_layers = [_layer_matrices(target_params[f"layers_{i}"]) for i in range(tcfg.num_layers)]
-    d = tcfg.hidden_size
-    dtype = jnp.dtype(tcfg.dtype)
-
-    def ar(carry, t_layers, head_dv):
-        x_1d, sink = carry
-        y_1d, s = _through(x_1d, t_layers)
-        out = jnp.max(y_1d @ head_dv) + s
-        return _tie(x_1d, out), sink + out
-
-    n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
-    d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
-    fc_fd = drafter_params["fc"]["kernel"]
-
-    def step(carry, t_layers, d_layers, fc_fd, head_dv):
-        x_td, taps_tf, sink = carry
-        verify_td, s_t = _through(x_td, t_layers)
-        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
-        out = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
-        return _tie(x_td, out), _tie(taps_tf, out), sink + out
-
-    step_init = (
-        jnp.full((rows, d), 0.01, dtype),
-        jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype),
-        0.0,
-    )
-    return {
-        "gemm_floor_ar_s": (
-            ar,
-            (jnp.full((ar_rows, d), 0.01, dtype), 0.0),
-            (t_layers, head_dv),
-        ),
-        "gemm_floor_step_s": (step, step_init, (t_layers, d_layers, fc_fd, head_dv)),
-    }
-
-
-def gemm_floors(
-    target_params, tcfg: TargetConfig, drafter_params, rows: int, repeats=20, ar_rows: int = 1
-) -> dict:
-    """{"gemm_floor_ar_s", "gemm_floor_step_s"} (`floor_fns`), timed like the phases
-    (`_loop_time`, weights as arguments)."""
-    fns = floor_fns(target_params, tcfg, drafter_params, rows, ar_rows)
-    return {name: _loop_time(*fn, repeats) for name, fn in fns.items()}
-
-
-def floors_by_dtype(
-    target_params,
-    tcfg: TargetConfig,
-    drafter_params,
-    rows: int,
-    repeats=20,
-    dtypes=("float32", "bfloat16"),
-) -> dict:
-    """The GEMM floors with the weights cast to each of `dtypes`, each AR floor at the rows a
-    default decode in that dtype runs (one row, or the row rule's minimum when the dtype decodes
-    batch-invariant by default, `programs.run_target_config`) and also at one row:
-    {dtype: {"gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s", "ar_rows",
-    "break_even_tau"}}. What `--dtype=auto` compares, and the README's step-cost table."""
-    out = {}
-    for dtype in dtypes:
-        cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
-        cfg = programs.run_target_config(
-            dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None), DecodeConfig()
-        )
-        ar_rows = cfg.invariant_rows[0] if cfg.invariant_rows else 1
-        tp, dp = cast(target_params), cast(drafter_params)
-        floors = gemm_floors(tp, cfg, dp, rows, repeats, ar_rows=ar_rows)
-        one_row = floors if ar_rows == 1 else gemm_floors(tp, cfg, dp, rows, repeats)
-        out[dtype] = {
-            **floors,
-            "gemm_floor_ar_1row_s": one_row["gemm_floor_ar_s"],
-            "ar_rows": ar_rows,
-            "break_even_tau": floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"],
-        }
-    return out
-
-
-def bracket_floors(before: dict, after: dict) -> dict:
-    """The floors as the mean of their timings before and after the prompts (the AR and DFlash
-    steps they are compared with were timed in between), each timing kept, their after/before
-    ratio as `gemm_floor_drift`, and the break-even tau from the means."""
-    out = {}
-    for name in ("gemm_floor_ar_s", "gemm_floor_step_s"):
-        out[f"{name[:-2]}_before_s"] = before[name]
-        out[f"{name[:-2]}_after_s"] = after[name]
-        out[name] = (before[name] + after[name]) / 2
-    out["gemm_floor_drift"] = {
-        "ar": after["gemm_floor_ar_s"] / before["gemm_floor_ar_s"],
-        "step": after["gemm_floor_step_s"] / before["gemm_floor_step_s"],
-    }
-    out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
-    return out
 
 
 def phase_fns(
@@ -224,7 +96,8 @@ def phase_fns(
 ):
     """The phases of one speculative step, each as a loop step (carry -> carry) with its initial
     carry, at the shapes of a real decode of `prompt` (cache buffers as `speculative_decode`
-    allocates them) with every row's caches `live_length` slots long.
+    allocates them) with every row's caches `live_length` slots long; with `cfg.tree_nodes`
+    also a tree step's own phases (`TREE_PHASES`).
     -> {phase: (step, carry, weights)}: step(carry, *weights) -> carry."""
     bs = cfg.block_size
     rng = jax.random.key(0)
@@ -264,51 +137,51 @@ def phase_fns(
     )
 
     # Each phase as a step of a loop carry, the weights (target params, drafter params, head)
-    # its arguments; see `_loop_time` and `_tie`.
+    # its arguments; see `loop_time` and `tie`.
     def drafter_layers(c, tp, dp, head):
         s, anchor, sink = c
         h = phases.draft_hidden(
             dp, tp, tcfg, dcfg, anchor, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
         # The block's anchor carries the dependency (the same token every call).
-        return s, _tie(anchor.astype(jnp.float32), h).astype(jnp.int32), sink
+        return s, tie(anchor.astype(jnp.float32), h).astype(jnp.int32), sink
 
     def drafter_head(c, tp, dp, head):
         h, sink = c
         if dcfg.is_dflash2:  # the head and the candidates; the walk is `drafter_select`
-            return _tie(h, selector.candidates(head, tcfg, dcfg, h)), sink
+            return tie(h, selector.candidates(head, tcfg, dcfg, h)), sink
         d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key)
-        return _tie(h, d), sink
+        return tie(h, d), sink
 
     def drafter_select(c, tp, dp, head):
         h, unary, cand, sink = c
         d, _ = selector.walk(
             dp["candidate_selector"], dcfg, cfg, h, unary, cand, anchor_b1[:, 0], key
         )
-        return _tie(h, d), unary, cand, sink
+        return tie(h, d), unary, cand, sink
 
     def verify_body(c, tp, dp, head):
         cache, tokens_bt, sink = c
         vh, taps_btf, cache = phases.verify_hidden(tp, tcfg, dcfg, tokens_bt, start_b, cache)
         # The tokens carry the dependency too, or XLA hoists layer 0's projections.
-        tokens_bt = _tie(tokens_bt.astype(jnp.float32), (vh, taps_btf)).astype(jnp.int32)
+        tokens_bt = tie(tokens_bt.astype(jnp.float32), (vh, taps_btf)).astype(jnp.int32)
         return cache, tokens_bt, sink
 
     def verify_head_accept(c, tp, dp, head):
         vh, sink = c
         a, new = phases.verify_accept(head, cfg, vh, drafts, draft_logp, key)
-        return _tie(vh, (a, new)), sink
+        return tie(vh, (a, new)), sink
 
     def commit(c, tp, dp, head):
         s, sink = c
         s, produced = commit_tokens(s, new_bt, a_b + 1, cfg, bs)
-        return s, _tie(sink, produced)
+        return s, tie(sink, produced)
 
     def append_context(c, tp, dp, head):
         ctx_k, ctx_v, taps_btf = c
         ctx_k, ctx_v, _ = phases.append_context(dp, dcfg, ctx_k, ctx_v, live_b, taps_btf, a_b + 1)
         # The taps carry the dependency, or XLA hoists their K/V out of the loop.
-        return ctx_k, ctx_v, _tie(taps_btf, (ctx_k[0][:, :, 0], ctx_v[0][:, :, 0]))
+        return ctx_k, ctx_v, tie(taps_btf, (ctx_k[0][:, :, 0], ctx_v[0][:, :, 0]))
 
     zero = jnp.float32(0.0)
     weights = (target_params, drafter_params, head)
@@ -323,27 +196,80 @@ def phase_fns(
     if dcfg.is_dflash2:
         unary, cand = jax.jit(lambda h, x: selector.candidates(h, tcfg, dcfg, x))(head, hidden)
         fns["drafter_select"] = (drafter_select, (hidden, unary, cand, zero), weights)
-    return {name: fns[name] for name in phase_names(dcfg)}
+    names = phase_names(dcfg)
+    if cfg.tree_nodes:
+        fns.update(_tree_phase_fns(state, hidden, head, start_b, key, tcfg, dcfg, cfg, weights))
+        names += tuple(n for n in TREE_PHASES if n not in names)
+    return {name: fns[name] for name in names}
+
+
+def _tree_phase_fns(state, hidden_bgd, head, start_b, key, tcfg, dcfg, cfg, weights) -> dict:
+    """A tree step's own phases (`TREE_PHASES` less the chain's), as `phase_fns` gives them,
+    from the drafter's hidden states `hidden_bgd` of the chain's phases."""
+    b = hidden_bgd.shape[0]
+    anchor_b = jnp.ones((b,), jnp.int32)
+    t = jax.jit(lambda h, x: tree.build(h, tcfg, dcfg, cfg, x, anchor_b))(head, hidden_bgd)
+    tp = weights[0]
+    vh, taps, kv_rows, anc = jax.jit(lambda tp, c: tree.verify(tp, tcfg, dcfg, t, start_b, c))(
+        tp, state.cache
+    )
+
+    def tree_build(c, tp, dp, head):
+        h, sink = c
+        return tie(h, tree.build(head, tcfg, dcfg, cfg, h, anchor_b)), sink
+
+    def tree_verify(c, tp, dp, head):
+        cache, tokens_bn, sink = c
+        vh, taps_bnf, rows, _ = tree.verify(
+            tp, tcfg, dcfg, t.replace(tokens=tokens_bn), start_b, cache
+        )
+        # The tokens carry the dependency (the cache is only read).
+        tokens_bn = tie(tokens_bn.astype(jnp.float32), (vh, taps_bnf, rows)).astype(jnp.int32)
+        return cache, tokens_bn, sink
+
+    def tree_accept_move(c, tp, dp, head):
+        cache, vh, sink = c
+        out = tree.accept_path(head, cfg, t, anc, vh, taps, kv_rows, key, cfg.block_size)
+        cache = cache.replace(
+            k=tuple(write_rows(x, r, start_b) for x, r in zip(cache.k, out["k"], strict=True)),
+            v=tuple(write_rows(x, r, start_b) for x, r in zip(cache.v, out["v"], strict=True)),
+        )
+        return cache, tie(vh, (out["new"], out["accepted"], out["taps"])), sink
+
+    zero = jnp.float32(0.0)
+    return {
+        "tree_build": (tree_build, (hidden_bgd, zero), weights),
+        "tree_verify": (tree_verify, (state.cache, t.tokens, zero), weights),
+        "tree_accept_move": (tree_accept_move, (state.cache, vh, zero), weights),
+    }
 
 
 def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
-    """{"phase_<name>_s": seconds per call} for every phase of `phase_names` (`_loop_time`
-    over `repeats` calls); the arguments are `phase_fns`'."""
+    """{"phase_<name>_s": seconds per call} for every phase `phase_fns` gives (`phase_names`,
+    and with a tree `TREE_PHASES`) (`loop_time` over `repeats` calls); the arguments are
+    `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {f"phase_{name}_s": _loop_time(*fn, repeats) for name, fn in fns.items()}
+    return {f"phase_{name}_s": loop_time(*fn, repeats) for name, fn in fns.items()}
 
 
 def breakdown(
     target, drafter, prompt, prompt_lengths, cfg: DecodeConfig, live_length: int, repeats=20
 ) -> dict:
     """Floors and phase times for one benchmark configuration (batch = prompt rows), plus the
-    break-even tau. Greedy decoding is timed whatever `cfg` says (the phases differ only in the
-    sampling arithmetic)."""
+    break-even tau; with `cfg.tree_nodes` also a tree step's phases, their sum
+    (`tree_phases_sum_s`), its floor and break-even tau. Greedy decoding is timed whatever `cfg`
+    says (the phases differ only in the sampling arithmetic)."""
     cfg = dataclasses.replace(cfg, temperature=0.0)
     run_cfg = programs.run_target_config(target.config, cfg)  # as the decode compiles it
     ar_rows = run_cfg.invariant_rows[0] if run_cfg.invariant_rows else 1
     out = gemm_floors(
-        target.params, target.config, drafter.params, cfg.block_size, repeats, ar_rows=ar_rows
+        target.params,
+        target.config,
+        drafter.params,
+        cfg.block_size,
+        repeats,
+        ar_rows=ar_rows,
+        tree_rows=cfg.tree_nodes,
     )
     out.update(
         phase_times(
@@ -360,4 +286,8 @@ def breakdown(
     )
     out["phases_sum_s"] = sum(out[f"phase_{p}_s"] for p in phase_names(drafter.config))
     out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
+    if cfg.tree_nodes:
+        out["tree_nodes"] = cfg.tree_nodes
+        out["tree_phases_sum_s"] = sum(out[f"phase_{p}_s"] for p in TREE_PHASES)
+        out["break_even_tau_tree"] = out["gemm_floor_tree_step_s"] / out["gemm_floor_ar_s"]
     return out

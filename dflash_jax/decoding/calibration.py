@@ -1,6 +1,10 @@
 """Step costs for the adaptive controller (`decoding.adaptive`): each step kind's cost in AR
 steps, measured on this machine for a target, drafter, batch and shape by short runs of the
-decode's own executables, and cached on disk."""
+decode's own executables, and cached on disk. Every kind of `DecodeConfig.all_kinds` is timed
+alike, a tree kind (`tree_nodes` in adaptive mode) included: forced at every step it runs the
+loop's tree branch (build, verify of its N nodes under the tree mask, the path's commit), so
+its cost is what a tree step costs in that loop; its N is part of the kinds, hence of the
+cache key."""
 
 from __future__ import annotations
 

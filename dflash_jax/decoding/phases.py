@@ -194,4 +194,9 @@ def init_speculative(
         plain_run=jnp.int32(0),
         probe_wait=jnp.int32(cfg.probe_every),
         lookup_alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
+        tree_alpha=(
+            jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32)
+            if cfg.adaptive and cfg.tree_nodes
+            else None
+        ),
     )

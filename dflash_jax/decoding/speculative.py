@@ -2,7 +2,7 @@
 drafter, or a copy of the text so far), verifies it with the target in one pass, commits the
 longest valid prefix plus one target token and appends the committed tokens' context for the
 next draft. In adaptive mode the step's kind is chosen on device (`adaptive.choose_kind`) among
-one compiled variant per block size (`lax.switch`).
+one compiled variant per block size and, with `tree_nodes`, a tree step (`lax.switch`).
 
 A step is two halves: `_propose` writes no carried buffer (it returns a `Proposal`), `_apply`
 writes it (one in-place scatter per buffer, outside any branch). The halves of the decode,
@@ -18,7 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig, tree_kind
 from dflash_jax.decoding import adaptive, lookup, tree
 from dflash_jax.decoding.phases import (
     context_rows,
@@ -68,12 +68,13 @@ class _StepContext:
 class Proposal:
     """What one step proposes before anything is written, rows padded to the widest kind W:
     new [B,W]: the tokens to commit (accepted drafts, then the bonus); accepted [B]: drafts
-    accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain); k, v: the target's
-    K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k, ctx_v: the drafter's context
-    rows of the verified tokens, likewise; copy [B,W-1], found [B]: the copy proposed before the
-    step (adaptive mode with lookup kinds, else None), which the controller learns from;
-    state: a hybrid target's per-linear-layer `LinearRows` [B,W,...] (else None), from which
-    `_apply` commits each row's recurrent state at its accepted length."""
+    accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain, `tree_kind(N)` a
+    tree); k, v: the target's K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k,
+    ctx_v: the drafter's context rows of the verified tokens, likewise; copy [B,W-1], found
+    [B]: the copy proposed before the step (adaptive mode with lookup kinds, else None), which
+    the controller learns from; state: a hybrid target's per-linear-layer `LinearRows`
+    [B,W,...] (else None), from which `_apply` commits each row's recurrent state at its
+    accepted length."""
 
     new: jax.Array
     accepted: jax.Array
@@ -258,8 +259,10 @@ def _advance_speculative(
         prompt_lengths=prompt_lengths,
     )
     width = cfg.block_size
-    if cfg.tree_nodes:  # a token tree per step; its accepted path is applied like a block
-        propose = lambda s: Proposal(kind=jnp.int32(width), **tree.propose(s, ctx, width))
+    tree_k = jnp.int32(tree_kind(cfg.tree_nodes))  # a tree's accepted path is applied as a block
+    tree_step = lambda s, *_: Proposal(kind=tree_k, **tree.propose(s, ctx, width))
+    if cfg.tree_nodes and not cfg.adaptive:  # every step a tree
+        propose = tree_step
     elif not cfg.adaptive:
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:
@@ -269,8 +272,10 @@ def _advance_speculative(
             for b, src in variants
         ]
         sizes = [b for b, _ in variants]
-        # kind index (cfg.all_kinds order) -> its compiled variant, and whether it copies
-        branch_of = jnp.asarray([sizes.index(abs(b)) for b in cfg.all_kinds], jnp.int32)
+        branches += [tree_step] * bool(cfg.tree_nodes)  # the tree kind (last): one branch more
+        # kind index (cfg.all_kinds order) -> its compiled variant (or the tree's); if it copies
+        branch_of = [sizes.index(abs(b)) if abs(b) in sizes else len(sizes) for b in cfg.all_kinds]
+        branch_of = jnp.asarray(branch_of, jnp.int32)
         copies = jnp.asarray([b < 0 for b in cfg.all_kinds])
 
         def propose(s: LoopState) -> Proposal:
@@ -289,6 +294,7 @@ def _advance_speculative(
                 s.probe_wait,
                 s.lookup_alpha,
                 found_b,
+                s.tree_alpha,
             )
             out = jax.lax.switch(branch_of[k], branches, s, copy_bg, copies[k])
             return out.replace(copy=copy_bg, found=found_b)

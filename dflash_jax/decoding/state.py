@@ -26,8 +26,8 @@ class DecodeOutput:
     lengths [B]; num_steps [B]: loop steps run for the row (the prefill token is not a step);
     acceptance_lengths [B, max_steps]: tokens committed per step incl. the bonus (tau), 0 after;
     block_sizes [B, max_steps]: the step kind each step ran (its block size; 1 = a plain target
-    step of the adaptive mode, -b = a prompt-lookup step of block size b), 0 where the row ran
-    no step."""
+    step of the adaptive mode, -b = a prompt-lookup step of block size b, `config.tree_kind(N)`
+    = a tree step of N tokens, named by `config.kind_label`), 0 where the row ran no step."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -56,6 +56,7 @@ class LoopState:
     plain_run: jax.Array | None = None  # [] adaptive: plain steps in a row
     probe_wait: jax.Array | None = None  # [] adaptive: plain steps before the next probe
     lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
+    tree_alpha: jax.Array | None = None  # [B, T-1] adaptive with a tree kind: per tree depth
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -76,6 +77,7 @@ _CARRY_AXES = {
     "plain_run": (),
     "probe_wait": (),
     "lookup_alpha": ("batch", None),
+    "tree_alpha": ("batch", None),
 }
 
 

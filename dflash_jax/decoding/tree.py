@@ -161,12 +161,70 @@ def path_nodes(anc_bnn: jax.Array, depth_bn: jax.Array, best_b: jax.Array, width
     return jnp.argmax(at_depth_bwn, axis=-1).astype(jnp.int32)
 
 
+def build(head, tcfg, dcfg, cfg, hidden_bgd: jax.Array, anchor_b: jax.Array) -> Tree:
+    """Tree build: the drafter's hidden states at its G drafted positions [B,G,D] -> their
+    distributions (the head; log-softmax when greedy, else the sampling transform) -> the
+    `cfg.tree_nodes`-token tree rooted at `anchor` [B] (`grow_tree`)."""
+    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
+    draft_logp_bgv = (
+        jax.nn.log_softmax(logits_bgv, -1) if cfg.greedy else process_logits(logits_bgv, cfg)
+    )
+    return grow_tree(anchor_b, draft_logp_bgv, cfg.tree_nodes)
+
+
+def verify(target_params, tcfg, dcfg, t: Tree, start_b: jax.Array, cache):
+    """The tree's verify: its N tokens through the target in one pass at positions
+    start + depth, under the tree mask, the cache read and not written. -> (final-normed hidden
+    [B,N,D], taps [B,N,F], the nodes' K/V rows (a `KVCache` of [B,Kv,N,H]), ancestor mask
+    [B,N,N])."""
+    anc_bnn = tree_attention_mask(t.parent)
+    hidden_bnd, taps_bnf, kv_rows = Transformer(tcfg).apply(
+        {"params": target_params},
+        t.tokens,
+        start_b[:, None] + t.depth,
+        cache,
+        start_b,
+        dcfg.target_layer_ids,
+        None,
+        True,  # defer the cache write: only the accepted path's rows are written
+        anc_bnn,
+        method="hidden",
+    )
+    return hidden_bnd, taps_bnf, kv_rows, anc_bnn
+
+
+def accept_path(head, cfg, t: Tree, anc_bnn, hidden_bnd, taps_bnf, kv_rows, key, width: int):
+    """Acceptance down the tree (greedy or sampled, module docstring), then the accepted path
+    moved into a chain step's block of `width` rows. -> dict(new [B,W]: the path's drafts then
+    the bonus, accepted [B]: the path's depth, k, v: per layer the path's target K/V rows
+    [B,Kv,W,H] (the anchor's first), taps [B,W,F]: the path's taps)."""
+    if cfg.greedy:
+        best_b, bonus_b = accept_greedy_tree(head.argmax(hidden_bnd), t, anc_bnn)
+    else:
+        target_logp_bnv = process_logits(head.logits(hidden_bnd), cfg)
+        best_b, bonus_b = accept_sampled_tree(target_logp_bnv, t, anc_bnn, key)
+    path_bw = path_nodes(anc_bnn, t.depth, best_b, width)
+    a_b = jnp.take_along_axis(t.depth, best_b[:, None], axis=1)[:, 0]
+    path_tok_bw = jnp.take_along_axis(t.tokens, path_bw, axis=1)
+    drafts_bw = jnp.pad(path_tok_bw[:, 1:], ((0, 0), (0, 1)))
+    new_bw = jnp.where(jnp.arange(width)[None, :] == a_b[:, None], bonus_b[:, None], drafts_bw)
+    rows = lambda x_bknh: jnp.take_along_axis(x_bknh, path_bw[:, None, :, None], axis=2)
+    return dict(
+        new=new_bw,
+        accepted=a_b,
+        k=tuple(map(rows, kv_rows.k)),
+        v=tuple(map(rows, kv_rows.v)),
+        taps=jnp.take_along_axis(taps_bnf, path_bw[:, :, None], axis=1),
+    )
+
+
 def propose(s, ctx, width: int) -> dict:
     """One tree step of the speculative loop (`speculative._StepContext` ctx, loop state s),
-    writing nothing: the drafter's distributions -> a tree -> one target pass under the tree
-    mask -> acceptance -> the accepted path as a block of `width` (= block size) rows. -> the
-    fields of a `speculative.Proposal` but its kind: new [B,W], accepted [B], k, v (target
-    K/V rows per layer [B,Kv,W,H], the anchor's first), ctx_k, ctx_v (drafter context rows)."""
+    writing nothing: the drafter's distributions -> a tree (`build`) -> one target pass under
+    the tree mask (`verify`) -> acceptance and the accepted path as a block of `width` (= block
+    size) rows (`accept_path`). -> the fields of a `speculative.Proposal` but its kind: new
+    [B,W], accepted [B], k, v (target K/V rows per layer [B,Kv,W,H], the anchor's first),
+    ctx_k, ctx_v (drafter context rows)."""
     tcfg, dcfg, cfg, head = ctx.tcfg, ctx.dcfg, ctx.cfg, ctx.head
     _, k_accept = jax.random.split(step_key(ctx.rng, s.step))
     start_b = ctx.prompt_lengths + s.n_gen - 1
@@ -183,42 +241,10 @@ def propose(s, ctx, width: int) -> dict:
         start_b,
         cfg.block_size,
     )
-    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
-    draft_logp_bgv = (
-        jax.nn.log_softmax(logits_bgv, -1) if cfg.greedy else process_logits(logits_bgv, cfg)
+    t = build(head, tcfg, dcfg, cfg, hidden_bgd, anchor_b1[:, 0])
+    hidden_bnd, taps_bnf, kv_rows, anc_bnn = verify(
+        ctx.target_params, tcfg, dcfg, t, start_b, s.cache
     )
-    tree = grow_tree(anchor_b1[:, 0], draft_logp_bgv, cfg.tree_nodes)
-    anc_bnn = tree_attention_mask(tree.parent)
-    hidden_bnd, taps_bnf, kv_rows = Transformer(tcfg).apply(
-        {"params": ctx.target_params},
-        tree.tokens,
-        start_b[:, None] + tree.depth,
-        s.cache,
-        start_b,
-        dcfg.target_layer_ids,
-        None,
-        True,  # defer the cache write: only the accepted path's rows are written
-        anc_bnn,
-        method="hidden",
-    )
-    if cfg.greedy:
-        best_b, bonus_b = accept_greedy_tree(head.argmax(hidden_bnd), tree, anc_bnn)
-    else:
-        target_logp_bnv = process_logits(head.logits(hidden_bnd), cfg)
-        best_b, bonus_b = accept_sampled_tree(target_logp_bnv, tree, anc_bnn, k_accept)
-    path_bw = path_nodes(anc_bnn, tree.depth, best_b, width)
-    a_b = jnp.take_along_axis(tree.depth, best_b[:, None], axis=1)[:, 0]
-    path_tok_bw = jnp.take_along_axis(tree.tokens, path_bw, axis=1)
-    drafts_bw = jnp.pad(path_tok_bw[:, 1:], ((0, 0), (0, 1)))
-    new_bw = jnp.where(jnp.arange(width)[None, :] == a_b[:, None], bonus_b[:, None], drafts_bw)
-    rows = lambda x_bknh: jnp.take_along_axis(x_bknh, path_bw[:, None, :, None], axis=2)
-    path_taps_bwf = jnp.take_along_axis(taps_bnf, path_bw[:, :, None], axis=1)
-    ctx_ks, ctx_vs = context_rows(ctx.drafter_params, dcfg, s.drf_len, path_taps_bwf)
-    return dict(
-        new=new_bw,
-        accepted=a_b,
-        k=tuple(map(rows, kv_rows.k)),
-        v=tuple(map(rows, kv_rows.v)),
-        ctx_k=ctx_ks,
-        ctx_v=ctx_vs,
-    )
+    out = accept_path(head, cfg, t, anc_bnn, hidden_bnd, taps_bnf, kv_rows, k_accept, width)
+    ctx_ks, ctx_vs = context_rows(ctx.drafter_params, dcfg, s.drf_len, out.pop("taps"))
+    return dict(**out, ctx_k=ctx_ks, ctx_v=ctx_vs)

@@ -1,0 +1,213 @@
+"""The GEMM floors a decode step is judged against (`decoding.breakdown`, `infer.benchmark
+--breakdown`, `api.fastest_dtype`), and the in-loop timing both they and the step's phases use.
+
+GEMM floor: the time to multiply a batch of rows through every weight matrix of a model, the
+lm_head included, with nothing else (no attention, norms, RoPE, caches or sampling): what the
+hardware needs for the weights alone.
+  * `gemm_floor_ar_s`: 1 row through the target;
+  * `gemm_floor_step_s`: T rows through the target (the verify) plus T rows through the
+    drafter's layers and `fc` (the draft and the context append), plus the head for the T-1
+    draft rows;
+  * `gemm_floor_tree_step_s` (with a tree of N tokens): the step with N rows through the target.
+Their ratio is the physical break-even: DFlash wins only when tau exceeds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.decoding import programs
+from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
+from dflash_jax.models.target import unembedding_matrix
+
+
+def loop_time(step, carry, weights, repeats: int) -> float:
+    """Seconds per call of `step` (carry, *weights -> carry), run `repeats` times inside one
+    jitted `fori_loop` compiled as the decode loop is: no per-call dispatch, buffers the step
+    updates are updated in place, and the weights are arguments of the jitted function, as the
+    decode's params are. (Closed over, they would be constants of the executable, which XLA:CPU
+    multiplies faster: 16 rows through SmolLM2's matrices took ~9% less time that way, a floor
+    no decode can reach.) Median of 3 timed runs, after a compiling one."""
+    run = jax.jit(
+        lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c),
+        donate_argnums=0,
+        compiler_options=LOOP_COMPILER_OPTIONS,
+    )
+    # Own copies: the loop donates its carry, and phases share their inputs.
+    carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
+    carry = jax.block_until_ready(run(carry, weights))
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(run(carry, weights))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / repeats
+
+
+def tie(x: jax.Array, out) -> jax.Array:
+    """x, made to depend on `out` (x + 0 * sum): the loop cannot hoist a step whose inputs are
+    otherwise loop-invariant, and XLA does not fold a float multiplied by zero."""
+    leaves = [jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(out)]
+    return x + (0.0 * sum(leaves)).astype(x.dtype)
+
+
+def _layer_matrices(layer: dict) -> list[jax.Array]:
+    """A decoder layer's projection kernels as 2-D [in, out] matrices."""
+    attn, mlp = layer["self_attn"], layer["mlp"]
+    q, k, v, o = (attn[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    d = q.shape[0]
+    return [
+        q.reshape(d, -1),
+        k.reshape(d, -1),
+        v.reshape(d, -1),
+        o.reshape(-1, d),
+        mlp["gate_proj"]["kernel"],
+        mlp["up_proj"]["kernel"],
+        mlp["down_proj"]["kernel"],
+    ]
+
+
+def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    """Rows through each layer's matrices in their real order (q,k,v from the input, o after q;
+    gate/up, then down), so every product has its real shape. -> (rows out, a checksum of the
+    k/v products, which would otherwise be dead code)."""
+    sink = jnp.zeros((), x_rd.dtype)
+    for q, k, v, o, gate, up, down in layers:
+        sink += jnp.sum(x_rd @ k) + jnp.sum(x_rd @ v)
+        x_rd = x_rd + (x_rd @ q) @ o
+        x_rd = x_rd + ((x_rd @ gate) * (x_rd @ up)) @ down
+    return x_rd, sink
+
+
+def floor_fns(
+    target_params,
+    tcfg: TargetConfig,
+    drafter_params,
+    rows: int,
+    ar_rows: int = 1,
+    tree_rows: int = 0,
+) -> dict:
+    """The two GEMM floors as loop steps: {"gemm_floor_ar_s": `ar_rows` rows (1, or the row
+    rule's minimum that a batch-invariant AR step pads its row to) through the target's
+    matrices and its head, "gemm_floor_step_s": `rows` rows through the target's, the
+    drafter's (`fc` included) and the head for rows - 1 draft rows}, each
+    (step, carry, weights) with step(carry, *weights) -> carry, as `phase_fns`. tree_rows > 0
+    adds "gemm_floor_tree_step_s": the step with `tree_rows` rows through the target (a tree's
+    nodes) and `rows` through the drafter."""
+    head_dv = jax.jit(unembedding_matrix, static_argnums=1)(target_params, tcfg)
+    t_layers = [_layer_matrices(target_params[f"layers_{i}"]) for i in range(tcfg.num_layers)]
+    d = tcfg.hidden_size
+    dtype = jnp.dtype(tcfg.dtype)
+
+    def ar(carry, t_layers, head_dv):
+        x_1d, sink = carry
+        y_1d, s = _through(x_1d, t_layers)
+        out = jnp.max(y_1d @ head_dv) + s
+        return tie(x_1d, out), sink + out
+
+    n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
+    d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
+    fc_fd = drafter_params["fc"]["kernel"]
+
+    def step(carry, t_layers, d_layers, fc_fd, head_dv):
+        x_td, taps_tf, sink = carry
+        verify_td, s_t = _through(x_td, t_layers)
+        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
+        out = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
+        return tie(x_td, out), tie(taps_tf, out), sink + out
+
+    def tree_step(carry, t_layers, d_layers, fc_fd, head_dv):
+        x_nd, x_td, taps_tf, sink = carry
+        verify_nd, s_t = _through(x_nd, t_layers)
+        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
+        out = jnp.max(verify_nd @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
+        return tie(x_nd, out), tie(x_td, out), tie(taps_tf, out), sink + out
+
+    step_init = (
+        jnp.full((rows, d), 0.01, dtype),
+        jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype),
+        0.0,
+    )
+    step_weights = (t_layers, d_layers, fc_fd, head_dv)
+    fns = {
+        "gemm_floor_ar_s": (
+            ar,
+            (jnp.full((ar_rows, d), 0.01, dtype), 0.0),
+            (t_layers, head_dv),
+        ),
+        "gemm_floor_step_s": (step, step_init, step_weights),
+    }
+    if tree_rows:
+        tree_init = (jnp.full((tree_rows, d), 0.01, dtype), *step_init)
+        fns["gemm_floor_tree_step_s"] = (tree_step, tree_init, step_weights)
+    return fns
+
+
+def gemm_floors(
+    target_params,
+    tcfg: TargetConfig,
+    drafter_params,
+    rows: int,
+    repeats=20,
+    ar_rows: int = 1,
+    tree_rows: int = 0,
+) -> dict:
+    """{"gemm_floor_ar_s", "gemm_floor_step_s"} (and "gemm_floor_tree_step_s" with tree_rows)
+    (`floor_fns`), timed like the phases (`loop_time`, weights as arguments)."""
+    fns = floor_fns(target_params, tcfg, drafter_params, rows, ar_rows, tree_rows)
+    return {name: loop_time(*fn, repeats) for name, fn in fns.items()}
+
+
+def floors_by_dtype(
+    target_params,
+    tcfg: TargetConfig,
+    drafter_params,
+    rows: int,
+    repeats=20,
+    dtypes=("float32", "bfloat16"),
+) -> dict:
+    """The GEMM floors with the weights cast to each of `dtypes`, each AR floor at the rows a
+    default decode in that dtype runs (one row, or the row rule's minimum when the dtype decodes
+    batch-invariant by default, `programs.run_target_config`) and also at one row:
+    {dtype: {"gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s", "ar_rows",
+    "break_even_tau"}}. What `--dtype=auto` compares, and the README's step-cost table."""
+    out = {}
+    for dtype in dtypes:
+        cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
+        cfg = programs.run_target_config(
+            dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None), DecodeConfig()
+        )
+        ar_rows = cfg.invariant_rows[0] if cfg.invariant_rows else 1
+        tp, dp = cast(target_params), cast(drafter_params)
+        floors = gemm_floors(tp, cfg, dp, rows, repeats, ar_rows=ar_rows)
+        one_row = floors if ar_rows == 1 else gemm_floors(tp, cfg, dp, rows, repeats)
+        out[dtype] = {
+            **floors,
+            "gemm_floor_ar_1row_s": one_row["gemm_floor_ar_s"],
+            "ar_rows": ar_rows,
+            "break_even_tau": floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"],
+        }
+    return out
+
+
+def bracket_floors(before: dict, after: dict) -> dict:
+    """The floors as the mean of their timings before and after the prompts (the AR and DFlash
+    steps they are compared with were timed in between), each timing kept, their after/before
+    ratio as `gemm_floor_drift`, and the break-even tau from the means."""
+    out = {}
+    for name in ("gemm_floor_ar_s", "gemm_floor_step_s"):
+        out[f"{name[:-2]}_before_s"] = before[name]
+        out[f"{name[:-2]}_after_s"] = after[name]
+        out[name] = (before[name] + after[name]) / 2
+    out["gemm_floor_drift"] = {
+        "ar": after["gemm_floor_ar_s"] / before["gemm_floor_ar_s"],
+        "step": after["gemm_floor_step_s"] / before["gemm_floor_step_s"],
+    }
+    out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
+    return out
