@@ -259,6 +259,7 @@ def test_failed_probes_back_off_and_a_hit_resets_the_wait():
     assert int(adaptive.choose_kind(alpha, one, 12, costs, -1, cfg, jnp.int32(12))) == 1
 
 
+@pytest.mark.slow  # the back-off rule: test_failed_probes_back_off_and_a_hit_resets_the_wait
 def test_hopeless_drafter_probes_less_often_with_backoff():
     tcfg, tp, dcfg, dp = _bigram_pair(chain=30)  # every draft fails on the chain
     prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)

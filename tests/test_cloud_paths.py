@@ -62,6 +62,7 @@ def _metrics(bucket) -> list[int]:
     return [json.loads(x)["step"] for x in lines if "loss" in json.loads(x)]
 
 
+@pytest.mark.slow  # resume: test_training*; gs:// paths: the other tests here
 def test_train_stop_resume_on_gcs(bucket, tiny_target, monkeypatch):  # noqa: F811
     _corpus("gs://bucket/data/data-00000.jsonl")
     cfg = _config("gs://bucket/data", num_steps=6, checkpoint_every=3, taps="cached")

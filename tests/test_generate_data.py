@@ -221,30 +221,23 @@ def test_templated_math_and_chat_prompts_and_the_mixture(tmp_path, target, chat)
     assert mix["total"]["tokens"] == sum(sum(r["loss_mask"]) for r in records)
 
 
-def test_self_prompts_are_sampled_once_even_when_fewer_than_asked(tmp_path, monkeypatch):
-    """A resumed generate_data run asking for no more self prompts than before reads them back,
-    though sampling found fewer than asked (it used to sample ~100 minutes again every time);
+def test_self_prompts_are_sampled_once_even_when_fewer_than_asked(tmp_path):
+    """A rerun asking for no more self prompts than before reads them back, though sampling
+    found fewer than asked (generate_data used to sample ~100 minutes again on every resume);
     asking for more samples again."""
-    from absl.testing import flagsaver
-
-    from dflash_jax.io import paths
+    from dflash_jax.training.generate import cached_self_prompts
     from dflash_jax.training.prompts import Prompt
-    from train import generate_data
 
     calls = []
 
-    def fake_sampler(target, chat, num_prompts, **kwargs):
+    def sample(num_prompts):
         calls.append(num_prompts)
         return [Prompt(f"user turn number {i}", "self") for i in range(3)]  # fewer than asked
 
-    monkeypatch.setattr(generate_data, "self_prompts", fake_sampler)
-    if not generate_data.FLAGS.is_parsed():
-        generate_data.FLAGS(["generate_data", f"--output={tmp_path}"])
-    out = paths.path(str(tmp_path))
-    with flagsaver.flagsaver(self_prompts=10):
-        first = generate_data._self_prompts(None, None, out, None)
-        again = generate_data._self_prompts(None, None, out, None)
+    path = tmp_path / "self_prompts.jsonl"
+    first = cached_self_prompts(path, 10, sample)
+    again = cached_self_prompts(path, 10, sample)
     assert calls == [10] and first == again and len(first) == 3
-    with flagsaver.flagsaver(self_prompts=20):
-        generate_data._self_prompts(None, None, out, None)
+    assert cached_self_prompts(path, 2, sample) == first[:2] and calls == [10]
+    cached_self_prompts(path, 20, sample)
     assert calls == [10, 20]

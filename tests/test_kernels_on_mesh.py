@@ -194,6 +194,7 @@ def test_greedy_decode_with_kernels_on_a_mesh_gives_the_one_device_xla_tokens(de
     assert kernels["in_shard_map"] > 0 and kernels["outside"] == 0, kernels
 
 
+@pytest.mark.slow  # test_kernels' one-device kernel losses + test_sharding_mesh's XLA mesh run
 def test_training_steps_with_kernels_on_a_mesh_give_the_xla_losses():
     out = _run_checks("train_checks")
     assert out["xla"][0] > out["xla"][-1]  # the steps did something
@@ -289,7 +290,11 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize(
+    "kernels",
+    # slow: 16-wide tiles without splits (gpu_split runs the same tiles with splits)
+    [k if k != "gpu" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS],
+)
 def test_appended_attention_is_bitwise_the_attention_over_the_written_cache(kernels, dtype):
     """Rows of 0 slots, slots ending just before a key-tile edge (the 16 new rows then span two
     tiles), a few tiles, and a full buffer. On the GPU kernels a position's result in a 16-row

@@ -253,6 +253,7 @@ def test_mesh_flags_are_validated():
     assert sharding.mesh_from_spec("tensor=1").shape["data"] == jax.device_count()
 
 
+@pytest.mark.slow  # the plan itself: tests/test_memory_plan.py
 def test_memory_plan_prints_per_device_bytes(tmp_path):
     """infer.memory_plan on a tiny target and drafter, both modes, 8 fake devices."""
     target = tmp_path / "tiny_hf"

@@ -167,6 +167,7 @@ def test_tap_cache_equals_online_taps_resumes_and_refuses_corruption(tmp_path, t
     )
 
 
+@pytest.mark.slow  # the taps themselves: test_tap_cache_equals_online_taps_...
 def test_cached_taps_train_like_online_and_sampled_vocab_learns(tmp_path, tiny_target):
     _corpus(tmp_path / "data.jsonl")
     online = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=6)

@@ -27,7 +27,13 @@ from etils import epath
 
 from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
-from dflash_jax.training.generate import ChatFormat, generate_records, mixture, self_prompts
+from dflash_jax.training.generate import (
+    ChatFormat,
+    cached_self_prompts,
+    generate_records,
+    mixture,
+    self_prompts,
+)
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
@@ -149,45 +155,17 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("seed", 0, "Seed for the prompt order, templated prompts and sampling.")
 
 
-def _read_self_prompts(cache: epath.Path) -> list[Prompt]:
-    if not cache.exists():
-        return []
-    return [Prompt(**json.loads(line)) for line in cache.read_text().splitlines() if line]
-
-
 def _self_prompts(target, chat: ChatFormat, output: epath.Path, mesh) -> list[Prompt]:
-    """Sampled once and kept in `self_prompts.jsonl`, with the request that produced them in a
-    sidecar: sampling is seeded, so a resumed run asking for no more than was asked before gets
-    the same prompts from the file, even when sampling stopped short of the count (the target
-    repeats itself: ~1,240 distinct turns from 50 batches of 32), instead of sampling again."""
-    cache = output / SELF_PROMPTS_FILE
-    request = output / (SELF_PROMPTS_FILE + ".request.json")
-    cached = _read_self_prompts(cache)
-    asked_before = json.loads(request.read_text())["requested"] if request.exists() else 0
-    if len(cached) >= FLAGS.self_prompts or (cached and asked_before >= FLAGS.self_prompts):
-        if len(cached) < FLAGS.self_prompts:
-            logging.info(
-                "%d self prompts (sampling found no more for --self_prompts=%d before)",
-                len(cached), asked_before,
-            )  # fmt: skip
-        return cached[: FLAGS.self_prompts]
-    if distributed.is_primary():
-        prompts = self_prompts(
-            target,
-            chat,
-            FLAGS.self_prompts,
-            batch_size=FLAGS.batch_size,
-            temperature=FLAGS.self_prompt_temperature,
-            max_tokens=FLAGS.self_prompt_max_tokens,
-            seed=FLAGS.seed,
-            mesh=mesh,
-        )
-        cache.write_text(
-            "".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts)
-        )
-        request.write_text(json.dumps({"requested": FLAGS.self_prompts, "kept": len(prompts)}))
-    distributed.barrier("self prompts written")
-    return _read_self_prompts(cache)[: FLAGS.self_prompts]
+    """`self_prompts` sampled once per output directory (`cached_self_prompts`)."""
+    sample = lambda n: self_prompts(  # noqa: E731
+        target, chat, n, batch_size=FLAGS.batch_size, temperature=FLAGS.self_prompt_temperature,
+        max_tokens=FLAGS.self_prompt_max_tokens, seed=FLAGS.seed, mesh=mesh,
+    )  # fmt: skip
+    return cached_self_prompts(
+        output / SELF_PROMPTS_FILE, FLAGS.self_prompts, sample,
+        is_primary=distributed.is_primary(),
+        barrier=lambda: distributed.barrier("self prompts written"),
+    )  # fmt: skip
 
 
 def main(argv):

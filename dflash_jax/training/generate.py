@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -111,6 +111,47 @@ def _decode_batch(
     )
     tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
     return [tokens[i, : n[i]].tolist() for i in range(len(ids))]
+
+
+def cached_self_prompts(
+    path: epath.Path,
+    num_prompts: int,
+    sample: Callable[[int], list[Prompt]],
+    *,
+    is_primary: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> list[Prompt]:
+    """Self prompts (`self_prompts`, through `sample(num_prompts)`) sampled once and kept at
+    `path` (jsonl), with the request that produced them in a sidecar (`<path>.request.json`).
+    Sampling is seeded, so a rerun asking for no more than was asked before reads the file back,
+    even when sampling stopped short of the count (the target repeats itself: SmolLM2 gave ~1,240
+    distinct turns from 50 batches of 32), instead of sampling again (~100 CPU-minutes there).
+    On several processes the primary samples and writes, the others wait at `barrier`."""
+    path = epath.Path(path)
+    request = path.parent / (path.name + ".request.json")
+
+    def read() -> list[Prompt]:
+        if not path.exists():
+            return []
+        return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line]
+
+    cached = read()
+    asked_before = json.loads(request.read_text())["requested"] if request.exists() else 0
+    if len(cached) >= num_prompts or (cached and asked_before >= num_prompts):
+        if len(cached) < num_prompts:
+            logging.info(
+                "%d self prompts (sampling found no more when asked for %d before)",
+                len(cached), asked_before,
+            )  # fmt: skip
+        return cached[:num_prompts]
+    if is_primary:
+        prompts = sample(num_prompts)
+        path.write_text(
+            "".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts)
+        )
+        request.write_text(json.dumps({"requested": num_prompts, "kept": len(prompts)}))
+    barrier()
+    return read()[:num_prompts]
 
 
 def self_prompts(
