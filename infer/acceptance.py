@@ -1,0 +1,122 @@
+"""Acceptance (tau) of several decode shapes on a prompt set, all prompts decoded in one batch.
+
+tau does not depend on the hardware, so it can be measured where speed cannot: every prompt of
+the set is decoded at once (rows of different lengths, greedy) by `speculative_decode` for each
+shape asked for, a chain of --block_size and a tree of each --trees size, and every row is
+compared token for token with the target's own greedy output (`autoregressive_decode`). tau is
+reported as infer.benchmark reports it (the mean over prompts of each prompt's mean accepted
+tokens per step, bonus included), so a chain's figure equals the benchmark's on the same set.
+Speed is not measured here (use infer.benchmark): rows of one batch share their steps.
+
+    python -m infer.acceptance --dataset=humaneval --num_prompts=24 --max_new_tokens=128 \\
+        --block_size=16 --trees=16,32,64 --output=results/tree_humaneval24_tau.json
+
+--dataset, --num_prompts and --output are infer.benchmark's; MT-Bench: each question's first
+turn.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from dflash_jax import api
+from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from infer import benchmark, common
+
+FLAGS = flags.FLAGS
+# --dataset, --num_prompts and --output are infer.benchmark's (one definition, the same sets).
+flags.adopt_module_key_flags(common)
+flags.adopt_module_key_flags(benchmark)
+flags.DEFINE_list(
+    "trees", ["16", "32", "64"], "Tree sizes (tree_nodes) to measure beside the chain."
+)
+
+
+def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
+    """Each row's mean accepted tokens per step over its own `steps_b[b]` steps -> [B]."""
+    return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    common.quiet_library_logs()
+    try:
+        trees = [int(t) for t in FLAGS.trees]
+    except ValueError as e:
+        raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: sizes must be integers") from e
+    with common.usage_errors():
+        target, drafter, dtype, _ = common.load_models()
+        if drafter is None:
+            raise app.UsageError("--drafter=none: tau needs a drafter")
+        block = FLAGS.block_size or api.default_block_size(target, drafter)
+        convs = benchmark.load_conversations(FLAGS.dataset, FLAGS.num_prompts)
+        prompt, lengths = api.pad_prompts(
+            [api.render_prompt(target.tokenizer, c[0], True) for c in convs]
+        )
+        stops = api.stop_token_ids(target)
+        base = DecodeConfig(
+            max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
+        )
+        api.check_inputs(target, drafter, prompt, lengths, base)
+    key = jax.random.key(0)
+    kw = dict(target_config=target.config)
+    t0 = time.perf_counter()
+    ar = autoregressive_decode(target.params, prompt, lengths, key, **kw, decode_config=base)
+    ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
+    results = {}
+    for nodes in [0, *trees]:
+        cfg = DecodeConfig(
+            max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops,
+            tree_nodes=nodes,
+        )  # fmt: skip
+        out = speculative_decode(
+            target.params, drafter.params, prompt, lengths, key, **kw,
+            drafter_config=drafter.config, decode_config=cfg,
+        )  # fmt: skip
+        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        same = [
+            bool(lens[b] == ar_lengths[b] and np.array_equal(toks[b], ar_tokens[b]))
+            for b in range(len(convs))
+        ]
+        tau_b = prompt_tau(np.asarray(out.acceptance_lengths), np.asarray(out.num_steps))
+        name = f"tree{nodes}" if nodes else f"chain{block}"
+        results[name] = {
+            "tree_nodes": nodes,
+            "tau_mean": float(tau_b.mean()),
+            "tau_per_prompt": tau_b.round(4).tolist(),
+            "tokens_per_step": float(lens.sum() / np.asarray(out.num_steps).sum()),
+            "outputs_identical": int(sum(same)),
+        }
+        logging.info("%s: tau %.3f, identical %d/%d", name, tau_b.mean(), sum(same), len(same))
+    chain = results[f"chain{block}"]["tau_mean"]
+    report = {
+        "dataset": FLAGS.dataset,
+        "num_prompts": len(convs),
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "block_size": block,
+        "dtype": dtype,
+        "target": FLAGS.target,
+        "drafter": FLAGS.drafter,
+        "results": results,
+        "tau_vs_chain": {k: v["tau_mean"] / chain for k, v in results.items()},
+        "seconds": time.perf_counter() - t0,
+    }
+    with open(FLAGS.output, "w") as f:
+        json.dump(report, f, indent=1)
+    for name, r in results.items():
+        print(
+            f"{FLAGS.dataset} {name}: tau {r['tau_mean']:.2f} "
+            f"({r['tau_mean'] / chain:.2f}x the chain), outputs identical "
+            f"{r['outputs_identical']}/{len(convs)}"
+        )
+
+
+if __name__ == "__main__":
+    app.run(main)
