@@ -51,6 +51,8 @@ def main(argv):
         trees = [int(t) for t in FLAGS.trees]
     except ValueError as e:
         raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: sizes must be integers") from e
+    if any(t < 2 for t in trees):
+        raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: a tree has at least 2 nodes")
     with common.usage_errors():
         target, drafter, dtype, _ = common.load_models()
         if drafter is None:
