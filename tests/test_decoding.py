@@ -166,6 +166,17 @@ def _exact_two_token_distribution(tcfg, tp, prompt, temperature):
     return p1[:, None] * p2_given_1
 
 
+def two_token_tv(tcfg, tp, prompt, temperature, tokens) -> float:
+    """Total variation between the empirical joint law of `tokens[:, :2]` (one sample per row)
+    and the target's exact law of the first two tokens after `prompt`."""
+    toks = np.asarray(tokens)
+    v = tcfg.vocab_size
+    emp = np.zeros((v, v))
+    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
+    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
+    return 0.5 * np.abs(emp / toks.shape[0] - exact).sum()
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_sampling_is_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second comes from the
@@ -201,11 +212,7 @@ def test_sampling_is_lossless(broken, monkeypatch):
     )
     if broken:
         jax.clear_caches()
-    toks = np.asarray(out.tokens)
-    emp = np.zeros((vocab, vocab))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, 1.0)
-    tv = 0.5 * np.abs(emp / n - exact).sum()
+    tv = two_token_tv(tcfg, tp, prompt, 1.0, out.tokens)
     # Sampling noise of the TV distance over 144 cells at n=6000 is about 0.05.
     if broken:
         assert tv > 0.15, tv

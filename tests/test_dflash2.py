@@ -28,7 +28,7 @@ from _reference import (
 )
 from dflash.model import DFlash2DraftModel, _output_head, dflash_generate
 from safetensors.numpy import load_file, save_file
-from test_decoding import _exact_two_token_distribution, make_pair
+from test_decoding import make_pair, two_token_tv
 from test_training import _config, _corpus, tiny_target  # noqa: F401 (a fixture)
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
@@ -320,11 +320,7 @@ def test_sampled_dflash2_proposals_are_lossless(broken, monkeypatch):
         target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
     )  # fmt: skip
     jax.clear_caches()
-    toks = np.asarray(out.tokens)
-    emp = np.zeros((vocab, vocab))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
-    tv = 0.5 * np.abs(emp / n - exact).sum()
+    tv = two_token_tv(tcfg, tp, prompt, temperature, out.tokens)
     print(f"\nTV {'broken' if broken else 'lossless'}: {tv:.3f}")
     # Sampling noise of the TV distance over 144 cells at n=6000 is about 0.05.
     if broken:

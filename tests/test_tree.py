@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import LENS, PROMPT, _exact_two_token_distribution, make_pair, run_both
+from test_decoding import LENS, PROMPT, make_pair, run_both, two_token_tv
 
 from dflash_jax.config import ConfigError, DecodeConfig, kind_label, tree_kind
 from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode, tree
@@ -178,11 +178,7 @@ def test_sampled_tree_is_lossless(broken, monkeypatch):
         decode_config=cfg,
     )
     jax.clear_caches()
-    toks = np.asarray(out.tokens)
-    emp = np.zeros((vocab, vocab))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
-    tv = 0.5 * np.abs(emp / n - exact).sum()
+    tv = two_token_tv(tcfg, tp, prompt, temperature, out.tokens)
     # Sampling noise of the TV distance here is about 0.03; the broken rule gives ~0.25.
     if broken:
         assert tv > 0.15, tv
@@ -335,9 +331,5 @@ def test_adaptive_sampling_through_a_tree_step_is_lossless():
     )  # fmt: skip
     jax.clear_caches()
     assert (np.asarray(out.block_sizes)[:, 0] == tree_kind(12)).all()
-    toks = np.asarray(out.tokens)
-    emp = np.zeros((vocab, vocab))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
-    tv = 0.5 * np.abs(emp / n - exact).sum()
+    tv = two_token_tv(tcfg, tp, prompt, temperature, out.tokens)
     assert tv < 0.08, tv  # sampling noise ~0.03 (test_sampled_tree_is_lossless)
