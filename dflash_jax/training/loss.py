@@ -136,6 +136,21 @@ def even_chunk_rows(rows: int, chunk_rows: int) -> int:
     return chunk_rows
 
 
+def map_row_chunks(fn: Callable, rows: tuple, chunk_rows: int):
+    """`fn` over `rows` (arrays sharing a leading [R] axis) in `lax.map` chunks of at most
+    `chunk_rows` rows (`even_chunk_rows`: padded only where R has no divisor near it); fn maps a
+    tuple of [C, ...] chunks to a pytree of [C, ...] arrays. -> that pytree over all R rows."""
+    r = rows[0].shape[0]
+    c = even_chunk_rows(r, chunk_rows)
+    pad = (-r) % c
+    chunked = tuple(
+        jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(-1, c, *x.shape[1:])
+        for x in rows
+    )
+    out = jax.lax.map(fn, chunked)
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:r], out)
+
+
 def chunked_cross_entropy(
     hidden_rd: jax.Array,
     labels_r: jax.Array,
@@ -152,11 +167,6 @@ def chunked_cross_entropy(
     a divisor near `chunk_rows` (`even_chunk_rows`).
     -> (ce [R] fp32, correct [R] bool).
     """
-    r, d = hidden_rd.shape
-    c = even_chunk_rows(r, chunk_rows)
-    pad = (-r) % c
-    h_kcd = jnp.pad(hidden_rd, ((0, pad), (0, 0))).reshape(-1, c, d)
-    y_kc = jnp.pad(labels_r, (0, pad)).reshape(-1, c)
 
     def one_chunk(args):
         h_cd, y_c = args
@@ -166,8 +176,7 @@ def chunked_cross_entropy(
         return lse_c - gold_c, argmax_last(logits_cv) == y_c
 
     body = jax.checkpoint(one_chunk) if remat else one_chunk
-    ce_kc, correct_kc = jax.lax.map(body, (h_kcd, y_kc))
-    return ce_kc.reshape(-1)[:r], correct_kc.reshape(-1)[:r]
+    return map_row_chunks(body, (hidden_rd, labels_r), chunk_rows)
 
 
 def block_diffusion_loss(

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.dflash2 import CandidateSelector
+from dflash_jax.training.loss import map_row_chunks
 
 
 def top_candidates(
@@ -48,13 +49,12 @@ def top_candidates(
 ) -> tuple[jax.Array, jax.Array]:
     """Each row's top-k of the full-vocabulary logits ([C,D] -> fp32 [C,V]), `chunk_rows` rows
     at a time, as constants (no gradient). -> (unary [R,K] fp32, candidate ids [R,K] int32)."""
-    r, d = hidden_rd.shape
-    c = min(chunk_rows, r)
-    pad = (-r) % c
-    h_xcd = jnp.pad(jax.lax.stop_gradient(hidden_rd), ((0, pad), (0, 0))).reshape(-1, c, d)
-    unary_xck, cand_xck = jax.lax.map(lambda h_cd: jax.lax.top_k(logits_fn(h_cd), k), h_xcd)
-    unary_rk = jax.lax.stop_gradient(unary_xck.reshape(-1, k)[:r])
-    return unary_rk, cand_xck.reshape(-1, k)[:r].astype(jnp.int32)
+    unary_rk, cand_rk = map_row_chunks(
+        lambda chunk: jax.lax.top_k(logits_fn(chunk[0]), k),
+        (jax.lax.stop_gradient(hidden_rd),),
+        chunk_rows,
+    )
+    return jax.lax.stop_gradient(unary_rk), cand_rk.astype(jnp.int32)
 
 
 def selector_loss(
