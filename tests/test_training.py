@@ -12,9 +12,10 @@ import pytest
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.io.drafter_io import restore_drafter
 from dflash_jax.io.target_loader import LoadedTarget
+from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import init_params
 from dflash_jax.ops.attention import drafter_mask
-from dflash_jax.training import data, trainer
+from dflash_jax.training import data, evaluation, trainer
 from dflash_jax.training.anchors import anchor_candidates, sample_anchors
 from dflash_jax.training.loss import (
     block_diffusion_loss,
@@ -131,6 +132,29 @@ def test_chunked_loss_matches_dense_loss_and_gradient():
     hits = (jnp.argmax(hidden.reshape(b, n, j, d) @ head, -1) == labels) & valid
     np.testing.assert_array_equal(stats["correct"], hits.sum((0, 1))[1:])
     np.testing.assert_array_equal(stats["count"], valid.sum((0, 1))[1:])
+    # Teacher-forced acceptance: each block whose slots are all valid adds its leading run of hits.
+    hits_np, valid_np = np.asarray(hits)[:, :, 1:], np.asarray(valid)[:, :, 1:]
+    runs = [
+        int(np.argmin(np.append(h, False)))  # index of the first miss = the run's length
+        for h, ok in zip(hits_np.reshape(-1, j - 1), valid_np.reshape(-1, j - 1), strict=True)
+        if ok.all()
+    ]
+    assert stats["full_blocks"] == len(runs)
+    assert stats["forced_accepted"] == sum(runs)
+
+
+def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
+    # Logits = hidden (identity head over 4 tokens): row r predicts argmax(hidden[r]).
+    j, v = 4, 4
+    labels = jnp.asarray([[[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]])  # [1, 3, 4]
+    predicted = np.asarray([[0, 1, 2, 0], [0, 1, 0, 3], [0, 1, 2, 3]])  # slot 0 is the anchor
+    hidden = jax.nn.one_hot(predicted.reshape(1, -1), v) * 5.0
+    valid = jnp.ones((1, 3, j), bool).at[:, :, 0].set(False).at[0, 2, 3].set(False)
+    weights = jnp.asarray(position_weights(j, 2.0))
+    _, stats = block_diffusion_loss(hidden, labels, valid, weights, lambda x: x, chunk_rows=3)
+    # Block 0: slots 1, 2 right, 3 wrong -> 2; block 1: slot 2 wrong -> 1; block 2 not full.
+    assert stats["full_blocks"] == 2
+    assert stats["forced_accepted"] == 3
 
 
 # --- end to end ----------------------------------------------------------------------------
@@ -223,8 +247,27 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     assert last["tau_implied"] > 1.2
     tau_eval = [x["tau_eval"] for x in lines if "tau_eval" in x]
     assert len(tau_eval) == 1 and 1.0 <= tau_eval[0] <= cfg.block_size
+    # The held-out metric, logged beside it: the records follow the training's cycle, so the
+    # trained drafter predicts them through the full vocabulary too.
+    (heldout,) = [x for x in lines if "heldout_tau_forced" in x]
+    assert len(heldout["heldout_accuracy"]) == cfg.block_size - 1
+    assert 1.0 <= heldout["heldout_tau_forced"] <= cfg.block_size, heldout
     exported = restore_drafter(tmp_path / "run" / "drafter")
     assert exported.config.block_size == 4 and exported.config.mask_token_id == 0
+    # It is the exported drafter's, recomputed here, and it sees what training taught: a fresh
+    # drafter on the same held-out batch scores lower.
+    source = data.record_source([str(tmp_path / "data.jsonl")])
+    _, records = data.split_holdout(source, cfg.num_eval_prompts, cfg.seed)
+    batch = evaluation.heldout_batch(records, cfg.seq_len, cfg.num_anchors)
+    score = lambda params: evaluation.heldout_metrics(
+        tiny_target, exported.config, params, batch, cfg.loss_gamma, cfg.ce_chunk_rows
+    )
+    trained = score(exported.params)
+    assert trained["heldout_tau_forced"] == pytest.approx(heldout["heldout_tau_forced"])
+    assert trained["heldout_loss"] == pytest.approx(heldout["heldout_loss"], rel=1e-5)
+    fresh = score(init_drafter_params(exported.config, jax.random.key(7)))
+    assert fresh["heldout_loss"] > trained["heldout_loss"] + 0.5, (fresh, trained)
+    assert fresh["heldout_tau_forced"] < trained["heldout_tau_forced"], (fresh, trained)
     checkpoints = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == [20, 40]
 

@@ -1,7 +1,19 @@
-"""Real acceptance during training: greedy `speculative_decode` with the current params on
-prompts the drafter never trains on (held-out records, or the shipped dev set)."""
+"""Evaluation during training, on what the drafter never trains on.
+
+* Real acceptance: greedy `speculative_decode` with the current params on held-out prompts (the
+  held-out records' prompts, or the shipped dev set) -> tau (`evaluate_acceptance`).
+* The held-out metric: the training loss's own forward on the held-out records (their target
+  responses, anchors fixed once), through the **full vocabulary** (no sampled softmax): the loss,
+  per-position top-1 accuracy, the tau those accuracies imply, and the teacher-forced tau (each
+  full block's leading run of correct drafts, + 1), which is the acceptance a greedy verify would
+  give at those anchors when the records hold the target's greedy responses
+  (`heldout_metrics`). It needs no decoding, and unlike the logged training accuracy it is not an
+  argmax over the batch's candidate set.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -9,6 +21,8 @@ import numpy as np
 from dflash_jax.config import DecodeConfig, DrafterConfig
 from dflash_jax.decoding import speculative_decode
 from dflash_jax.training import data
+from dflash_jax.training.loss import implied_acceptance, position_weights
+from dflash_jax.training.step import drafter_loss
 
 EVAL_SOURCES = ("held_out", "dev")
 
@@ -62,3 +76,64 @@ def evaluate_acceptance(
     steps = np.asarray(out.num_steps)
     ran = steps > 0
     return float(np.mean(acc[ran].sum(axis=1) / steps[ran])) if ran.any() else float("nan")
+
+
+HELDOUT_SEED = 0x4E1D  # the held-out anchors: drawn once, the same at every evaluation
+
+
+def heldout_batch(records: list[dict], seq_len: int, num_anchors: int) -> dict:
+    """The held-out records as one batch of the training's shapes (padded/truncated to
+    `seq_len`, `num_anchors` anchors each), anchors drawn once from a fixed seed per record."""
+    pad = data.PadAndSampleAnchors(seq_len, num_anchors)
+    rows = []
+    for i, record in enumerate(records):
+        element = {
+            "tokens": np.asarray(record["tokens"], np.int32),
+            "loss_mask": np.asarray(record["loss_mask"], np.int32),
+            "index": np.int32(i),
+        }
+        rows.append(pad.random_map(element, np.random.default_rng((HELDOUT_SEED, i))))
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_config", "drafter_config", "loss_gamma", "ce_chunk_rows")
+)
+def _heldout_stats(params, target_params, batch, *, target_config, drafter_config, loss_gamma,
+                   ce_chunk_rows):  # fmt: skip
+    weights_j = jax.numpy.asarray(position_weights(drafter_config.block_size, loss_gamma))
+    return drafter_loss(
+        params, target_params, batch, target_config=target_config,
+        drafter_config=drafter_config, weights_j=weights_j, ce_chunk_rows=ce_chunk_rows,
+    )  # fmt: skip
+
+
+def heldout_metrics(
+    target,
+    drafter_config: DrafterConfig,
+    params,
+    batch: dict,
+    loss_gamma: float,
+    ce_chunk_rows: int,
+) -> dict:
+    """The held-out metric (module docstring) on `batch` (`heldout_batch`; taps computed online
+    from the target) -> {"heldout_loss", "heldout_accuracy" [J-1], "heldout_tau_implied",
+    "heldout_tau_forced"}."""
+    loss, stats = _heldout_stats(
+        params,
+        target.params,
+        batch,
+        target_config=target.config,
+        drafter_config=drafter_config,
+        loss_gamma=float(loss_gamma),
+        ce_chunk_rows=ce_chunk_rows,
+    )
+    stats = jax.device_get(stats)
+    acc_k = stats["correct"] / np.maximum(stats["count"], 1.0)
+    forced = 1.0 + stats["forced_accepted"] / max(float(stats["full_blocks"]), 1.0)
+    return {
+        "heldout_loss": float(loss),
+        "heldout_accuracy": [round(float(a), 5) for a in acc_k],
+        "heldout_tau_implied": implied_acceptance(acc_k),
+        "heldout_tau_forced": float(forced) if stats["full_blocks"] else float("nan"),
+    }

@@ -191,7 +191,10 @@ def block_diffusion_loss(
     """loss = sum(w * CE) / sum(w) over valid slots; the anchor slots never reach the lm_head.
     `remat`: see `chunked_cross_entropy`.
 
-    -> (loss, {"correct": [J-1], "count": [J-1]}) with per-slot (k = 1..J-1) sums for accuracy.
+    -> (loss, {"correct": [J-1], "count": [J-1], "forced_accepted": [], "full_blocks": []}):
+    per-slot (k = 1..J-1) sums for accuracy; and over the blocks whose J-1 slots are all valid,
+    the sum of each block's leading run of correct slots (the drafts a greedy verify would accept
+    from this block, were the labels the target's greedy continuation) and their count.
     """
     b, n, j = labels_bnj.shape
     hidden_bnjd = hidden_bqd.reshape(b, n, j, -1)[:, :, 1:]
@@ -208,9 +211,13 @@ def block_diffusion_loss(
     w_bnk = jnp.where(valid_bnk, weights_j[1:][None, None, :], 0.0)
     loss = jnp.sum(w_bnk * ce_bnk) / jnp.maximum(jnp.sum(w_bnk), 1e-9)
     hits_bnk = correct_r.reshape(labels_bnk.shape) & valid_bnk
+    full_bn = jnp.all(valid_bnk, axis=-1)
+    run_bn = jnp.sum(jnp.cumprod(hits_bnk.astype(jnp.int32), axis=-1), axis=-1)
     stats = {
         "correct": jnp.sum(hits_bnk, axis=(0, 1)).astype(jnp.float32),
         "count": jnp.sum(valid_bnk, axis=(0, 1)).astype(jnp.float32),
+        "forced_accepted": jnp.sum(jnp.where(full_bn, run_bn, 0)).astype(jnp.float32),
+        "full_blocks": jnp.sum(full_bn).astype(jnp.float32),
     }
     return loss, stats
 

@@ -1,6 +1,6 @@
 """A training run's metrics as one figure: loss, acceptance length (implied by the logged
-per-position accuracy, and measured by speculative decoding on held-out prompts) and the
-per-position accuracy of the last logged window."""
+per-position accuracy, measured by speculative decoding on held-out prompts, and teacher-forced
+on the held-out records) and the per-position accuracy of the last logged window."""
 
 from __future__ import annotations
 
@@ -65,6 +65,14 @@ def plot(records: list[dict], output: str | os.PathLike, title: str) -> None:
             "o-",
             label="measured (speculative_decode, held-out prompts)",
         )
+        forced = [r for r in evals if r.get("heldout_tau_forced") is not None]
+        if forced:
+            ax_tau.plot(
+                [x_of(r) for r in forced],
+                [r["heldout_tau_forced"] for r in forced],
+                "s--",
+                label="teacher-forced, held-out records (full vocabulary)",
+            )
         measured = [(x_of(r), r["tau_eval"]) for r in evals]
         fit = tau_projection(measured, goal=3.0) if by_blocks else None
         if fit:

@@ -38,7 +38,13 @@ from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
 from dflash_jax.training import checkpoint, data, tap_cache
-from dflash_jax.training.evaluation import EVAL_SOURCES, eval_prompts, evaluate_acceptance
+from dflash_jax.training.evaluation import (
+    EVAL_SOURCES,
+    eval_prompts,
+    evaluate_acceptance,
+    heldout_batch,
+    heldout_metrics,
+)
 from dflash_jax.training.init import check_init_from_target, initial_params
 from dflash_jax.training.loss import default_gamma, implied_acceptance
 from dflash_jax.training.step import OptimizerConfig, train_step, train_step_on_mesh
@@ -101,7 +107,8 @@ def default_config() -> ml_collections.ConfigDict:
     # K/V begin as the target's own (training/init.py).
     cfg.init_from_target = False
     # Warm start: params only from an exported drafter directory (e.g. a previous run's
-    # <workdir>/drafter or the shipped default) when the workdir has no checkpoint yet.
+    # <workdir>/drafter or the shipped default) when the workdir has no checkpoint yet. A DFlash
+    # drafter may start a DFlash2 run (its convolutions and selector start fresh).
     cfg.init_from = ""
     # A step with a non-finite loss or gradient: "stop" the run naming the step (its checkpoints
     # stay intact) or "skip" it (params unchanged) and count it in the metrics.
@@ -123,6 +130,9 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.eval_block_size = 0  # 0: the trained block size
     cfg.eval_every = 1000
     cfg.eval_max_new_tokens = 256
+    # At every evaluation also the held-out metric (training/evaluation.py): full-vocabulary
+    # per-position accuracy, implied and teacher-forced tau on the held-out records.
+    cfg.heldout_metrics = True
     cfg.log_every = 50
     cfg.checkpoint_every = 1000  # keep a multiple of log_every (throughput excludes saving)
     cfg.max_checkpoints = 3
@@ -415,6 +425,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         step_settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
     run_step = _stepper(mesh, cfg.batch_size, step_settings)
     prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
+    heldout = None
+    if cfg.eval_every and cfg.heldout_metrics and held_out:
+        heldout = heldout_batch(held_out, cfg.seq_len, cfg.num_anchors)
     blocks_per_step = cfg.batch_size * cfg.num_anchors
 
     last: dict = {}
@@ -469,9 +482,25 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
                 cfg.eval_block_size or None,
                 mesh,
             )
-            metrics_log.write({"step": step, "blocks": step * blocks_per_step, "tau_eval": tau})
+            record = {"step": step, "blocks": step * blocks_per_step, "tau_eval": tau}
+            if heldout is not None:
+                record.update(
+                    heldout_metrics(
+                        target,
+                        drafter_config,
+                        state["params"],
+                        heldout,
+                        float(loss_gamma),
+                        cfg.ce_chunk_rows,
+                    )
+                )
+            metrics_log.write(record)
             logging.info(
-                "step %d: speculative decoding tau on %s prompts %.3f", step, cfg.eval_prompts, tau
+                "step %d: speculative decoding tau on %s prompts %.3f; held-out records: %s",
+                step,
+                cfg.eval_prompts,
+                tau,
+                {k: v for k, v in record.items() if k.startswith("heldout_tau")},
             )
         if step % cfg.checkpoint_every == 0 or final:
             checkpoint.save_checkpoint(manager, step, state, data_iter)
