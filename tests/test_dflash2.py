@@ -138,6 +138,7 @@ def test_block_logits_and_selector_scores_match_reference(pair, block_size):
     np.testing.assert_allclose(np.asarray(ours_scores), ref_scores.numpy(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_convolutions_stay_inside_their_block(pair):
     """Training lays blocks side by side: each block's logits equal those of the block drafted
     alone (no convolution tap reads the block before it)."""
@@ -228,6 +229,7 @@ def _selector_matters(target, drafter, prompt, block_size) -> bool:
     return any(not torch.equal(walk, argmax) for walk, argmax in calls)
 
 
+@pytest.mark.slow
 def test_adaptive_greedy_equals_target(pair):
     _, _, ours_t, ours_d, _ = pair
     sp, ar = _ours(ours_t, ours_d, 8, adaptive=True)
@@ -329,6 +331,7 @@ def test_sampled_dflash2_proposals_are_lossless(broken, monkeypatch):
         assert tv < 0.09, tv
 
 
+@pytest.mark.slow
 def test_breakdown_names_the_selector_phase():
     """The step breakdown of a DFlash2 drafter has a `drafter_select` phase after the head
     (which then ends at the candidates), and both run."""
@@ -344,6 +347,7 @@ def test_breakdown_names_the_selector_phase():
         assert jax.tree.structure(out) == jax.tree.structure(carry), name
 
 
+@pytest.mark.slow
 def test_a_few_train_steps_reduce_both_losses(tmp_path, tiny_target):  # noqa: F811
     """The trainer on a DFlash2 drafter: block CE and selector CE both fall on a tiny corpus,
     and the exported drafter is a DFlash2 one."""
@@ -363,6 +367,33 @@ def test_a_few_train_steps_reduce_both_losses(tmp_path, tiny_target):  # noqa: F
     # The block CE trained the convolutions away from their identity start.
     base = np.asarray(exported.params["layers_0"]["mlp_conv"]["base_kernel"])
     assert np.abs(base[:, 1]).max() > 0
+
+
+@pytest.mark.slow
+def test_a_dflash2_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):  # noqa: F811
+    """init_from a DFlash drafter: its params are kept, the DFlash2 parts start as initialised,
+    so the first step's block CE is the DFlash drafter's own on the same batch."""
+    _corpus(tmp_path / "data.jsonl")
+    first = _config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
+    trainer.train(first, tmp_path / "dflash")
+    exported = tmp_path / "dflash" / "drafter"
+    runs = {}
+    for name, extra in (("dflash", {}), ("dflash2", DFLASH2 | {"conv_group_size": 8})):
+        cfg = _config(tmp_path / "data.jsonl", num_steps=1, init_from=str(exported))
+        cfg.drafter.update(extra)
+        trainer.train(cfg, tmp_path / f"warm_{name}")
+        lines = (tmp_path / f"warm_{name}" / trainer.METRICS_FILE).read_text().splitlines()
+        (runs[name],) = [x for x in map(json.loads, lines) if "loss" in x]
+    block_ce = runs["dflash2"]["loss"] - runs["dflash2"]["selector_loss"]
+    np.testing.assert_allclose(block_ce, runs["dflash"]["loss"], rtol=1e-5)
+    assert runs["dflash2"]["accuracy"] == runs["dflash"]["accuracy"]
+    # Not a fresh DFlash2 drafter: that one starts far worse.
+    fresh = _config(tmp_path / "data.jsonl", num_steps=1)
+    fresh.drafter.update(DFLASH2 | {"conv_group_size": 8})
+    trainer.train(fresh, tmp_path / "fresh_dflash2")
+    lines = (tmp_path / "fresh_dflash2" / trainer.METRICS_FILE).read_text().splitlines()
+    (fresh_line,) = [x for x in map(json.loads, lines) if "loss" in x]
+    assert fresh_line["loss"] - fresh_line["selector_loss"] > block_ce + 0.1
 
 
 def test_smollm2_dflash2_config_builds_a_drafter_that_fits():

@@ -5,10 +5,20 @@ r"""Recipe ablations at an equal CPU budget per arm, judged by real acceptance.
 
 Each arm is the base config plus a few overrides (ARMS below, or --arms to pick). An arm first
 times a few steps (compile excluded) in a scratch run, sets num_steps so that its training takes
---minutes, trains from scratch with that schedule, then measures tau with greedy
-`speculative_decode` on the dev set (dflash_jax/assets/eval/dev_mixed.jsonl) at several block
-sizes. Every arm shares one tap cache. Rerunning skips finished arms (their results are kept in
---output) and resumes an interrupted one.
+--minutes, trains with that schedule (from scratch, or from --config.init_from for every arm),
+then measures tau with greedy `speculative_decode` on the dev set
+(dflash_jax/assets/eval/dev_mixed.jsonl) at several block sizes. With cached taps (the configs'
+default) every arm shares one tap cache. Rerunning skips finished arms (their results are kept
+in --output) and resumes an interrupted one.
+
+DFlash against DFlash2 at equal CPU time, both continuing the shipped drafter on its unseen
+records with online taps (README, "DFlash2"):
+
+  D=data/smollm2; python -m train.ablate --config=configs/smollm2_135m_b16.py \
+      --workdir=workdir/ablate_dflash2 --arms=base,dflash2 --minutes=20 --eval_block_sizes=16,8 \
+      --config.taps=online --config.init_from=dflash_jax/assets/drafters/smollm2-135m-instruct-b16 \
+      "--config.data=$D/data-0000[89].array_record,$D/data-000[1-3]?.array_record" \
+      --output=results/ablation_dflash2_smollm2.json
 """
 
 from __future__ import annotations
@@ -36,6 +46,15 @@ ARMS = {
     "layers_2": {"drafter.num_layers": 2},
     "lr_3e-3": {"learning_rate": 3e-3},
     "lr_3e-4": {"learning_rate": 3e-4},
+    # DFlash2 (configs/smollm2_135m_dflash2_b16.py's additions): with --config.init_from a DFlash
+    # drafter, it starts from that drafter, its convolutions and selector fresh.
+    "dflash2": {
+        "drafter.conv_kernel_size": 2,
+        "drafter.conv_group_size": 64,
+        "drafter.selector_rank": 32,
+        "drafter.selector_top_k": 8,
+        "selector_loss_weight": 1.0,
+    },
 }
 
 FLAGS = flags.FLAGS
@@ -65,8 +84,8 @@ def arm_config(base, overrides: dict, workdir: Path):
         for p in parents:
             node = node[p]
         node[leaf] = value
-    cfg.taps = "cached"
-    cfg.tap_cache_dir = str(workdir / "tap_cache")
+    if cfg.taps == "cached":  # one cache for every arm (--config.taps=online: none)
+        cfg.tap_cache_dir = str(workdir / "tap_cache")
     cfg.eval_every = 0  # evaluated below, once, at several block sizes
     return cfg
 

@@ -117,28 +117,51 @@ def params_from_target(
     return out
 
 
-def warm_start_params(path: str, drafter_config: DrafterConfig) -> dict:
+def _with_fresh_dflash2_parts(loaded: dict, drafter_config: DrafterConfig, seed: int) -> dict:
+    """A DFlash drafter's params inside a fresh DFlash2 drafter's: every leaf the DFlash drafter
+    has is taken from it, the DFlash2 additions (convolutions, candidate selector) keep their
+    initialisation, which makes step 0 the DFlash drafter (`models/dflash2.py`)."""
+    fresh = init_drafter_params(drafter_config, jax.random.key(seed))
+
+    def merge(fresh_node, loaded_node):
+        if not isinstance(fresh_node, dict):
+            return loaded_node
+        return {
+            k: merge(v, loaded_node[k]) if k in loaded_node else v for k, v in fresh_node.items()
+        }
+
+    extra = set(loaded) - set(fresh)
+    return merge(fresh, loaded) if not extra else {**loaded}  # extra keys: refused below
+
+
+def warm_start_params(path: str, drafter_config: DrafterConfig, seed: int = 0) -> dict:
     """Params of an exported drafter (`<workdir>/drafter` or any Orbax drafter directory), which
-    must have the run's shapes; the optimizer state starts fresh."""
+    must have the run's shapes; the optimizer state starts fresh. A DFlash drafter may start a
+    DFlash2 run: its params are taken where they exist, the DFlash2 additions start as
+    initialised (from `seed`), so the run begins at the DFlash drafter's acceptance."""
     from dflash_jax.io.drafter_io import read_drafter
 
     loaded = read_drafter(path, drafter_config.dtype)
+    params = loaded.params
+    if drafter_config.is_dflash2 and not loaded.config.is_dflash2:
+        logging.info("init_from: a DFlash drafter; DFlash2's convolutions and selector start fresh")
+        params = _with_fresh_dflash2_parts(params, drafter_config, seed)
     expected = jax.eval_shape(lambda: init_drafter_params(drafter_config, jax.random.key(0)))
     want = jax.tree.map(lambda x: x.shape, expected)
-    got = jax.tree.map(lambda x: x.shape, loaded.params)
+    got = jax.tree.map(lambda x: x.shape, params)
     if want != got:
         raise ConfigError(
             f"init_from={path}: its params do not have this run's shapes "
             f"(drafter {loaded.config} vs {drafter_config})"
         )
-    return jax.tree.map(lambda x: _copy(x, jnp.dtype(drafter_config.dtype)), loaded.params)
+    return jax.tree.map(lambda x: _copy(x, jnp.dtype(drafter_config.dtype)), params)
 
 
 def initial_params(cfg, drafter_config: DrafterConfig, target) -> dict:
     """The params a fresh run starts from (a resumed run restores its checkpoint instead)."""
     if cfg.init_from:
         logging.info("warm start from the drafter in %s", cfg.init_from)
-        return warm_start_params(cfg.init_from, drafter_config)
+        return warm_start_params(cfg.init_from, drafter_config, cfg.seed)
     params = init_drafter_params(drafter_config, jax.random.key(cfg.seed))
     if cfg.init_from_target:
         return params_from_target(params, drafter_config, target.config, target.params)
