@@ -12,7 +12,8 @@ Speed is not measured here (use infer.benchmark): rows of one batch share their 
         --block_size=16 --trees=16,32,64 --output=results/tree_humaneval24_tau.json
 
 --dataset, --num_prompts and --output are infer.benchmark's; MT-Bench: each question's first
-turn.
+turn. --default_mode adds the decode infer.generate runs by default ("default": adaptive, with
+lookup kinds), checked against AR the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from absl import app, flags, logging
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding import autoregressive_decode, calibration, speculative_decode
 from infer import benchmark, common
 
 FLAGS = flags.FLAGS
@@ -36,11 +37,33 @@ flags.adopt_module_key_flags(benchmark)
 flags.DEFINE_list(
     "trees", ["16", "32", "64"], "Tree sizes (tree_nodes) to measure beside the chain."
 )
+flags.DEFINE_bool(
+    "chain", True, "Measure the chain of --block_size (the reference of tau_vs_chain)."
+)
+flags.DEFINE_bool(
+    "default_mode",
+    False,
+    "Also decode as infer.generate does by default (its block size, adaptive with the "
+    "prompt-lookup kinds, step costs calibrated for this batch) and compare it with AR too.",
+)
 
 
 def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
     """Each row's mean accepted tokens per step over its own `steps_b[b]` steps -> [B]."""
     return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
+
+
+def default_config(target, drafter, max_new_tokens: int, stops) -> DecodeConfig:
+    """The greedy decode `api.generate` (so infer.generate) runs when no decoding flag is given:
+    its default block size and mode (`api.decode_mode`), and, adaptive, its lookup kinds."""
+    block, adaptive = api.decode_mode(target, drafter)
+    return DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        block_size=block,
+        stop_token_ids=stops,
+        adaptive=adaptive,
+        lookup_kinds=api.default_lookup_kinds(block) if adaptive else (),
+    )
 
 
 def main(argv):
@@ -67,20 +90,32 @@ def main(argv):
             max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
         )
         api.check_inputs(target, drafter, prompt, lengths, base)
+    runs = [(f"chain{block}", DecodeConfig(
+        max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
+    ))] if FLAGS.chain else []  # fmt: skip
+    runs += [(f"tree{nodes}", DecodeConfig(
+        max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops,
+        tree_nodes=nodes,
+    )) for nodes in trees]  # fmt: skip
+    if FLAGS.default_mode:
+        runs.append(("default", default_config(target, drafter, FLAGS.max_new_tokens, stops)))
+    if not runs:
+        raise app.UsageError("nothing to measure: --nochain, --trees= and no --default_mode")
     key = jax.random.key(0)
     kw = dict(target_config=target.config)
     t0 = time.perf_counter()
     ar = autoregressive_decode(target.params, prompt, lengths, key, **kw, decode_config=base)
     ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
     results = {}
-    for nodes in [0, *trees]:
-        cfg = DecodeConfig(
-            max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops,
-            tree_nodes=nodes,
-        )  # fmt: skip
+    for name, cfg in runs:
+        extra = {}
+        if cfg.adaptive:
+            extra["step_costs"] = calibration.calibrate_step_costs(
+                target, drafter, prompt, lengths, cfg
+            )
         out = speculative_decode(
             target.params, drafter.params, prompt, lengths, key, **kw,
-            drafter_config=drafter.config, decode_config=cfg,
+            drafter_config=drafter.config, decode_config=cfg, **extra,
         )  # fmt: skip
         toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
         same = [
@@ -88,16 +123,18 @@ def main(argv):
             for b in range(len(convs))
         ]
         tau_b = prompt_tau(np.asarray(out.acceptance_lengths), np.asarray(out.num_steps))
-        name = f"tree{nodes}" if nodes else f"chain{block}"
         results[name] = {
-            "tree_nodes": nodes,
+            "tree_nodes": cfg.tree_nodes,
+            "block_size": cfg.block_size,
+            "adaptive": cfg.adaptive,
+            "lookup_kinds": list(cfg.lookup_kinds),
             "tau_mean": float(tau_b.mean()),
             "tau_per_prompt": tau_b.round(4).tolist(),
             "tokens_per_step": float(lens.sum() / np.asarray(out.num_steps).sum()),
             "outputs_identical": int(sum(same)),
         }
         logging.info("%s: tau %.3f, identical %d/%d", name, tau_b.mean(), sum(same), len(same))
-    chain = results[f"chain{block}"]["tau_mean"]
+    chain = results.get(f"chain{block}", {}).get("tau_mean", float("nan"))
     report = {
         "dataset": FLAGS.dataset,
         "num_prompts": len(convs),
@@ -107,7 +144,9 @@ def main(argv):
         "target": FLAGS.target,
         "drafter": FLAGS.drafter,
         "results": results,
-        "tau_vs_chain": {k: v["tau_mean"] / chain for k, v in results.items()},
+        "tau_vs_chain": {k: v["tau_mean"] / chain for k, v in results.items()}
+        if FLAGS.chain
+        else {},
         "seconds": time.perf_counter() - t0,
     }
     with open(FLAGS.output, "w") as f:
@@ -115,8 +154,8 @@ def main(argv):
     for name, r in results.items():
         print(
             f"{FLAGS.dataset} {name}: tau {r['tau_mean']:.2f} "
-            f"({r['tau_mean'] / chain:.2f}x the chain), outputs identical "
-            f"{r['outputs_identical']}/{len(convs)}"
+            + (f"({r['tau_mean'] / chain:.2f}x the chain), " if FLAGS.chain else "")
+            + f"outputs identical {r['outputs_identical']}/{len(convs)}"
         )
 
 
