@@ -89,6 +89,7 @@ def _bigram_pair(chain: int, vocab: int = 32):
     return tcfg, tp, dcfg, dp
 
 
+@pytest.mark.slow
 def test_probe_brings_drafting_back_once_drafts_succeed():
     tcfg, tp, dcfg, dp = _bigram_pair(chain=24)
     prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
@@ -161,6 +162,7 @@ def test_adaptive_sampling_is_lossless_across_a_kind_switch():
     assert tv < 0.09, tv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive_mode", [False, True])
 def test_streamed_tokens_are_the_output(adaptive_mode):
     """Every row's streamed tokens (the loop run a few steps at a time), in order, are exactly
@@ -319,6 +321,7 @@ def _cycle_pair(cycle: int, vocab: int = 32):
     return tcfg, tp, dcfg, dp
 
 
+@pytest.mark.slow
 def test_lookup_kinds_are_lossless_and_take_over_on_repeated_text():
     tcfg, tp, dcfg, dp = _cycle_pair(cycle=5)
     prompt, lens = np.array([[1]], np.int32), np.array([1], np.int32)
@@ -367,6 +370,7 @@ def test_lookup_estimates_follow_what_any_step_committed():
     np.testing.assert_allclose(np.asarray(none), np.asarray(alpha))
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_with_copied_drafts_is_lossless():
     """Every step after the prefill is a prompt-lookup step of block 4 (a deterministic
     proposal, verified by rejection sampling): the law of (t1, t2, t3) is the target's."""

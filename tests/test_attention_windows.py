@@ -30,6 +30,7 @@ def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("longest", [1, 63, 64, 65, 200, 296])
 def test_live_window_cuts_the_cache_without_changing_the_result(longest):
     s, t = 300, 4

@@ -38,7 +38,9 @@ def _config(dtype: str) -> TargetConfig:
     return TargetConfig(**SMOLLM2_SHAPES, dtype=dtype)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(
+    scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
+)
 def target(request):
     cfg = _config(request.param)
     params = init_params(cfg, jax.random.key(0))
@@ -231,6 +233,7 @@ def _greedy_equals_ar(dtype, rows, max_new_tokens, modes, control=False):
         assert differ.any(), "without the row rule bf16 decoding still matched AR: no control"
 
 
+@pytest.mark.slow
 def test_bf16_speculative_and_lookup_decoding_equal_bf16_ar():
     """4 rows of 96 tokens, block 16 and adaptive with a lookup kind; and the control: the same
     decode without the row rule differs from AR on this machine (1 of 4 rows on an AMD EPYC

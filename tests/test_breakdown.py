@@ -39,6 +39,7 @@ def test_breakdown_reports_every_phase_and_floor():
     assert out["break_even_tau"] == out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
 
 
+@pytest.mark.slow
 def test_baseline_of_an_adaptive_config_is_a_plain_decode_with_the_same_output():
     """The AR baseline the benchmark times against an adaptive run is a valid target-only
     config (it was a ConfigError), and its output equals the adaptive DFlash run's."""
@@ -88,6 +89,7 @@ def _largest_constant(lowered) -> int:
     return max(sizes)
 
 
+@pytest.mark.slow
 def test_floors_by_dtype_time_each_precision_at_the_rows_its_decode_runs():
     """fp32 decodes one plain row per AR step; bf16 decodes batch-invariant, its AR step padded
     to the row rule's minimum, so its AR floor is timed there and at one row too."""
@@ -137,6 +139,7 @@ def _tree_setup():
     return tcfg, tp, dcfg, dp, prompt, lengths, cfg
 
 
+@pytest.mark.slow
 def test_breakdown_names_a_tree_steps_phases():
     """With tree_nodes the phases include a tree step's own (its build, its verify of N nodes
     under the tree mask, its accept + cache move) and the floors a tree step's (N target rows);

@@ -130,6 +130,7 @@ def test_stop_token_inside_accepted_block():
     assert (sp.tokens[row, where + 1 :] == 0).all()
 
 
+@pytest.mark.slow
 def test_max_new_tokens_caps_an_accepted_block():
     tcfg, tp, dcfg, dp = make_pair(zero_boost=10.0)
     for n in (1, 7):
@@ -177,7 +178,7 @@ def two_token_tv(tcfg, tp, prompt, temperature, tokens) -> float:
     return 0.5 * np.abs(emp / toks.shape[0] - exact).sum()
 
 
-@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sampling_is_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second comes from the
     rejection step) matches the target's exact law; an acceptance rule that accepts every
@@ -230,6 +231,7 @@ def test_top_k_top_p_restrict_the_support():
     np.testing.assert_array_equal(keep_p, [[True, True, True, False]])
 
 
+@pytest.mark.slow
 def test_top_k_one_sampling_is_greedy():
     """top_k=1 sampling keeps only the argmax, so it must reproduce greedy decoding exactly
     (drafts are sampled, verified by rejection sampling, and never differ from greedy)."""

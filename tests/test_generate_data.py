@@ -81,6 +81,7 @@ def test_chat_format_renders_as_at_inference(chat):
     assert end_of_turn == 2
 
 
+@pytest.mark.slow
 def test_records_mask_only_the_response_and_resume(tmp_path, target, chat):
     prompts = [Prompt(t, "test") for t in ("hello", "write a poem", "abc def ghi jkl", "x")]
     counts = generate_records(

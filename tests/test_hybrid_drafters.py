@@ -58,6 +58,7 @@ def _train(data_path, workdir, **overrides) -> np.ndarray:
     return np.array(list(losses.values()))
 
 
+@pytest.mark.slow
 def test_trainer_learns_from_a_hybrid_targets_taps(tmp_path, hybrid_trainer):
     """Online taps (the hybrid forward cut after layer 2): finite losses falling at every step
     and an exported drafter. The tap cache's rows are the full target's taps."""
@@ -143,6 +144,7 @@ def _batch():
     return prompt, np.array([len(p) for p in PROMPTS], np.int32)
 
 
+@pytest.mark.slow
 def test_zlab_drafter_tapping_linear_layers_decodes_exactly(tmp_path, hybrid):
     """A z-lab drafter whose target_layer_ids are linear (0, 2) and full (1) attention layers
     loads against the hybrid target; greedy speculative decoding equals greedy AR."""

@@ -98,8 +98,8 @@ SPLIT_BWD = pallas_gpu.Tiles(rows=32, keys=32, block_keys=16, bwd_rows=16, bwd_k
         # slow: causal+window and head dim 128 are also covered by the cases kept by default
         pytest.param(3, 64, True, 3, SMALL, marks=pytest.mark.slow),
         pytest.param(4, 128, False, None, SMALL, marks=pytest.mark.slow),
-        (4, 64, False, 6, SMALL),
-        (2, 64, True, None, SPLIT_BWD),
+        pytest.param(4, 64, False, 6, SMALL, marks=pytest.mark.slow),
+        pytest.param(2, 64, True, None, SPLIT_BWD, marks=pytest.mark.slow),
     ],
 )
 def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window, tiles):
@@ -139,6 +139,7 @@ def test_tile_choices_for_h200():
     assert spec(sd(8, 8192, 32, 128), sd(8, 8, 4096, 128), 16).splits == 1  # training
 
 
+@pytest.mark.slow
 def test_block_kernel_bf16_within_bf16_tolerance():
     j, s = 4, 37
     args, lengths, anchors = _block_inputs(
@@ -158,6 +159,7 @@ def test_block_kernel_bf16_within_bf16_tolerance():
     _check_grads(ref, ker, args, atol=4e-2)  # observed 1.6e-2 (bf16 ulp at 2-4 is 1.6e-2)
 
 
+@pytest.mark.slow
 def test_draft_kernel_reads_live_slots_with_splits():
     """Decode drafting: one block of 8 queries over a 120-slot cache split 4 ways; rows with
     live lengths 100, 37 and 0 (the first slot); causal + windowed as in sliding layers too.
@@ -342,6 +344,7 @@ def test_gpu_kernels_lower_to_triton():
 # --- TPU: splash ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_splash_matches_xla_and_lowers_for_tpu():
     j, s = 16, 50
     args, lengths, anchors = _block_inputs(
@@ -407,11 +410,13 @@ def _tiny_pair(impl: str):
     return tcfg, dcfg
 
 
+@pytest.mark.slow
 def test_greedy_speculative_decode_with_kernels_gives_the_ar_tokens():
     tcfg, dcfg = _tiny_pair("pallas")
     assert_greedy_speculative_equals_ar(tcfg, dcfg, _tiny_pair("xla")[0], max_new_tokens=12)
 
 
+@pytest.mark.slow
 def test_training_steps_with_kernels_give_the_xla_losses():
     rng = np.random.default_rng(9)
     b, s, n = 2, 40, 4

@@ -187,6 +187,7 @@ def decoded():
     return _run_checks("decode_checks")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", DECODE_MESHES)
 def test_greedy_decode_with_kernels_on_a_mesh_gives_the_one_device_xla_tokens(decoded, mesh):
     assert decoded[mesh]["tokens"] == decoded["reference"]
@@ -386,6 +387,7 @@ def _hlo_counts(hlo: str, shape: str) -> dict:
     return {"copies": got["copies"], "writes": got["writes"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["gpu", "tpu"])
 def test_kernel_decode_step_writes_each_cache_once_and_copies_none(monkeypatch, request, kernels):
     """The adaptive speculative loop on the kernels: each step writes each of the target's

@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _tiny_configs import write_tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_decode_plan_counts_the_caches_once(tmp_path):
     config = write_tiny_config(tmp_path)
     output = tmp_path / "plan.json"

@@ -193,6 +193,7 @@ def fake_tpu(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_dispatch_routes_decode_shapes_to_the_tpu_kernels(fake_tpu):
     rng = np.random.default_rng(3)
     b, j, t, n, h, s = 2, 16, 4, 4, 64, 130
@@ -266,6 +267,7 @@ def test_unsupported_head_dim_refused_under_pallas_and_logged_under_auto(fake_tp
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_greedy_speculative_decode_through_the_tpu_kernels_gives_the_ar_tokens(fake_tpu):
     """The whole decode loop on a faked TPU: prefill, verify and AR steps through the verify
     kernel, drafting through the draft kernel (head_dim 64, which the kernels take); the tokens

@@ -156,6 +156,7 @@ def sharded_forward_max_diff() -> float:
     return max(jax.tree_util.tree_leaves(diffs))
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_unsharded():
     if jax.device_count() >= FAKE_DEVICES:
         diff = sharded_forward_max_diff()

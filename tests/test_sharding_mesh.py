@@ -26,6 +26,9 @@ from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, programs, speculative, speculative_decode
 
+# One subprocess on 8 fake devices runs every check here (~2 min): CI's slow step runs it.
+pytestmark = pytest.mark.slow
+
 DECODE_MESHES = ("data=2,tensor=4", "data=8", "fsdp=2,tensor=4")
 # Rows of different lengths (8 rows: one per device on data=8).
 PROMPT = np.array(

@@ -222,6 +222,7 @@ def test_unwritable_cache_warns_and_loads(tmp_path, monkeypatch, caplog):
     _assert_same(loaded, load_target(str(path), cache=False))
 
 
+@pytest.mark.slow
 def test_smollm2_hit_is_identical(cache_dir, monkeypatch):
     """The real default target: params, config, tokenizer and chat template read back from the
     cache equal those just converted from the GGUF."""

@@ -109,6 +109,7 @@ def tiny_target(monkeypatch):
     return target
 
 
+@pytest.mark.slow
 def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
@@ -145,6 +146,7 @@ def _nan_at_call(monkeypatch, call: int):
     monkeypatch.setattr(trainer, "train_step", poisoned)
 
 
+@pytest.mark.slow
 def test_nonfinite_step_stops_the_run_naming_it(tmp_path, tiny_target, monkeypatch):
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=2)
@@ -159,6 +161,7 @@ def test_nonfinite_step_stops_the_run_naming_it(tmp_path, tiny_target, monkeypat
     assert max(_losses(tmp_path / "run")) == 8
 
 
+@pytest.mark.slow
 def test_nonfinite_step_can_be_skipped_and_counted(tmp_path, tiny_target, monkeypatch):
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(tmp_path / "data.jsonl", num_steps=6, log_every=3, nonfinite="skip")
@@ -174,6 +177,7 @@ def test_nonfinite_step_can_be_skipped_and_counted(tmp_path, tiny_target, monkey
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_resume_skips_an_unreadable_checkpoint(tmp_path, tiny_target, caplog):
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=2, learning_rate=3e-3)

@@ -66,6 +66,7 @@ def test_sampled_softmax_partition_is_unbiased():
     assert float(jnp.mean(estimates)) > 1.5 * float(jnp.exp(jax.nn.logsumexp(z[:m])))
 
 
+@pytest.mark.slow
 def test_exact_head_speedups_keep_the_loss_and_gradient():
     """Issue 25 item 2: a positive-slot cap at the batch's token count, chunks without padded
     rows and no remat change the sampled CE only by rounding; a cap below the distinct labels
@@ -208,6 +209,7 @@ def test_bad_taps_setting_is_refused(tmp_path, tiny_target):
         trainer.train(_config(tmp_path / "data.jsonl", vocab_negatives=-1), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
     _corpus(tmp_path / "data.jsonl")
     scale = jnp.linspace(0.5, 2.0, TINY_TARGET.hidden_size)

@@ -111,7 +111,9 @@ def test_tree_mask_and_attention():
         )
 
 
-@pytest.mark.parametrize("arch,nodes", [("qwen3", 16), ("qwen3", 5), ("llama", 12)])
+@pytest.mark.parametrize(
+    "arch,nodes", [("qwen3", 16), ("qwen3", 5), pytest.param("llama", 12, marks=pytest.mark.slow)]
+)
 def test_greedy_tree_equals_autoregressive(arch, nodes):
     """Rows of different lengths, each accepting its own paths (deep ones included): the tokens
     are the target's own greedy tokens, in fewer steps than a chain of the same block."""
@@ -139,6 +141,7 @@ def test_tree_takes_fewer_steps_than_chain():
     assert sp.num_steps.sum() < chain.num_steps.sum()
 
 
+@pytest.mark.slow
 def test_greedy_tree_with_stop_and_cap():
     """A stop token inside an accepted path, and rows capped by max_new_tokens, as a chain."""
     tcfg, tp, dcfg, dp = make_pair()
@@ -153,7 +156,7 @@ def test_greedy_tree_with_stop_and_cap():
     assert sp.lengths[0] <= 6 and sp.tokens[0, sp.lengths[0] - 1] == stop
 
 
-@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sampled_tree_is_lossless(broken, monkeypatch):
     """The joint law of the first two generated tokens (the second from the tree's sibling
     walk: 11 candidates of a 12-token vocabulary) matches the target's exact law; a sibling
@@ -280,6 +283,7 @@ def test_adaptive_tree_greedy_equals_autoregressive():
     assert runs["cheap"].num_steps.sum() < runs["dear"].num_steps.sum()
 
 
+@pytest.mark.slow
 def test_calibration_times_the_tree_kind(monkeypatch, tmp_path):
     """The calibration times every kind, the tree's included: its forced index runs tree steps
     (and only them), and its cost is cached under a key that names the tree's size."""
@@ -313,6 +317,7 @@ def test_calibration_times_the_tree_kind(monkeypatch, tmp_path):
     assert key(cfg) != key(dataclasses.replace(cfg, tree_nodes=16))
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_through_a_tree_step_is_lossless():
     """Sampled, adaptive, the tree the cheapest kind: the second token comes from the tree's
     sibling walk inside the adaptive loop, and the joint law of the first two tokens matches
