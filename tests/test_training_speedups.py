@@ -236,7 +236,7 @@ def test_plot_metrics_writes_a_png(tmp_path):
     plot(records, tmp_path / "m.png", "run")
     # With blocks and two measured points the plot adds the projection to tau = 3.
     with_blocks = [dict(r, blocks=100 * r["step"]) for r in records]
-    with_blocks.append({"step": 6, "blocks": 600, "tau_eval": 1.4})
+    with_blocks.append({"step": 6, "blocks": 600, "tau_eval": 1.4, "heldout_tau_forced": 1.6})
     plot(with_blocks, tmp_path / "p.png", "run")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -55,24 +55,16 @@ def plot(records: list[dict], output: str | os.PathLike, title: str) -> None:
     by_blocks = all("blocks" in r for r in train + evals)
     x_of = (lambda r: r["blocks"]) if by_blocks else (lambda r: r["step"])
     x_label = "anchor blocks trained (block_size - 1 labels each)" if by_blocks else "step"
-    ax_tau.plot(
-        [x_of(r) for r in train], [r["tau_implied"] for r in train], label="implied by accuracy"
+    curves = (  # (records, key, style, label)
+        (train, "tau_implied", "-", "implied by accuracy"),
+        (evals, "tau_eval", "o-", "measured (speculative_decode, held-out prompts)"),
+        (evals, "heldout_tau_forced", "s--", "teacher-forced, held-out records (full vocabulary)"),
     )
+    for rows, key, style, label in curves:
+        points = [r for r in rows if r.get(key) is not None]
+        if points:
+            ax_tau.plot([x_of(r) for r in points], [r[key] for r in points], style, label=label)
     if evals:
-        ax_tau.plot(
-            [x_of(r) for r in evals],
-            [r["tau_eval"] for r in evals],
-            "o-",
-            label="measured (speculative_decode, held-out prompts)",
-        )
-        forced = [r for r in evals if r.get("heldout_tau_forced") is not None]
-        if forced:
-            ax_tau.plot(
-                [x_of(r) for r in forced],
-                [r["heldout_tau_forced"] for r in forced],
-                "s--",
-                label="teacher-forced, held-out records (full vocabulary)",
-            )
         measured = [(x_of(r), r["tau_eval"]) for r in evals]
         fit = tau_projection(measured, goal=3.0) if by_blocks else None
         if fit:
