@@ -212,6 +212,38 @@ def compile_decodes(
     return time.perf_counter() - t0
 
 
+def generate_config(
+    target,
+    drafter,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    block_size: int | None = None,
+    adaptive: bool | None = None,
+    lookup_kinds: tuple[int, ...] | None = None,
+    tree_nodes: int = 0,
+) -> DecodeConfig:
+    """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
+    block size / adaptive are the measured defaults (`decode_mode`), None lookup kinds
+    `DEFAULT_LOOKUP_KINDS`; the target's stop tokens."""
+    block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
+    if lookup_kinds is None:
+        lookup_kinds = default_lookup_kinds(block_size)
+    return DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        block_size=block_size,
+        stop_token_ids=stop_token_ids(target),
+        adaptive=adaptive,
+        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
+        tree_nodes=tree_nodes,
+    )
+
+
 def generate(
     target,
     drafter,
@@ -237,20 +269,11 @@ def generate(
     more step kind of an adaptive decode, else every step; 0: no tree."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
-    if lookup_kinds is None:
-        lookup_kinds = default_lookup_kinds(block_size)
-    cfg = DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        block_size=block_size,
-        stop_token_ids=stop_token_ids(target),
-        adaptive=adaptive,
-        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
+    cfg = generate_config(
+        target, drafter, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, block_size=block_size, adaptive=adaptive, lookup_kinds=lookup_kinds,
         tree_nodes=tree_nodes,
-    )
+    )  # fmt: skip
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}
     if cfg.adaptive:

@@ -18,6 +18,7 @@ lookup kinds), checked against AR the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -53,19 +54,6 @@ def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
     return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
 
 
-def default_config(target, drafter, max_new_tokens: int, stops) -> DecodeConfig:
-    """The greedy decode `api.generate` (so infer.generate) runs when no decoding flag is given:
-    its default block size and mode (`api.decode_mode`), and, adaptive, its lookup kinds."""
-    block, adaptive = api.decode_mode(target, drafter)
-    return DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        block_size=block,
-        stop_token_ids=stops,
-        adaptive=adaptive,
-        lookup_kinds=api.default_lookup_kinds(block) if adaptive else (),
-    )
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -90,15 +78,14 @@ def main(argv):
             max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
         )
         api.check_inputs(target, drafter, prompt, lengths, base)
-    runs = [(f"chain{block}", DecodeConfig(
-        max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
-    ))] if FLAGS.chain else []  # fmt: skip
-    runs += [(f"tree{nodes}", DecodeConfig(
-        max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops,
-        tree_nodes=nodes,
-    )) for nodes in trees]  # fmt: skip
+    # The chain is `base` (the AR reference's config at --block_size); a tree adds its nodes;
+    # the default mode is what `api.generate` (so infer.generate) runs without decoding flags.
+    runs = [(f"chain{block}", base)] if FLAGS.chain else []
+    runs += [(f"tree{nodes}", dataclasses.replace(base, tree_nodes=nodes)) for nodes in trees]
     if FLAGS.default_mode:
-        runs.append(("default", default_config(target, drafter, FLAGS.max_new_tokens, stops)))
+        runs.append(
+            ("default", api.generate_config(target, drafter, max_new_tokens=FLAGS.max_new_tokens))
+        )
     if not runs:
         raise app.UsageError("nothing to measure: --nochain, --trees= and no --default_mode")
     key = jax.random.key(0)

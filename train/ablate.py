@@ -31,10 +31,21 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from configs.smollm2_135m_dflash2_b16 import get_config as smollm2_dflash2_config
 from dflash_jax.io.drafter_io import load_drafter
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training import trainer
 from dflash_jax.training.evaluation import eval_prompts, evaluate_acceptance
+
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def dflash2_overrides() -> dict:
+    """configs/smollm2_135m_dflash2_b16.py's additions to the DFlash recipe, as overrides."""
+    cfg = smollm2_dflash2_config()
+    drafter = {f"drafter.{k}": cfg.drafter[k] for k in DFLASH2_FIELDS}
+    return {**drafter, "selector_loss_weight": cfg.selector_loss_weight}
+
 
 # name -> config overrides (dotted keys) relative to the base config.
 ARMS = {
@@ -46,15 +57,9 @@ ARMS = {
     "layers_2": {"drafter.num_layers": 2},
     "lr_3e-3": {"learning_rate": 3e-3},
     "lr_3e-4": {"learning_rate": 3e-4},
-    # DFlash2 (configs/smollm2_135m_dflash2_b16.py's additions): with --config.init_from a DFlash
-    # drafter, it starts from that drafter, its convolutions and selector fresh.
-    "dflash2": {
-        "drafter.conv_kernel_size": 2,
-        "drafter.conv_group_size": 64,
-        "drafter.selector_rank": 32,
-        "drafter.selector_top_k": 8,
-        "selector_loss_weight": 1.0,
-    },
+    # DFlash2: with --config.init_from a DFlash drafter, it starts from that drafter, its
+    # convolutions and selector fresh.
+    "dflash2": dflash2_overrides(),
 }
 
 FLAGS = flags.FLAGS

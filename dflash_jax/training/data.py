@@ -125,6 +125,16 @@ def record_source(shards: Sequence[str]) -> Sequence[bytes]:
     )
 
 
+def record_element(record: dict, index: int) -> dict:
+    """A decoded record as the pipeline's element: {"tokens": int32 [L], "loss_mask": int32 [L],
+    "index": int32 []} (the index finds the record's cached taps)."""
+    return {
+        "tokens": np.asarray(record["tokens"], np.int32),
+        "loss_mask": np.asarray(record["loss_mask"], np.int32),
+        "index": np.int32(index),
+    }
+
+
 class ParseRecord(grain.transforms.Map):
     """Source index -> {"tokens": int32 [L], "loss_mask": int32 [L], "index": int32 []}; the
     index finds the record's cached taps."""
@@ -134,12 +144,7 @@ class ParseRecord(grain.transforms.Map):
 
     def map(self, element) -> dict:
         index = int(element)
-        record = decode_record(self.source[index])
-        return {
-            "tokens": np.asarray(record["tokens"], np.int32),
-            "loss_mask": np.asarray(record["loss_mask"], np.int32),
-            "index": np.int32(index),
-        }
+        return record_element(decode_record(self.source[index]), index)
 
 
 class PadAndSampleAnchors(grain.transforms.RandomMap):

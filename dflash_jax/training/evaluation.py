@@ -85,14 +85,10 @@ def heldout_batch(records: list[dict], seq_len: int, num_anchors: int) -> dict:
     """The held-out records as one batch of the training's shapes (padded/truncated to
     `seq_len`, `num_anchors` anchors each), anchors drawn once from a fixed seed per record."""
     pad = data.PadAndSampleAnchors(seq_len, num_anchors)
-    rows = []
-    for i, record in enumerate(records):
-        element = {
-            "tokens": np.asarray(record["tokens"], np.int32),
-            "loss_mask": np.asarray(record["loss_mask"], np.int32),
-            "index": np.int32(i),
-        }
-        rows.append(pad.random_map(element, np.random.default_rng((HELDOUT_SEED, i))))
+    rows = [
+        pad.random_map(data.record_element(r, i), np.random.default_rng((HELDOUT_SEED, i)))
+        for i, r in enumerate(records)
+    ]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
 
 

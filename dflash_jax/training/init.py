@@ -123,15 +123,14 @@ def _with_fresh_dflash2_parts(loaded: dict, drafter_config: DrafterConfig, seed:
     initialisation, which makes step 0 the DFlash drafter (`models/dflash2.py`)."""
     fresh = init_drafter_params(drafter_config, jax.random.key(seed))
 
-    def merge(fresh_node, loaded_node):
-        if not isinstance(fresh_node, dict):
+    def merge(fresh_node, loaded_node):  # loaded leaves DFlash2 lacks stay: refused by shape
+        if not isinstance(fresh_node, dict) or not isinstance(loaded_node, dict):
             return loaded_node
-        return {
+        return {**loaded_node, **{
             k: merge(v, loaded_node[k]) if k in loaded_node else v for k, v in fresh_node.items()
-        }
+        }}  # fmt: skip
 
-    extra = set(loaded) - set(fresh)
-    return merge(fresh, loaded) if not extra else {**loaded}  # extra keys: refused below
+    return merge(fresh, loaded)
 
 
 def warm_start_params(path: str, drafter_config: DrafterConfig, seed: int = 0) -> dict:
