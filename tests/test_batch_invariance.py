@@ -154,6 +154,30 @@ def test_the_rule_keeps_every_matmul_inside_the_probed_class():
         assert all(2 <= s <= 8 for s in seen), (m, seen)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
+    """The MLP's down projection as the model runs it, silu(gate) * up fused before it, under
+    the rule probed for its shape: each of 16 random rows gets the same bits at every row count
+    the rule allows as at 16, and inside a larger pass that the rule tiles. (A plain bf16 dot
+    probed as one class here while this fused one changed rows at M = 17, 2026-12-03.)"""
+    from dflash_jax.ops.invariance import dot_general, probe_row_rule
+
+    k, n = 768, 256
+    rule = probe_row_rule(((k, n),), dtype, jax.default_backend())
+    rng = np.random.default_rng(0)
+    g = jnp.asarray(rng.standard_normal((96, k)) * 3, dtype)
+    u = jnp.asarray(rng.standard_normal((96, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    dims = (((1,), (0,)), ((), ()))
+    down = jax.jit(lambda g, u, w: dot_general(rule)(jax.nn.silu(g) * u, w, dims))
+    ref = np.asarray(down(g[:16], u[:16], w).astype(jnp.float32))
+    counts = {rule.min_rows, 4, 15, 17, rule.max_rows or 32, 96}
+    for m in sorted(c for c in counts if c >= 1):
+        out = np.asarray(down(g[:m], u[:m], w).astype(jnp.float32))
+        k_rows = min(m, 16)
+        np.testing.assert_array_equal(out[:k_rows], ref[:k_rows], err_msg=f"M={m} ({rule})")
+
+
 # Decode-level checks run a narrower target (same layer structure, 8K vocabulary): the row rule
 # is probed for whatever shapes it gets, and compile and bf16 matmuls on a CPU without bf16
 # units cost what SmolLM2's 49K-wide head would multiply.

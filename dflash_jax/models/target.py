@@ -185,9 +185,7 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and rule is None:
             return self.embed_tokens.attend(x_btd)
         if self.config.tie_word_embeddings:
-            emb_dv = self.embed_tokens.embedding.astype(x_btd.dtype).T
-            dims = (((x_btd.ndim - 1,), (0,)), ((), ()))
-            return invariance.dot_general(rule)(x_btd, emb_dv, dims)
+            return invariance.transposed_matmul(rule, x_btd, self.embed_tokens.embedding)
         return self.lm_head(x_btd)
 
     def __call__(
@@ -325,17 +323,19 @@ class Head:
     rows: invariance.RowRule | None = flax.struct.field(pytree_node=False, default=None)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
+        if self.rows is not None and self.vd is not None:  # as `Transformer.unembed` runs it
+            return invariance.transposed_matmul(self.rows, hidden, self.vd)
         return apply_head(self.dv, hidden, self.rows)
 
     def argmax(self, hidden: jax.Array) -> jax.Array:
         """The greedy token of every final-normed hidden [..., D] -> int32 [...]."""
-        if not head_argmax_applies(self.vd, self.dv.shape[1]):
+        # Under a row rule: the logits through the rule's GEMMs, then an exact argmax. Not
+        # `head_argmax`: its fused GEMM + max and its recomputed chunk (a batched matvec over
+        # the rows) are kernels the probe never classes, so nothing says they round a row
+        # the same at every row count; a near tie would then resolve by the pass.
+        if self.rows is not None or not head_argmax_applies(self.vd, self.dv.shape[1]):
             return argmax_last(self.logits(hidden))
-        if self.rows is None:
-            return head_argmax(hidden, self.dv, self.vd)
-        *lead, d = hidden.shape
-        rows_fn = lambda x_nd: head_argmax(x_nd, self.dv, self.vd)
-        return self.rows.rows_matmul(hidden.reshape(-1, d), rows_fn).reshape(lead)
+        return head_argmax(hidden, self.dv, self.vd)
 
 
 def decoding_head(params, config: TargetConfig) -> Head:

@@ -16,6 +16,11 @@ kernel class, found by `probe_row_rule` on the running backend and dtype (never 
 Fewer rows are padded up to `min_rows` (zero rows, sliced off after); more are cut into tiles
 of exactly `max_rows` that run one after another (`lax.map`, so XLA cannot merge them back
 into one GEMM of another class). Within a class each row's result depends on that row alone.
+Each such matmul runs as an op of its own (`isolated_gemm`: barriers around it, an fp32
+product rounded after it), because what XLA fuses into a GEMM, and where it rounds, otherwise
+depends on the program around it; a tied head contracts the embedding as stored
+(`transposed_matmul`), never through a `.T` that is a copy in one program and a layout in
+another.
 (2) Reductions run at one fixed shape: the norms in row tiles of exactly `RowRule.tile`
 rows (`fixed_rows`), the attention in fixed (query tile x key tile) blocks
 (`ops.attention.tiled_attention`). Whatever the pass, every number comes out of the same
@@ -81,11 +86,15 @@ def fixed_rows(x_md: jax.Array, fn, rows: int) -> jax.Array:
     through one compiled shape, for the reductions whose code XLA picks by the whole shape."""
     m = x_md.shape[0]
     tiles = -(-m // rows)
+    # Barriers on both sides, as in `isolated_gemm`: with one tile XLA would fuse fn with its
+    # producer and consumer and may drop the roundings between them (excess precision), which
+    # a `lax.map` of several tiles keeps: a bf16 prefill and verify then normed apart.
+    x_md = jax.lax.optimization_barrier(x_md)
     x_md = jnp.pad(x_md, ((0, tiles * rows - m),) + ((0, 0),) * (x_md.ndim - 1))
     if tiles == 1:
-        return fn(x_md)[:m]
+        return jax.lax.optimization_barrier(fn(x_md))[:m]
     out = jax.lax.map(fn, x_md.reshape(tiles, rows, *x_md.shape[1:]))
-    return out.reshape(tiles * rows, *out.shape[2:])[:m]
+    return jax.lax.optimization_barrier(out).reshape(tiles * rows, *out.shape[2:])[:m]
 
 
 def dot_general(rule: RowRule | None):
@@ -110,16 +119,53 @@ def _rule_dot_general(rule, lhs, rhs, dimension_numbers, precision=None, **kwarg
     # another (inside `lax.map`), and the two kernels round apart.
     rhs_kn = jax.lax.optimization_barrier(rhs.reshape(k, -1))
     x_mk = lhs.reshape(-1, k)
-    dims = (((1,), (0,)), ((), ()))
-    out = rule.rows_matmul(
-        x_mk, lambda x: jax.lax.dot_general(x, rhs_kn, dims, precision, **kwargs)
-    )
+    out_dtype = kwargs.pop("preferred_element_type", None) or jnp.result_type(lhs, rhs)
+    out = rule.rows_matmul(x_mk, lambda x: isolated_gemm(x, rhs_kn, out_dtype, precision))
     return out.reshape(*lead, *out_dims)
+
+
+def transposed_matmul(rule: RowRule, x: jax.Array, w_nk: jax.Array) -> jax.Array:
+    """x [..., K] @ w_nk.T under `rule` -> [..., N] in x's dtype, for a weight stored [N, K]
+    (a tied head: the embedding). The contraction names w's dim 1 itself: a transpose in the
+    program (`w.T`) may be a copy in one program (a value captured by a loop) and a layout
+    bitcast in another, and the two GEMM kernels round apart (measured for the tied SmolLM2
+    head: a prefill's `lax.map` tiles and a verify's direct call disagreed)."""
+    *lead, k = x.shape
+    w_nk = jax.lax.optimization_barrier(w_nk.astype(x.dtype))
+    fn = lambda x_mk: isolated_gemm(x_mk, w_nk, x.dtype, transposed=True)
+    return rule.rows_matmul(x.reshape(-1, k), fn).reshape(*lead, w_nk.shape[0])
+
+
+def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.Array:
+    """x [M, K] @ w [K, N] (transposed: w [N, K], contracted on its dim 1) as an op of its own:
+    materialised input, fp32 product, rounded to `out_dtype` after another barrier. This is
+    what the row rule classes (the probe runs this very function).
+
+    Why each part (measured on an AMD EPYC, XLA:CPU, bf16):
+    - The input barrier: XLA fuses a GEMM's elementwise producer (the MLP's silu(gate) * up)
+      into its YNNPACK subgraph, and the fused subgraph classes rows differently from a plain
+      dot of the same values.
+    - The fp32 product: with a bf16 output XLA lets the GEMM round to bf16 itself, by a kernel
+      that changes at M = 17 (K = 768), and the probe cannot see it: a bf16 result flips for
+      about one element in 2^16, so a class boundary shows in one probe and hides in the
+      next. In fp32 every difference shows, and the rounding to bf16 is an elementwise op of
+      its own, the same in every program. (A plain bf16 dot probed as one class for M in
+      [2, 48]; the model's fused one flipped a near-tied token between a bf16 AR step and an
+      8-row verify.)
+    - The output barriers: the excess-precision rewrite may otherwise drop the rounding in
+      one program (a residual add fused with it) and keep it in another (a `lax.map` tile)."""
+    x_mk = jax.lax.optimization_barrier(x_mk)
+    dims = (((1,), (1 if transposed else 0,)), ((), ()))
+    acc = jax.lax.dot_general(x_mk, w, dims, precision, preferred_element_type=jnp.float32)
+    acc = jax.lax.optimization_barrier(acc)
+    return jax.lax.optimization_barrier(acc.astype(out_dtype))
 
 
 # ---------------------------------------------------------------------------------------------
 # The probe.
 
+# Part of the on-disk cache key: a rule probed by an older probe is probed again.
+PROBE_VERSION = 2
 # Up to 128: a class reaching it is used as tiles of 128 rows (a bigger tile gains little).
 _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128)
 # The row count every decode uses for its verify (block 16 at batch 1): the class to find.
@@ -127,11 +173,12 @@ _ANCHOR_ROWS = 16
 
 
 def _row_classes(results: dict[int, np.ndarray]) -> RowRule:
-    """The contiguous run of probed row counts around _ANCHOR_ROWS whose first-row results equal
-    the anchor's -> RowRule (never unbounded: only probed counts are known to agree)."""
+    """The contiguous run of probed row counts around _ANCHOR_ROWS whose rows' results (up to
+    the anchor's count) equal the anchor's -> RowRule (never unbounded: only probed counts
+    are known to agree)."""
     rows = sorted(results)
     anchor = results[_ANCHOR_ROWS]
-    same = [np.array_equal(results[m], anchor) for m in rows]
+    same = [np.array_equal(results[m], anchor[: len(results[m])]) for m in rows]
     i = rows.index(_ANCHOR_ROWS)
     lo = i
     while lo > 0 and same[lo - 1]:
@@ -151,30 +198,49 @@ def _intersect(a: RowRule, b: RowRule) -> RowRule:
 @functools.cache
 def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str) -> RowRule:
     """The row rule of this backend's GEMMs [M,K] @ [K,N] in `dtype` at each (K, N) of
-    `shapes`: each shape's first output row at every probed M is compared with its value at
-    M = 16, and the contiguous run of equal ones around 16 is kept (intersected over the
-    shapes). ~1-10 s (bf16 without matrix units is slow); cached per process, and on disk by
-    `machine_row_rule`. `backend` is part of the cache key."""
+    `shapes` ((K, N, True): the weight stored [N, K], `transposed_matmul`), run as the model
+    runs them (`isolated_gemm`): each shape's output rows (the first min(M, 16)) at every
+    probed M are compared with their values at M = 16, and the contiguous run of equal ones
+    around 16 is kept (intersected over the shapes). ~5-15 s (bf16 without matrix units is
+    slow); cached per process, and on disk by `machine_row_rule`. `backend`: the cache key."""
     del backend  # the key: a probe describes the backend it ran on
     dt = jnp.dtype(dtype)
     rng = np.random.default_rng(0)
     rule = None
     m_max = max(_PROBE_ROWS)
-    f = jax.jit(jnp.dot)
-    for k, n in shapes:
-        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dt)
-        x = jnp.asarray(rng.standard_normal((m_max, k)), dt)
-        results = {m: np.asarray(f(x[:m], w)[0].astype(jnp.float32)) for m in _PROBE_ROWS}
+    # The GEMM the rule runs, its input made by an elementwise op in the same program (as the
+    # model's are), so a fusion that would reach through the barrier would show here.
+    # A transposed weight (a tied head: the embedding [V, D] used as [D, V]) runs as the model
+    # runs it (`transposed_matmul`): the [N, K] kernels class rows differently (measured: rows
+    # agree up to M = 32 for the tied SmolLM2 head, to 128 for the same weights stored [K, N]).
+    dot = dot_general(RowRule(1, 1 << 30))  # the model's paths, every M in one call
+    dims = (((1,), (0,)), ((), ()))
+    unbounded = RowRule(1, 1 << 30)
+    f = jax.jit(lambda x, w: dot(jnp.tanh(x).astype(dt), w, dims))
+    f_t = jax.jit(lambda x, w_nk: transposed_matmul(unbounded, jnp.tanh(x).astype(dt), w_nk))
+    for shape in shapes:
+        k, n = shape[:2]
+        transposed = len(shape) > 2 and shape[2]
+        w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)) / np.sqrt(k), dt)
+        x = jnp.asarray(rng.standard_normal((m_max, k)), jnp.float32)
+        g = f_t if transposed else f
+        # Every row up to the anchor's, not only the first: a kernel's remainder rows may round
+        # apart from its full tiles.
+        results = {
+            m: np.asarray(g(x[:m], w)[:_ANCHOR_ROWS].astype(jnp.float32)) for m in _PROBE_ROWS
+        }
         found = _row_classes(results)
         rule = found if rule is None else _intersect(rule, found)
     return rule
 
 
-def target_shapes(config) -> tuple[tuple[int, int], ...]:
-    """The (K, N) of every matmul a target pass runs (`config`: a `TargetConfig`)."""
+def target_shapes(config) -> tuple[tuple, ...]:
+    """The (K, N) of every matmul a target pass runs (`config`: a `TargetConfig`); the head's
+    is (D, V, True) when it is the tied embedding, used transposed."""
     d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * h, config.num_kv_heads * h
-    return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), (d, config.vocab_size))))
+    head = (d, config.vocab_size, True) if config.tie_word_embeddings else (d, config.vocab_size)
+    return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), head)))
 
 
 def machine_name() -> str:
@@ -204,7 +270,13 @@ def machine_row_rule(config) -> RowRule:
     from dflash_jax.config import cache_root
 
     shapes = target_shapes(config)
-    parts = [machine_name(), jax.__version__, os.environ.get("XLA_FLAGS", ""), config.dtype]
+    parts = [
+        f"probe{PROBE_VERSION}",
+        machine_name(),
+        jax.__version__,
+        os.environ.get("XLA_FLAGS", ""),
+        config.dtype,
+    ]
     key = "|".join([*parts, str(shapes)])
     path = cache_root() / "row_rules.json"
     table = {}
