@@ -1,6 +1,7 @@
 """Training: anchors, labels and the block mask on hand-built examples, loss weights, the chunked
 loss against a dense one, a tiny end-to-end run, exact resume after a kill, misfit refusal."""
 
+import dataclasses
 import json
 import math
 
@@ -299,6 +300,81 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
     assert list(resumed) == list(range(1, 13))
     assert resumed == straight  # bit-identical, steps 5..12 included
+
+
+def test_wsd_schedule_warms_holds_and_decays():
+    from dflash_jax.training.step import OptimizerConfig
+
+    opt = OptimizerConfig(1.0, 2, 10, 0.9, 0.999, 1e-8, 0.0, 1.0, kind="wsd", decay_steps=4)
+    lr = [float(opt.schedule()(s)) for s in range(11)]
+    np.testing.assert_allclose(lr, [0, 0.5, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0], atol=1e-6)
+    no_warmup = dataclasses.replace(opt, warmup_steps=0)
+    assert float(no_warmup.schedule()(0)) == 1.0 and float(no_warmup.schedule()(10)) == 0.0
+
+
+@pytest.mark.slow
+def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
+    tmp_path, tiny_target, monkeypatch
+):
+    """init_from_checkpoint: run B's first step gets run A's last params and Adam moments
+    (bias-correction count included), with B's schedule count back at 0."""
+    import optax
+
+    _corpus(tmp_path / "data.jsonl")
+    real = trainer.train_step
+    seen = []
+
+    def recording(state, *args, **kwargs):
+        before = jax.tree.map(np.asarray, state)  # the step donates its input
+        out = real(state, *args, **kwargs)
+        seen.append((before, jax.tree.map(np.asarray, out[0])))
+        return out
+
+    monkeypatch.setattr(trainer, "train_step", recording)
+    cfg_a = _config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=4, lr_schedule="wsd")
+    trainer.train(cfg_a, tmp_path / "a")
+    a_last = seen[-1][1]
+    seen.clear()
+    cfg_b = _config(
+        tmp_path / "data.jsonl", num_steps=2, lr_schedule="wsd", warmup_fraction=0.0,
+        init_from_checkpoint=str(tmp_path / "a"),
+    )  # fmt: skip
+    trainer.train(cfg_b, tmp_path / "b")
+    b_first = seen[0][0]
+    assert int(b_first["step"]) == 0
+    jax.tree.map(np.testing.assert_array_equal, b_first["params"], a_last["params"])
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    adam = lambda st: [x for x in jax.tree.leaves(st, is_leaf=is_adam) if is_adam(x)][0]
+    sched = lambda st: [x for x in jax.tree.leaves(st, is_leaf=is_sched) if is_sched(x)][0]
+    jax.tree.map(
+        np.testing.assert_array_equal, adam(b_first["opt_state"]), adam(a_last["opt_state"])
+    )
+    assert int(adam(b_first["opt_state"]).count) == 8
+    assert (
+        int(sched(a_last["opt_state"]).count) == 8 and int(sched(b_first["opt_state"]).count) == 0
+    )
+    lines = [
+        json.loads(x) for x in (tmp_path / "b" / trainer.METRICS_FILE).read_text().splitlines()
+    ]
+    assert [x["learning_rate"] for x in lines if "loss" in x][0] == pytest.approx(
+        cfg_b.learning_rate
+    )
+
+
+def test_bad_warm_starts_are_refused(tmp_path):
+    cfg = _config(tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="init_from_checkpoint"):
+        trainer.check_config(cfg)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    cfg = _config(
+        tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "run"),
+        init_from_target=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="exclude each other"):
+        trainer.check_config(cfg)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        trainer.check_config(_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
 
 
 def test_misfit_drafter_is_refused(tmp_path):

@@ -118,6 +118,40 @@ def restore_latest(
     return None
 
 
+def warm_state(source_workdir: str | os.PathLike, abstract: dict) -> dict:
+    """The train state of another run's newest checkpoint (params and optimizer state, into
+    `abstract`'s structure: the drafter and optimizer must match), as a new run's start: step
+    0, and every learning-rate schedule's count in the optimizer state set back to 0, so this
+    run follows its own schedule while Adam's moments and bias-correction count go on.
+    -> the state plus "source_step" (the checkpoint's step). Refuses a workdir without a
+    readable checkpoint, or one whose shapes differ, naming it."""
+    import optax
+
+    directory = paths.path(source_workdir) / CHECKPOINT_DIR
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step()
+    if step is None:
+        raise CheckpointError(f"init_from_checkpoint: no checkpoint in {directory}")
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+    except Exception as e:  # orbax raises many types for a mismatch or damage
+        raise CheckpointError(
+            f"init_from_checkpoint: checkpoint {directory / str(step)} does not restore into "
+            f"this run's drafter and optimizer ({type(e).__name__}: {str(e)[:300]})"
+        ) from e
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    restart = lambda x: x._replace(count=jnp.zeros_like(x.count)) if is_schedule(x) else x
+    opt_state = jax.tree.map(restart, restored["opt_state"], is_leaf=is_schedule)
+    return {
+        "step": jnp.zeros_like(restored["step"]),
+        "params": restored["params"],
+        "opt_state": opt_state,
+        "source_step": step,
+    }
+
+
 def export_drafter(workdir: str | os.PathLike, config: DrafterConfig, params: dict) -> epath.Path:
     """Writes `<workdir>/drafter` for `load_drafter`, replacing the previous export only once the
     new one is complete. Every process must call it (the params are gathered from all of them);

@@ -56,6 +56,8 @@ class OptimizerConfig:
     eps: float
     weight_decay: float
     grad_clip: float
+    kind: str = "cosine"  # or "wsd"
+    decay_steps: int = 0  # wsd: the last decay_steps fall linearly to 0
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict, num_steps: int) -> OptimizerConfig:
@@ -68,10 +70,27 @@ class OptimizerConfig:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
+            kind=cfg.get("lr_schedule", "cosine"),
+            decay_steps=int(round(cfg.get("decay_fraction", 0.0) * num_steps)),
         )
 
     def schedule(self) -> optax.Schedule:
-        """Linear warm-up from 0, then cosine to 0 at num_steps."""
+        """cosine: linear warm-up from 0, then cosine to 0 at num_steps. wsd (warmup-stable-
+        decay): linear warm-up, the peak rate held, then linear to 0 over the last decay_steps.
+        A wsd run can be continued: a later run that starts from one of its checkpoints before
+        the decay (`config.init_from_checkpoint`, Adam's moments kept) goes on at the same rate,
+        where a cosine run's rate depends on the step count it was planned for."""
+        if self.kind == "wsd":
+            stable_end = max(self.num_steps - self.decay_steps, self.warmup_steps)
+            pieces = [
+                optax.linear_schedule(0.0, self.learning_rate, max(self.warmup_steps, 1)),
+                optax.constant_schedule(self.learning_rate),
+                optax.linear_schedule(self.learning_rate, 0.0, max(self.decay_steps, 1)),
+            ]
+            if not self.warmup_steps:
+                pieces = pieces[1:]
+                return optax.join_schedules(pieces, [stable_end])
+            return optax.join_schedules(pieces, [self.warmup_steps, stable_end])
         return optax.warmup_cosine_decay_schedule(
             0.0,
             self.learning_rate,

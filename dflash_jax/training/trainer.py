@@ -51,6 +51,7 @@ from dflash_jax.training.step import OptimizerConfig, train_step, train_step_on_
 
 METRICS_FILE = "metrics.jsonl"
 NONFINITE_MODES = ("stop", "skip")
+LR_SCHEDULES = ("cosine", "wsd")
 SELECTOR_METRICS = ("selector_loss", "selector_accuracy", "candidate_recall")
 
 
@@ -110,6 +111,11 @@ def default_config() -> ml_collections.ConfigDict:
     # <workdir>/drafter or the shipped default) when the workdir has no checkpoint yet. A DFlash
     # drafter may start a DFlash2 run (its convolutions and selector start fresh).
     cfg.init_from = ""
+    # Warm start with Adam's state: params and optimizer moments from the newest checkpoint of
+    # another run's workdir (when this workdir has no checkpoint yet), e.g. to go on training
+    # on new data. This run's schedule starts at its own step 0 (warm-up included: set
+    # warmup_fraction 0 to go on at full rate, as a wsd run's stable phase does).
+    cfg.init_from_checkpoint = ""
     # A step with a non-finite loss or gradient: "stop" the run naming the step (its checkpoints
     # stay intact) or "skip" it (params unchanged) and count it in the metrics.
     cfg.nonfinite = "stop"
@@ -118,6 +124,10 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.num_steps = 0  # 0: num_epochs over the training records
     cfg.learning_rate = 6e-4
     cfg.warmup_fraction = 0.04
+    # "cosine" (warm-up, cosine to 0) or "wsd" (warm-up, stable, linear decay over the last
+    # decay_fraction of the steps; see step.OptimizerConfig.schedule).
+    cfg.lr_schedule = "cosine"
+    cfg.decay_fraction = 0.2
     cfg.adam_b1 = 0.9
     cfg.adam_b2 = 0.999
     cfg.adam_eps = 1e-8
@@ -253,8 +263,22 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"config.eval_prompts must be one of {EVAL_SOURCES}, got {cfg.eval_prompts!r}"
         )
-    if cfg.init_from and cfg.init_from_target:
-        raise ValueError("config.init_from and config.init_from_target exclude each other")
+    starts = [k for k in ("init_from", "init_from_target", "init_from_checkpoint") if cfg.get(k)]
+    if len(starts) > 1:
+        raise ValueError(f"config.{' and config.'.join(starts)} exclude each other")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"config.lr_schedule must be one of {LR_SCHEDULES}, got {cfg.lr_schedule!r}"
+        )
+    if not 0.0 <= cfg.decay_fraction <= 1.0:
+        raise ValueError(f"config.decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
+    if cfg.get("init_from_checkpoint"):
+        ckpt = paths.path(cfg.init_from_checkpoint) / checkpoint.CHECKPOINT_DIR
+        if not ckpt.is_dir():
+            raise ValueError(
+                f"config.init_from_checkpoint={cfg.init_from_checkpoint!r}: no {ckpt.name}/ "
+                "there (give a training run's workdir)"
+            )
     if cfg.init_from and not paths.path(cfg.init_from).is_dir():
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
     if cfg.get("mesh"):
@@ -409,6 +433,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
     if restored is not None:
         state = restored
         logging.info("resumed from step %d in %s", int(state["step"]), workdir)
+    elif cfg.get("init_from_checkpoint"):
+        state = checkpoint.warm_state(cfg.init_from_checkpoint, abstract)
+        logging.info(
+            "warm start from %s: params and Adam's moments of its step %d; this run's schedule "
+            "starts at 0",
+            cfg.init_from_checkpoint,
+            int(state.pop("source_step")),
+        )
     else:
         state = initial_state(cfg, drafter_config, target, optimizer, mesh)
     start = int(state["step"])
