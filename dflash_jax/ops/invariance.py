@@ -86,9 +86,9 @@ def fixed_rows(x_md: jax.Array, fn, rows: int) -> jax.Array:
     through one compiled shape, for the reductions whose code XLA picks by the whole shape."""
     m = x_md.shape[0]
     tiles = -(-m // rows)
-    # Barriers on both sides, as in `isolated_gemm`: with one tile XLA would fuse fn with its
-    # producer and consumer and may drop the roundings between them (excess precision), which
-    # a `lax.map` of several tiles keeps: a bf16 prefill and verify then normed apart.
+    # Barriers on both sides, as in `isolated_gemm`: fn runs as written whether one tile is
+    # called directly or several through `lax.map`, never fused with a producer or consumer
+    # that differs between programs (where the excess-precision rewrite could drop a rounding).
     x_md = jax.lax.optimization_barrier(x_md)
     x_md = jnp.pad(x_md, ((0, tiles * rows - m),) + ((0, 0),) * (x_md.ndim - 1))
     if tiles == 1:
@@ -208,14 +208,13 @@ def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str
     rng = np.random.default_rng(0)
     rule = None
     m_max = max(_PROBE_ROWS)
-    # The GEMM the rule runs, its input made by an elementwise op in the same program (as the
-    # model's are), so a fusion that would reach through the barrier would show here.
-    # A transposed weight (a tied head: the embedding [V, D] used as [D, V]) runs as the model
-    # runs it (`transposed_matmul`): the [N, K] kernels class rows differently (measured: rows
-    # agree up to M = 32 for the tied SmolLM2 head, to 128 for the same weights stored [K, N]).
-    dot = dot_general(RowRule(1, 1 << 30))  # the model's paths, every M in one call
-    dims = (((1,), (0,)), ((), ()))
+    # The GEMMs as the model runs them, every M in one call, each input made by an elementwise
+    # op in the same program (as the model's are), so a fusion that reached through the
+    # barrier would show here. A transposed weight (a tied head) goes through
+    # `transposed_matmul`, whose kernels class rows apart from the [K, N] ones.
     unbounded = RowRule(1, 1 << 30)
+    dot = dot_general(unbounded)
+    dims = (((1,), (0,)), ((), ()))
     f = jax.jit(lambda x, w: dot(jnp.tanh(x).astype(dt), w, dims))
     f_t = jax.jit(lambda x, w_nk: transposed_matmul(unbounded, jnp.tanh(x).astype(dt), w_nk))
     for shape in shapes:
