@@ -45,7 +45,11 @@ def test_expected_tokens_and_choice():
     np.testing.assert_allclose(new[1], alpha[1])
 
 
-@pytest.mark.parametrize("costs", [(1.0, 1.2, 1.4), (1.0, 3.0, 5.0), (1.0, 1.05, 3.0)])
+@pytest.mark.parametrize(
+    "costs",  # slow: the other cost mixes (the first switches kinds too)
+    [(1.0, 1.2, 1.4)]
+    + [pytest.param(c, marks=pytest.mark.slow) for c in [(1.0, 3.0, 5.0), (1.0, 1.05, 3.0)]],
+)
 def test_adaptive_greedy_equals_autoregressive(costs):
     tcfg, tp, dcfg, dp = make_pair("qwen3")
     cfg = DecodeConfig(max_new_tokens=24, block_size=8, adaptive=True, probe_every=2)
@@ -163,7 +167,7 @@ def test_adaptive_sampling_is_lossless_across_a_kind_switch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adaptive_mode", [False, True])
+@pytest.mark.parametrize("adaptive_mode", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_streamed_tokens_are_the_output(adaptive_mode):
     """Every row's streamed tokens (the loop run a few steps at a time), in order, are exactly
     its output, and the output is the one-call jitted decode's: streaming changes nothing."""

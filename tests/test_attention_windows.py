@@ -20,7 +20,9 @@ def _qkv(key, b, t, n, kh, s, h=8):
     return q, k, v, k_new, v_new
 
 
-@pytest.mark.parametrize("t,n,kh", [(1, 4, 2), (3, 6, 2), (5, 4, 4)])
+@pytest.mark.parametrize(
+    "t,n,kh", [(1, 4, 2), (3, 6, 2), pytest.param(5, 4, 4, marks=pytest.mark.slow)]
+)
 def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     q, k, v, k_new, v_new = _qkv(jax.random.key(t), 3, t, n, kh, 40)
     lengths = jnp.array([0, 17, 40 - t])

@@ -154,7 +154,7 @@ def test_the_rule_keeps_every_matmul_inside_the_probed_class():
         assert all(2 <= s <= 8 for s in seen), (m, seen)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
     """The MLP's down projection as the model runs it, silu(gate) * up fused before it, under
     the rule probed for its shape: each of 16 random rows gets the same bits at every row count

@@ -290,11 +290,21 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# The default suite runs each kernel set in one dtype: the GPU defaults and the TPU kernel in
+# bf16 (how they run), the split GPU tiles in fp32. Slow: the other dtype, and 16-wide tiles
+# without splits (gpu_split runs the same tiles with splits).
+_DEFAULT_CASES = {("gpu_default_tiles", "bfloat16"), ("gpu_split", "float32"), ("tpu", "bfloat16")}
+
+
 @pytest.mark.parametrize(
-    "kernels",
-    # slow: 16-wide tiles without splits (gpu_split runs the same tiles with splits)
-    [k if k != "gpu" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS],
+    "kernels,dtype",
+    [
+        pytest.param(
+            k, dt, marks=() if (k, jnp.dtype(dt).name) in _DEFAULT_CASES else pytest.mark.slow
+        )
+        for dt in (jnp.float32, jnp.bfloat16)
+        for k in KERNELS
+    ],
 )
 def test_appended_attention_is_bitwise_the_attention_over_the_written_cache(kernels, dtype):
     """Rows of 0 slots, slots ending just before a key-tile edge (the 16 new rows then span two

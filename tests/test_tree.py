@@ -247,6 +247,7 @@ def test_controller_values_and_learns_the_tree_kind():
     np.testing.assert_allclose(costs, [1.0, 1.84, 2.32], rtol=1e-6)
 
 
+@pytest.mark.slow  # adaptive x tree: each is checked alone by default
 def test_adaptive_tree_greedy_equals_autoregressive():
     """Adaptive with a tree kind, rows of different lengths: the tokens are the target's own
     greedy ones whatever the costs, and the costs decide what runs. A cheap tree is taken at
