@@ -14,6 +14,7 @@ import os
 import grain
 import jax
 import jax.numpy as jnp
+import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -125,8 +126,6 @@ def warm_state(source_workdir: str | os.PathLike, abstract: dict) -> dict:
     run follows its own schedule while Adam's moments and bias-correction count go on.
     -> the state plus "source_step" (the checkpoint's step). Refuses a workdir without a
     readable checkpoint, or one whose shapes differ, naming it."""
-    import optax
-
     directory = paths.path(source_workdir) / CHECKPOINT_DIR
     manager = ocp.CheckpointManager(directory)
     step = manager.latest_step()

@@ -70,8 +70,8 @@ class OptimizerConfig:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
-            kind=cfg.get("lr_schedule", "cosine"),
-            decay_steps=int(round(cfg.get("decay_fraction", 0.0) * num_steps)),
+            kind=cfg.lr_schedule,
+            decay_steps=int(round(cfg.decay_fraction * num_steps)),
         )
 
     def schedule(self) -> optax.Schedule:
