@@ -13,7 +13,7 @@ import pytest
 from test_training import TINY_TARGET, _config, _corpus, _losses
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
-from dflash_jax.io.drafter_io import restore_drafter
+from dflash_jax.io.drafter_io import restore_drafter, save_drafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import Drafter, init_drafter_params
 from dflash_jax.models.target import Transformer, init_cache, init_params
@@ -129,6 +129,46 @@ def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
         warm_start_params(str(tmp_path / "first" / "drafter"), DrafterConfig(
             **{**other.__dict__, "num_layers": 3, "layer_types": ()}
         ))  # fmt: skip
+
+
+def test_growing_a_drafter_adds_layers_that_start_as_identity(tmp_path):
+    """init_grow_layers: a 1-layer export inside a 2-layer run. Its leaves are kept, the added
+    layer's residual outputs are zero, so the grown drafter's hidden states are the export's;
+    and training moves the added layer (its output projections get gradients)."""
+    small, big = _drafter(1, (1, 2)), _drafter(2, (1, 2))
+    params = _perturbed_norms(init_drafter_params(small, jax.random.key(0)), jax.random.key(1))
+    save_drafter(tmp_path / "one", small, params)
+    grown = warm_start_params(str(tmp_path / "one"), big, seed=3, grow_layers=True)
+    assert set(grown) == {"fc", "hidden_norm", "layers_0", "layers_1", "norm"}
+    for key in ("fc", "hidden_norm", "layers_0", "norm"):
+        jax.tree.map(np.testing.assert_array_equal, grown[key], params[key])
+    added = grown["layers_1"]
+    assert not np.any(added["self_attn"]["o_proj"]["kernel"])
+    assert not np.any(added["mlp"]["down_proj"]["kernel"])
+    assert np.any(added["self_attn"]["q_proj"]["kernel"])  # the rest keeps its random init
+
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.normal(size=(2, 10, 64)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 3 * 4, 32)), jnp.float32)
+    lengths, anchors = jnp.asarray([10, 7]), jnp.asarray([[1, 4, 6], [0, 2, 5]])
+
+    def hidden(cfg, p):
+        return Drafter(cfg).apply(
+            {"params": p}, taps, x, lengths, anchors, 4, method="forward_from_taps"
+        )
+
+    np.testing.assert_array_equal(hidden(big, grown), hidden(small, params))
+    grads = jax.grad(lambda p: jnp.sum(hidden(big, p) ** 2))(grown)["layers_1"]
+    assert np.abs(grads["self_attn"]["o_proj"]["kernel"]).max() > 0
+    assert np.abs(grads["mlp"]["down_proj"]["kernel"]).max() > 0
+
+    with pytest.raises(ConfigError, match="do not have this run's shapes"):
+        warm_start_params(str(tmp_path / "one"), big)  # growing is asked for, never implied
+    save_drafter(tmp_path / "two", big, grown)
+    with pytest.raises(ConfigError, match="not fewer than"):
+        warm_start_params(str(tmp_path / "two"), big, grow_layers=True)
+    with pytest.raises(ValueError, match="init_grow_layers needs config.init_from"):
+        trainer.check_config(_config(tmp_path / "data.jsonl", init_grow_layers=True))
 
 
 def _nan_at_call(monkeypatch, call: int):

@@ -55,6 +55,14 @@ ARMS = {
     "gamma_4": {"loss_gamma": 4.0},
     "layers_1": {"drafter.num_layers": 1},
     "layers_2": {"drafter.num_layers": 2},
+    # With --config.init_from a 1-layer drafter: that drafter plus a second layer that starts as
+    # identity (training/init.py, "Growing").
+    "grow_2": {"drafter.num_layers": 2, "init_grow_layers": True},
+    # Shorter blocks trained with a faster decay and twice the anchors (the same blocks' tokens
+    # per step as block 16 at 64 anchors).
+    "block_8": {"block_size": 8, "loss_gamma": 4.0, "num_anchors": 128},
+    # The target's top-32 as soft labels (weight 0.5) and exact negatives (online taps only).
+    "distill": {"distill_top_k": 32, "distill_weight": 0.5},
     "lr_3e-3": {"learning_rate": 3e-3},
     "lr_3e-4": {"learning_rate": 3e-4},
     # DFlash2: with --config.init_from a DFlash drafter, it starts from that drafter, its
@@ -134,10 +142,13 @@ def run_arm(name: str, base, workdir: Path) -> dict:
     target = load_target(cfg.target, dtype=cfg.compute_dtype)
     drafter = load_drafter(run_dir / "drafter", target)
     prompts = eval_prompts("dev", target, [])
+    # A drafter drafts at most the block size it was trained at (decoding refuses more).
     taus = {
         b: evaluate_acceptance(
             target, drafter.config, drafter.params, prompts, FLAGS.eval_max_new_tokens, int(b)
         )
+        if int(b) <= drafter.config.block_size
+        else None
         for b in FLAGS.eval_block_sizes
     }
     return {
@@ -181,7 +192,9 @@ def table(results: dict) -> str:
     )
     lines = [head + " |", "|" + "---|" * (6 + len(blocks))]
     for name, r in results.items():
-        taus = " | ".join(f"{r['tau_dev'][b]:.2f}" for b in blocks)
+        taus = " | ".join(
+            "-" if r["tau_dev"].get(b) is None else f"{r['tau_dev'][b]:.2f}" for b in blocks
+        )
         lines.append(
             f"| {name} | {r['overrides'] or '-'} | {r['step_time_s']:.2f} | {r['num_steps']} | "
             f"{r['final_loss']:.2f} | {r['accuracy'][0]:.2f} | {taus} |"

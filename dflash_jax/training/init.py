@@ -10,6 +10,12 @@ From the target (`config.init_from_target`), for a drafter of L layers over an N
     then start as the target layer's own. Without that tap the nearest one is used (the
     residual stream changes slowly from layer to layer), and the log says so;
   * the final `norm` <- the target's final norm (both feed the same frozen lm_head).
+
+Growing (`config.init_from` with `config.init_grow_layers`): an exported L-layer drafter starts
+a run of L' > L layers. Its layers become layers 0..L-1 and the added ones keep their random
+initialisation except their two residual outputs (attention `o_proj`, MLP `down_proj`), which
+start at zero: an added layer adds nothing to the residual stream, so step 0 is the exported
+drafter, to the bit, and training can only start from its acceptance.
 """
 
 from __future__ import annotations
@@ -133,11 +139,33 @@ def _with_fresh_dflash2_parts(loaded: dict, drafter_config: DrafterConfig, seed:
     return merge(fresh, loaded)
 
 
-def warm_start_params(path: str, drafter_config: DrafterConfig, seed: int = 0) -> dict:
+def grown_params(loaded: dict, loaded_layers: int, drafter_config: DrafterConfig, seed: int):
+    """An L-layer drafter's params inside a fresh L'-layer drafter's (module docstring): its
+    layers first, the added layers' o_proj and down_proj zero. Every other leaf (fc,
+    hidden_norm, norm) is the loaded one; shapes are checked by the caller."""
+    fresh = init_drafter_params(drafter_config, jax.random.key(seed))
+    out = {k: v for k, v in loaded.items() if not k.startswith("layers_")}
+    for i in range(drafter_config.num_layers):
+        name = f"layers_{i}"
+        if i < loaded_layers:
+            out[name] = loaded[name]
+            continue
+        layer = fresh[name]
+        attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+        attn["o_proj"] = {"kernel": jnp.zeros_like(attn["o_proj"]["kernel"])}
+        mlp["down_proj"] = {"kernel": jnp.zeros_like(mlp["down_proj"]["kernel"])}
+        out[name] = {**layer, "self_attn": attn, "mlp": mlp}
+    return out
+
+
+def warm_start_params(
+    path: str, drafter_config: DrafterConfig, seed: int = 0, grow_layers: bool = False
+) -> dict:
     """Params of an exported drafter (`<workdir>/drafter` or any Orbax drafter directory), which
     must have the run's shapes; the optimizer state starts fresh. A DFlash drafter may start a
     DFlash2 run: its params are taken where they exist, the DFlash2 additions start as
-    initialised (from `seed`), so the run begins at the DFlash drafter's acceptance."""
+    initialised (from `seed`), so the run begins at the DFlash drafter's acceptance. With
+    `grow_layers` it may have fewer layers than the run (`grown_params`)."""
     from dflash_jax.io.drafter_io import read_drafter
 
     loaded = read_drafter(path, drafter_config.dtype)
@@ -145,6 +173,20 @@ def warm_start_params(path: str, drafter_config: DrafterConfig, seed: int = 0) -
     if drafter_config.is_dflash2 and not loaded.config.is_dflash2:
         logging.info("init_from: a DFlash drafter; DFlash2's convolutions and selector start fresh")
         params = _with_fresh_dflash2_parts(params, drafter_config, seed)
+    have, want_layers = loaded.config.num_layers, drafter_config.num_layers
+    if grow_layers:
+        if have >= want_layers:
+            raise ConfigError(
+                f"config.init_grow_layers: init_from={path} has {have} layers, not fewer than "
+                f"this run's {want_layers}"
+            )
+        logging.info(
+            "init_from: growing a %d-layer drafter to %d layers; the added layers start as "
+            "identity (zero o_proj and down_proj)",
+            have,
+            want_layers,
+        )
+        params = grown_params(params, have, drafter_config, seed)
     expected = jax.eval_shape(lambda: init_drafter_params(drafter_config, jax.random.key(0)))
     want = jax.tree.map(lambda x: x.shape, expected)
     got = jax.tree.map(lambda x: x.shape, params)
@@ -160,7 +202,9 @@ def initial_params(cfg, drafter_config: DrafterConfig, target) -> dict:
     """The params a fresh run starts from (a resumed run restores its checkpoint instead)."""
     if cfg.init_from:
         logging.info("warm start from the drafter in %s", cfg.init_from)
-        return warm_start_params(cfg.init_from, drafter_config, cfg.seed)
+        return warm_start_params(
+            cfg.init_from, drafter_config, cfg.seed, grow_layers=cfg.init_grow_layers
+        )
     params = init_drafter_params(drafter_config, jax.random.key(cfg.seed))
     if cfg.init_from_target:
         return params_from_target(params, drafter_config, target.config, target.params)

@@ -2,7 +2,13 @@
 cross-entropy through the frozen target lm_head computed in row chunks.
 
 Letters: B batch, S sequence, N blocks (anchors), J block slots (block_size), Q = N*J block rows,
-R flattened rows, C rows per chunk, D model dim, V vocab.
+R flattened rows, C rows per chunk, D model dim, V vocab, K the teacher's top-k.
+
+Distillation (`distill_top_k` > 0): the target's top-K at each label's position (its ids and
+probabilities renormalised over the K) are soft labels: the loss is (1 - a) * hard CE + a * soft
+CE, -sum_k q_k log p_student(t_k). The K ids also join each row's candidate set as exact
+negatives (their true logits in the normaliser, `distill_cross_entropy`), so under a sampled
+softmax a token the target ranks high is never left out of a row's softmax.
 """
 
 from __future__ import annotations
@@ -179,6 +185,89 @@ def chunked_cross_entropy(
     return map_row_chunks(body, (hidden_rd, labels_r), chunk_rows)
 
 
+def teacher_top_k(
+    hidden_rd: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], k: int, chunk_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """The teacher's top-k at each row, [C,V] logits at a time -> (ids [R,K] int32, their
+    probabilities renormalised over the K [R,K] fp32)."""
+
+    def one_chunk(args):
+        (h_cd,) = args
+        values_ck, ids_ck = jax.lax.top_k(logits_fn(h_cd), k)
+        return ids_ck.astype(jnp.int32), jax.nn.softmax(values_ck.astype(jnp.float32), axis=-1)
+
+    return map_row_chunks(one_chunk, (hidden_rd,), chunk_rows)
+
+
+def teacher_extras(
+    teacher_ids_rk: jax.Array, ids_u: jax.Array, bias_u: jax.Array, num_negatives: int
+) -> tuple[jax.Array, jax.Array]:
+    """How each row's teacher ids join its candidates under a sampled softmax
+    (`sampled_vocabulary`'s ids/bias, whose last `num_negatives` slots are the negatives).
+
+    -> (extra_bias [R,K]: 0 for an id to add to the row's normaliser, NEG_INF for one that is
+    already a positive candidate; hits [R,K] fp32: how many live negatives drew that id, whose
+    corrected terms the normaliser takes out again so that the id counts exactly once)."""
+    p = ids_u.shape[0] - num_negatives
+    vocab_end = jnp.iinfo(jnp.int32).max
+    # Real positive slots are sorted ascending; padding (bias NEG_INF) sorts last.
+    positives = jnp.where(bias_u[:p] == 0.0, ids_u[:p], vocab_end)
+    at = jnp.clip(jnp.searchsorted(positives, teacher_ids_rk), 0, p - 1)
+    in_positives = jnp.take(positives, at) == teacher_ids_rk
+    live = jnp.sort(jnp.where(bias_u[p:] > NEG_INF / 2, ids_u[p:], -1))
+    hits = jnp.searchsorted(live, teacher_ids_rk, side="right") - jnp.searchsorted(
+        live, teacher_ids_rk, side="left"
+    )
+    extra_bias = jnp.where(in_positives, NEG_INF, 0.0).astype(jnp.float32)
+    return extra_bias, jnp.where(in_positives, 0, hits).astype(jnp.float32)
+
+
+def distill_cross_entropy(
+    hidden_rd: jax.Array,
+    labels_r: jax.Array,
+    logits_fn: Callable[[jax.Array], jax.Array],
+    rows_logits_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    teacher_ids_rk: jax.Array,
+    teacher_q_rk: jax.Array,
+    extra_bias_rk: jax.Array,
+    hits_rk: jax.Array,
+    correction: float,
+    chunk_rows: int,
+    remat: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`chunked_cross_entropy` with the teacher's ids in each row's softmax.
+
+    logits_fn: [C,D] -> the candidates' fp32 logits [C,U] (with their biases; the full
+    vocabulary when there is no sampled softmax, and then extra_bias is NEG_INF and hits 0);
+    rows_logits_fn: ([C,D], ids [C,K]) -> the student's logits at those ids [C,K].
+    Per row, with z the candidates' and t the teacher ids' logits:
+      lse = log(sum_u e^{z_u} + sum_k e^{t_k + extra_bias_k} - sum_k hits_k e^{t_k + correction}),
+    the hard CE lse - z_label, the soft CE -sum_k q_k (t_k - lse), and the row is correct when
+    the label wins among the candidates and no added teacher id beats it.
+    -> (hard ce [R], soft ce [R], correct [R] bool)."""
+
+    def one_chunk(args):
+        h_cd, y_c, ids_ck, q_ck, extra_ck, hits_ck = args
+        z_cu = logits_fn(h_cd)
+        t_ck = rows_logits_fn(h_cd, ids_ck)
+        added_ck = t_ck + extra_ck
+        m_c = jax.lax.stop_gradient(jnp.maximum(z_cu.max(-1), added_ck.max(-1)))[:, None]
+        total_c = (
+            jnp.exp(z_cu - m_c).sum(-1)
+            + jnp.exp(added_ck - m_c).sum(-1)
+            - (hits_ck * jnp.exp(t_ck + correction - m_c)).sum(-1)
+        )
+        lse_c = m_c[:, 0] + jnp.log(jnp.maximum(total_c, jnp.finfo(jnp.float32).tiny))
+        gold_c = jnp.take_along_axis(z_cu, y_c[:, None], axis=-1)[:, 0]
+        soft_c = -jnp.sum(q_ck * (t_ck - lse_c[:, None]), axis=-1)
+        correct_c = (argmax_last(z_cu) == y_c) & (gold_c >= added_ck.max(-1))
+        return lse_c - gold_c, soft_c, correct_c
+
+    body = jax.checkpoint(one_chunk) if remat else one_chunk
+    rows = (hidden_rd, labels_r, teacher_ids_rk, teacher_q_rk, extra_bias_rk, hits_rk)
+    return map_row_chunks(body, rows, chunk_rows)
+
+
 def block_diffusion_loss(
     hidden_bqd: jax.Array,
     labels_bnj: jax.Array,
@@ -187,9 +276,13 @@ def block_diffusion_loss(
     logits_fn: Callable[[jax.Array], jax.Array],
     chunk_rows: int,
     remat: bool = True,
+    distill: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """loss = sum(w * CE) / sum(w) over valid slots; the anchor slots never reach the lm_head.
-    `remat`: see `chunked_cross_entropy`.
+    `remat`: see `chunked_cross_entropy`. `distill`: {"weight": a, "rows_logits_fn",
+    "teacher_ids"/"teacher_q"/"extra_bias"/"hits" [B,N,J-1,K], "correction"}: CE is then
+    (1 - a) * hard CE + a * soft CE (`distill_cross_entropy`), and the stats add "soft_ce"
+    (its weighted mean) and "hard_ce".
 
     -> (loss, {"correct": [J-1], "count": [J-1], "forced_accepted": [], "full_blocks": []}):
     per-slot (k = 1..J-1) sums for accuracy; and over the blocks whose J-1 slots are all valid,
@@ -200,16 +293,28 @@ def block_diffusion_loss(
     hidden_bnjd = hidden_bqd.reshape(b, n, j, -1)[:, :, 1:]
     labels_bnk = labels_bnj[:, :, 1:]
     valid_bnk = valid_bnj[:, :, 1:]
-    ce_r, correct_r = chunked_cross_entropy(
-        hidden_bnjd.reshape(-1, hidden_bnjd.shape[-1]),
-        labels_bnk.reshape(-1),
-        logits_fn,
-        chunk_rows,
-        remat,
-    )
-    ce_bnk = ce_r.reshape(labels_bnk.shape)
+    hidden_rd = hidden_bnjd.reshape(-1, hidden_bnjd.shape[-1])
     w_bnk = jnp.where(valid_bnk, weights_j[1:][None, None, :], 0.0)
-    loss = jnp.sum(w_bnk * ce_bnk) / jnp.maximum(jnp.sum(w_bnk), 1e-9)
+    mean = lambda x_bnk: jnp.sum(w_bnk * x_bnk) / jnp.maximum(jnp.sum(w_bnk), 1e-9)
+    extra = {}
+    if distill is None:
+        ce_r, correct_r = chunked_cross_entropy(
+            hidden_rd, labels_bnk.reshape(-1), logits_fn, chunk_rows, remat
+        )
+        loss = mean(ce_r.reshape(labels_bnk.shape))
+    else:
+        k = distill["teacher_ids"].shape[-1]
+        per_row = [
+            distill[n].reshape(-1, k) for n in ("teacher_ids", "teacher_q", "extra_bias", "hits")
+        ]
+        hard_r, soft_r, correct_r = distill_cross_entropy(
+            hidden_rd, labels_bnk.reshape(-1), logits_fn, distill["rows_logits_fn"], *per_row,
+            correction=distill["correction"], chunk_rows=chunk_rows, remat=remat,
+        )  # fmt: skip
+        hard, soft = mean(hard_r.reshape(labels_bnk.shape)), mean(soft_r.reshape(labels_bnk.shape))
+        a = distill["weight"]
+        loss = (1.0 - a) * hard + a * soft
+        extra = {"hard_ce": hard, "soft_ce": soft}
     hits_bnk = correct_r.reshape(labels_bnk.shape) & valid_bnk
     full_bn = jnp.all(valid_bnk, axis=-1)
     run_bn = jnp.sum(jnp.cumprod(hits_bnk.astype(jnp.int32), axis=-1), axis=-1)
@@ -218,6 +323,7 @@ def block_diffusion_loss(
         "count": jnp.sum(valid_bnk, axis=(0, 1)).astype(jnp.float32),
         "forced_accepted": jnp.sum(jnp.where(full_bn, run_bn, 0)).astype(jnp.float32),
         "full_blocks": jnp.sum(full_bn).astype(jnp.float32),
+        **extra,
     }
     return loss, stats
 

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from dflash_jax import sharding
@@ -21,17 +22,21 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import (
     Drafter,
     embed_block,
+    finish_logits,
     hidden_to_logits,
     hidden_to_subset_logits,
     unembedding_rows,
 )
 from dflash_jax.models.target import Transformer
 from dflash_jax.training.loss import (
+    NEG_INF,
     block_diffusion_loss,
     block_inputs,
     block_labels,
     position_weights,
     sampled_vocabulary,
+    teacher_extras,
+    teacher_top_k,
 )
 from dflash_jax.training.selector_loss import selector_loss
 
@@ -112,6 +117,45 @@ class OptimizerConfig:
 HEAD_KEEP_BYTES = 1 << 30  # logits kept for the backward below this; rematerialised above
 
 
+def distill_inputs(
+    teacher, anchors_bn, block_size, target_params, target_config, drafter_config, sampled
+) -> dict:
+    """The teacher's top-k (ids, q) [B,S,K] at each block slot's label position: slot k of the
+    block at anchor a is labelled x_{a+k}, which the target predicts at position a+k-1. With a
+    sampled softmax (`sampled` = (ids_u, bias_u, negatives)) the ids' place in each row's
+    candidates comes from `loss.teacher_extras`; over the full vocabulary they are already in.
+    -> `block_diffusion_loss`'s `distill` dict (without its weight)."""
+    ids_bsk, q_bsk = teacher
+    s = ids_bsk.shape[1]
+    # [B,N,J-1] positions a + k - 1 for k = 1..J-1 (clipped: slots past the end are invalid).
+    pos_bnk = jnp.clip(anchors_bn[:, :, None] + jnp.arange(block_size - 1)[None, None, :], 0, s - 1)
+    gather = jax.vmap(lambda x_sk, p_nk: x_sk[p_nk])
+    ids_bnkk, q_bnkk = gather(ids_bsk, pos_bnk), gather(q_bsk, pos_bnk)
+    if sampled is None:
+        extra = jnp.full(ids_bnkk.shape, NEG_INF, jnp.float32)
+        hits, correction = jnp.zeros(ids_bnkk.shape, jnp.float32), 0.0
+    else:
+        ids_u, bias_u, negatives = sampled
+        extra, hits = teacher_extras(ids_bnkk, ids_u, bias_u, negatives)
+        correction = float(np.log(target_config.vocab_size / negatives))
+
+    def rows_logits_fn(h_cd, ids_ck):
+        rows = unembedding_rows(target_params, target_config, ids_ck.reshape(-1))  # [C*K, D]
+        rows_ckd = jax.lax.stop_gradient(rows).reshape(*ids_ck.shape, -1)
+        dtype = jnp.dtype(target_config.dtype)
+        logits_ck = jnp.einsum("cd,ckd->ck", h_cd.astype(dtype), rows_ckd.astype(dtype))
+        return finish_logits(drafter_config, logits_ck)
+
+    return {
+        "teacher_ids": ids_bnkk,
+        "teacher_q": q_bnkk,
+        "extra_bias": extra,
+        "hits": hits,
+        "correction": correction,
+        "rows_logits_fn": rows_logits_fn,
+    }
+
+
 def drafter_loss(
     params,
     target_params,
@@ -125,16 +169,39 @@ def drafter_loss(
     vocab_rng: jax.Array | None = None,
     mesh=None,
     selector_loss_weight: float = 1.0,
+    distill_top_k: int = 0,
+    distill_weight: float = 0.5,
 ):
     """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
     [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1, and for a
     DFlash2 drafter the selector term's figures, `selector_loss.selector_loss`).
-    On a `mesh` the taps and the drafter's hidden states stay split over the batch axes."""
+    On a `mesh` the taps and the drafter's hidden states stay split over the batch axes.
+    distill_top_k > 0 (online taps): the whole target runs, and its top-k at each label's
+    position are soft labels and exact candidates (`loss.distill_cross_entropy`)."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
     block_size = drafter_config.block_size
+    teacher = None
     if "taps" in batch:  # cached by tap_cache
+        if distill_top_k:
+            raise ValueError("distillation needs online taps: a tap cache holds no logits")
         taps_bsf = batch["taps"]
+    elif distill_top_k:
+        positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+        final_bsd, taps_bsf, _ = Transformer(target_config).apply(
+            {"params": target_params},
+            tokens_bs,
+            positions_bs,
+            tap_layers=drafter_config.target_layer_ids,
+            method="hidden",
+        )
+        ids_rk, q_rk = teacher_top_k(
+            jax.lax.stop_gradient(final_bsd).reshape(b * s, -1),
+            lambda h: hidden_to_logits(target_params, target_config, drafter_config, h),
+            distill_top_k,
+            ce_chunk_rows,
+        )
+        teacher = (ids_rk.reshape(b, s, -1), jax.lax.stop_gradient(q_rk).reshape(b, s, -1))
     else:
         positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
         # Layers after the last tap cannot change the taps: skip them (their params go unused).
@@ -192,9 +259,16 @@ def drafter_loss(
     # a full 49K..152K vocabulary is recomputed chunk by chunk.
     columns = ids_u.shape[0] if vocab_negatives else target_config.vocab_size
     keep_bytes = labels_bnj[:, :, 1:].size * columns * 4
+    distill = None
+    if teacher is not None:
+        distill = distill_inputs(
+            teacher, anchors_bn, block_size, target_params, target_config, drafter_config,
+            (ids_u, bias_u, vocab_negatives) if vocab_negatives else None,
+        )  # fmt: skip
+        distill["weight"] = distill_weight
     loss, stats = block_diffusion_loss(
         hidden_bqd, labels_bnj, valid_bnj, weights_j, logits_fn, ce_chunk_rows,
-        remat=keep_bytes > HEAD_KEEP_BYTES,
+        remat=keep_bytes > HEAD_KEEP_BYTES, distill=distill,
     )  # fmt: skip
     if drafter_config.is_dflash2:
         full_logits_fn = lambda h_cd: hidden_to_logits(
@@ -222,6 +296,8 @@ def _train_step(
     vocab_negatives: int = 0,
     mesh=None,
     selector_loss_weight: float = 1.0,
+    distill_top_k: int = 0,
+    distill_weight: float = 0.5,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
@@ -247,6 +323,8 @@ def _train_step(
             vocab_rng=vocab_rng,
             mesh=mesh,
             selector_loss_weight=selector_loss_weight,
+            distill_top_k=distill_top_k,
+            distill_weight=distill_weight,
         )
 
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -271,6 +349,8 @@ STEP_SETTINGS = (
     "ce_chunk_rows",
     "vocab_negatives",
     "selector_loss_weight",
+    "distill_top_k",
+    "distill_weight",
 )
 train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
 _ON_MESH: dict = {}

@@ -53,6 +53,7 @@ METRICS_FILE = "metrics.jsonl"
 NONFINITE_MODES = ("stop", "skip")
 LR_SCHEDULES = ("cosine", "wsd")
 SELECTOR_METRICS = ("selector_loss", "selector_accuracy", "candidate_recall")
+DISTILL_METRICS = ("hard_ce", "soft_ce")
 
 
 class NonFiniteError(FloatingPointError):
@@ -92,6 +93,11 @@ def default_config() -> ml_collections.ConfigDict:
     # distinct labels plus M uniform negatives with log(V/M) correction (loss.sampled_vocabulary),
     # ~V/(rows+M) times cheaper lm_head work; the logged accuracy is then over those candidates.
     cfg.vocab_negatives = 0
+    # Distillation (training/loss.py): K > 0 takes the target's top-K at each label's position
+    # (online taps: the tap pass runs the whole target, then its head) as soft labels with
+    # weight distill_weight, and adds those K ids to each row's softmax as exact negatives.
+    cfg.distill_top_k = 0
+    cfg.distill_weight = 0.5
     # Taps: "online" (a frozen target forward inside every step) or "cached" (computed once into
     # <workdir>/tap_cache, then read; pays from the second epoch, see tap_cache.py).
     cfg.taps = "online"
@@ -111,6 +117,9 @@ def default_config() -> ml_collections.ConfigDict:
     # <workdir>/drafter or the shipped default) when the workdir has no checkpoint yet. A DFlash
     # drafter may start a DFlash2 run (its convolutions and selector start fresh).
     cfg.init_from = ""
+    # With init_from: let that drafter have fewer layers than this run; its layers come first
+    # and the added ones start as identity (zero residual outputs), so step 0 is that drafter.
+    cfg.init_grow_layers = False
     # Warm start with Adam's state: params and optimizer moments from the newest checkpoint of
     # another run's workdir (when this workdir has no checkpoint yet), e.g. to go on training
     # on new data. This run's schedule starts at its own step 0 (warm-up included: set
@@ -241,6 +250,8 @@ def summarize(
         "step_time_s": seconds / timed_steps if timed_steps else None,
         # DFlash2's selector term (training/selector_loss.py), when the drafter has one
         **{k: float(np.mean([m[k] for m in good])) for k in SELECTOR_METRICS if k in good[0]},
+        # distillation's two terms (training/loss.py), when it is on
+        **{k: float(np.mean([m[k] for m in good])) for k in DISTILL_METRICS if k in good[0]},
     }
 
 
@@ -253,6 +264,15 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
             f"config.tap_cache_dtype must be one of {sorted(tap_cache.DTYPES)}, "
             f"got {cfg.tap_cache_dtype!r}"
         )
+    if cfg.distill_top_k < 0:
+        raise ValueError(f"config.distill_top_k must be >= 0, got {cfg.distill_top_k}")
+    if cfg.distill_top_k and cfg.taps != "online":
+        raise ValueError(
+            "config.distill_top_k needs config.taps='online' (the teacher's top-k comes from the "
+            "target's forward inside each step; the tap cache holds no logits)"
+        )
+    if not 0.0 <= cfg.distill_weight <= 1.0:
+        raise ValueError(f"config.distill_weight must be in [0, 1], got {cfg.distill_weight}")
     if cfg.vocab_negatives < 0:
         raise ValueError(f"config.vocab_negatives must be >= 0, got {cfg.vocab_negatives}")
     if cfg.nonfinite not in NONFINITE_MODES:
@@ -279,6 +299,8 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
                 f"config.init_from_checkpoint={cfg.init_from_checkpoint!r}: no {ckpt.name}/ "
                 "there (give a training run's workdir)"
             )
+    if cfg.init_grow_layers and not cfg.init_from:
+        raise ValueError("config.init_grow_layers needs config.init_from (the drafter to grow)")
     if cfg.init_from and not paths.path(cfg.init_from).is_dir():
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
     if cfg.get("mesh"):
@@ -453,6 +475,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         "ce_chunk_rows": cfg.ce_chunk_rows,
         "vocab_negatives": cfg.vocab_negatives,
     }
+    if cfg.distill_top_k:
+        step_settings["distill_top_k"] = int(cfg.distill_top_k)
+        step_settings["distill_weight"] = float(cfg.distill_weight)
     if drafter_config.is_dflash2:
         step_settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
     run_step = _stepper(mesh, cfg.batch_size, step_settings)
