@@ -222,6 +222,7 @@ def test_a_step_limit_stops_the_loop_without_recompiling(adaptive_mode):
     np.testing.assert_array_equal(ar_short.tokens[:, 0], whole.tokens[:, 0])
 
 
+@pytest.mark.slow  # 25 s; CI runs it
 def test_calibrated_costs_are_measured_once_and_cached(monkeypatch, tmp_path):
     import types
 

@@ -25,6 +25,7 @@ def test_prompt_lookup_copies_what_came_after_the_last_match():
     assert prompt_lookup_taus(list(range(5, 30)), list(range(5, 14)), block_size=4) == [4, 4]
 
 
+@pytest.mark.slow  # 22 s; the floors' tests stay in the default suite
 def test_breakdown_reports_every_phase_and_floor():
     tcfg, tp, dcfg, dp = make_pair("qwen3")
     target = types.SimpleNamespace(config=tcfg, params=tp)

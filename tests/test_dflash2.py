@@ -303,7 +303,10 @@ def _index_q_walk(selector_params, dcfg, cfg, hidden, unary_bgk, cand_bgk, ancho
 _WALK = selector.walk
 
 
-@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize(
+    "broken",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # the control: CI runs it
+)
 def test_sampled_dflash2_proposals_are_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second comes from the
     rejection step over the selector's candidates) matches the target's exact law; a rejection

@@ -109,6 +109,7 @@ def _batch(b=2, s=24, n=3):
     }
 
 
+@pytest.mark.slow
 def test_the_teacher_sits_at_each_labels_position_and_weight_0_is_the_plain_loss(tmp_path):
     """Slot k of the block at anchor a is labelled x_{a+k}: its teacher is the target's
     distribution at position a+k-1 (its full forward's logits there). Over the full vocabulary

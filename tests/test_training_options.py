@@ -1,6 +1,7 @@
 """Training options: initialisation from the target, warm start from an exported drafter,
 non-finite steps (stop or skip), and resuming past an unreadable checkpoint."""
 
+import functools
 import json
 import logging
 import shutil
@@ -18,7 +19,12 @@ from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import Drafter, init_drafter_params
 from dflash_jax.models.target import Transformer, init_cache, init_params
 from dflash_jax.training import trainer
-from dflash_jax.training.init import context_tap_for, params_from_target, warm_start_params
+from dflash_jax.training.init import (
+    context_tap_for,
+    grown_params,
+    params_from_target,
+    warm_start_params,
+)
 
 QWEN_TARGET = TargetConfig(
     arch="qwen3",
@@ -62,6 +68,7 @@ def _perturbed_norms(params, key):
     return jax.tree.unflatten(tree, out)
 
 
+@pytest.mark.slow  # 23 s; an option, not the recipe
 def test_init_from_target_starts_with_the_targets_own_context_kv():
     target_params = _perturbed_norms(init_params(QWEN_TARGET, jax.random.key(0)), jax.random.key(1))
     dcfg = _drafter(2, (1, 2))  # copies target layers 2 and 3; tap 1 is layer 2's input
@@ -131,14 +138,14 @@ def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
         ))  # fmt: skip
 
 
-def test_growing_a_drafter_adds_layers_that_start_as_identity(tmp_path):
-    """init_grow_layers: a 1-layer export inside a 2-layer run. Its leaves are kept, the added
-    layer's residual outputs are zero, so the grown drafter's hidden states are the export's;
-    and training moves the added layer (its output projections get gradients)."""
+def test_a_grown_drafter_starts_as_the_one_it_grew_from():
+    """init_grow_layers: a 1-layer drafter's params inside a 2-layer drafter. Its leaves are
+    kept, the added layer's residual outputs are zero, so the grown drafter's hidden states are
+    the smaller one's to the bit; and training moves the added layer (its output projections
+    get gradients)."""
     small, big = _drafter(1, (1, 2)), _drafter(2, (1, 2))
     params = _perturbed_norms(init_drafter_params(small, jax.random.key(0)), jax.random.key(1))
-    save_drafter(tmp_path / "one", small, params)
-    grown = warm_start_params(str(tmp_path / "one"), big, seed=3, grow_layers=True)
+    grown = grown_params(params, 1, big, seed=3)
     assert set(grown) == {"fc", "hidden_norm", "layers_0", "layers_1", "norm"}
     for key in ("fc", "hidden_norm", "layers_0", "norm"):
         jax.tree.map(np.testing.assert_array_equal, grown[key], params[key])
@@ -157,11 +164,24 @@ def test_growing_a_drafter_adds_layers_that_start_as_identity(tmp_path):
             {"params": p}, taps, x, lengths, anchors, 4, method="forward_from_taps"
         )
 
-    np.testing.assert_array_equal(hidden(big, grown), hidden(small, params))
-    grads = jax.grad(lambda p: jnp.sum(hidden(big, p) ** 2))(grown)["layers_1"]
+    np.testing.assert_array_equal(
+        jax.jit(functools.partial(hidden, big))(grown),
+        jax.jit(functools.partial(hidden, small))(params),
+    )
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(hidden(big, p) ** 2)))(grown)["layers_1"]
     assert np.abs(grads["self_attn"]["o_proj"]["kernel"]).max() > 0
     assert np.abs(grads["mlp"]["down_proj"]["kernel"]).max() > 0
 
+
+@pytest.mark.slow
+def test_growing_is_asked_for_and_reads_an_export(tmp_path):
+    """Through `warm_start_params`: an export grows only when asked, only into more layers,
+    and only with init_from."""
+    small, big = _drafter(1, (1, 2)), _drafter(2, (1, 2))
+    params = _perturbed_norms(init_drafter_params(small, jax.random.key(0)), jax.random.key(1))
+    save_drafter(tmp_path / "one", small, params)
+    grown = warm_start_params(str(tmp_path / "one"), big, seed=3, grow_layers=True)
+    jax.tree.map(np.testing.assert_array_equal, grown, grown_params(params, 1, big, seed=3))
     with pytest.raises(ConfigError, match="do not have this run's shapes"):
         warm_start_params(str(tmp_path / "one"), big)  # growing is asked for, never implied
     save_drafter(tmp_path / "two", big, grown)

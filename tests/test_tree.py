@@ -112,7 +112,12 @@ def test_tree_mask_and_attention():
 
 
 @pytest.mark.parametrize(
-    "arch,nodes", [("qwen3", 16), ("qwen3", 5), pytest.param("llama", 12, marks=pytest.mark.slow)]
+    "arch,nodes",
+    [
+        ("qwen3", 16),
+        pytest.param("qwen3", 5, marks=pytest.mark.slow),
+        pytest.param("llama", 12, marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_tree_equals_autoregressive(arch, nodes):
     """Rows of different lengths, each accepting its own paths (deep ones included): the tokens
