@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus
+from test_training import TINY_TARGET, _config, _corpus, tiny_target  # noqa: F401 (a fixture)
 
-from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, init_params
 from dflash_jax.training import trainer
@@ -22,15 +21,6 @@ from dflash_jax.training.loss import (
     teacher_top_k,
 )
 from dflash_jax.training.step import distill_inputs, drafter_loss
-
-
-@pytest.fixture
-def tiny_target(monkeypatch):
-    target = LoadedTarget(
-        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
-    )
-    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
-    return target
 
 
 def _direct(z_rv, labels_r, ids_u, bias_u, negatives, teacher_rk, q_rk, correction):
@@ -170,7 +160,7 @@ def test_bad_distillation_settings_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_distilled_run_learns_under_a_sampled_softmax(tmp_path, tiny_target):
+def test_a_distilled_run_learns_under_a_sampled_softmax(tmp_path, tiny_target):  # noqa: F811
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(
         tmp_path / "data.jsonl", num_steps=40, vocab_negatives=16, distill_top_k=4,
