@@ -167,7 +167,7 @@ def test_adaptive_sampling_is_lossless_across_a_kind_switch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adaptive_mode", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("adaptive_mode", [False, True])
 def test_streamed_tokens_are_the_output(adaptive_mode):
     """Every row's streamed tokens (the loop run a few steps at a time), in order, are exactly
     its output, and the output is the one-call jitted decode's: streaming changes nothing."""

@@ -173,8 +173,8 @@ def warm_start_params(
     if drafter_config.is_dflash2 and not loaded.config.is_dflash2:
         logging.info("init_from: a DFlash drafter; DFlash2's convolutions and selector start fresh")
         params = _with_fresh_dflash2_parts(params, drafter_config, seed)
-    have, want_layers = loaded.config.num_layers, drafter_config.num_layers
     if grow_layers:
+        have, want_layers = loaded.config.num_layers, drafter_config.num_layers
         if have >= want_layers:
             raise ConfigError(
                 f"config.init_grow_layers: init_from={path} has {have} layers, not fewer than "

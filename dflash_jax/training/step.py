@@ -22,7 +22,6 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import (
     Drafter,
     embed_block,
-    finish_logits,
     hidden_to_logits,
     hidden_to_subset_logits,
     unembedding_rows,
@@ -142,9 +141,11 @@ def distill_inputs(
     def rows_logits_fn(h_cd, ids_ck):
         rows = unembedding_rows(target_params, target_config, ids_ck.reshape(-1))  # [C*K, D]
         rows_ckd = jax.lax.stop_gradient(rows).reshape(*ids_ck.shape, -1)
-        dtype = jnp.dtype(target_config.dtype)
-        logits_ck = jnp.einsum("cd,ckd->ck", h_cd.astype(dtype), rows_ckd.astype(dtype))
-        return finish_logits(drafter_config, logits_ck)
+        # Each row against its own K head rows: the sampled head's subset logits, per row.
+        one_row = lambda h_d, rows_kd: hidden_to_subset_logits(
+            target_params, target_config, drafter_config, h_d[None], rows_kd
+        )[0]
+        return jax.vmap(one_row)(h_cd, rows_ckd)
 
     return {
         "teacher_ids": ids_bnkk,
@@ -186,33 +187,31 @@ def drafter_loss(
         if distill_top_k:
             raise ValueError("distillation needs online taps: a tap cache holds no logits")
         taps_bsf = batch["taps"]
-    elif distill_top_k:
-        positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        final_bsd, taps_bsf, _ = Transformer(target_config).apply(
-            {"params": target_params},
-            tokens_bs,
-            positions_bs,
-            tap_layers=drafter_config.target_layer_ids,
-            method="hidden",
-        )
-        ids_rk, q_rk = teacher_top_k(
-            jax.lax.stop_gradient(final_bsd).reshape(b * s, -1),
-            lambda h: hidden_to_logits(target_params, target_config, drafter_config, h),
-            distill_top_k,
-            ce_chunk_rows,
-        )
-        teacher = (ids_rk.reshape(b, s, -1), jax.lax.stop_gradient(q_rk).reshape(b, s, -1))
     else:
         positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        # Layers after the last tap cannot change the taps: skip them (their params go unused).
-        tap_config = target_config.first_layers(max(drafter_config.target_layer_ids) + 1)
-        _, taps_bsf, _ = Transformer(tap_config).apply(
+        # Without distillation the layers after the last tap cannot change the taps: skip them
+        # (their params go unused), and keep one final hidden row instead of all S.
+        pass_config = (
+            target_config
+            if distill_top_k
+            else target_config.first_layers(max(drafter_config.target_layer_ids) + 1)
+        )
+        final_bsd, taps_bsf, _ = Transformer(pass_config).apply(
             {"params": target_params},
             tokens_bs,
             positions_bs,
             tap_layers=drafter_config.target_layer_ids,
-            logit_indices=jnp.zeros((b, 1), jnp.int32),
+            logit_indices=None if distill_top_k else jnp.zeros((b, 1), jnp.int32),
+            method="hidden",
         )
+        if distill_top_k:
+            ids_rk, q_rk = teacher_top_k(
+                jax.lax.stop_gradient(final_bsd).reshape(b * s, -1),
+                lambda h: hidden_to_logits(target_params, target_config, drafter_config, h),
+                distill_top_k,
+                ce_chunk_rows,
+            )
+            teacher = (ids_rk.reshape(b, s, -1), q_rk.reshape(b, s, -1))
     taps_bsf = _split_batch(jax.lax.stop_gradient(taps_bsf), mesh)
     anchors_bn = batch["anchors"]
     block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)

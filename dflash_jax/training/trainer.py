@@ -248,10 +248,13 @@ def summarize(
         "skipped_steps": int(sum(not m["finite"] for m in host)),
         "blocks_per_s": timed_steps * blocks_per_step / seconds if timed_steps else None,
         "step_time_s": seconds / timed_steps if timed_steps else None,
-        # DFlash2's selector term (training/selector_loss.py), when the drafter has one
-        **{k: float(np.mean([m[k] for m in good])) for k in SELECTOR_METRICS if k in good[0]},
-        # distillation's two terms (training/loss.py), when it is on
-        **{k: float(np.mean([m[k] for m in good])) for k in DISTILL_METRICS if k in good[0]},
+        # DFlash2's selector term (training/selector_loss.py) and distillation's two terms
+        # (training/loss.py), when they are on
+        **{
+            k: float(np.mean([m[k] for m in good]))
+            for k in (*SELECTOR_METRICS, *DISTILL_METRICS)
+            if k in good[0]
+        },
     }
 
 
