@@ -216,9 +216,9 @@ def usage_errors():
 
 
 def load_for_prompt(prompt_text: str | None):
-    """What the one-prompt timing scripts (infer.step_cost, infer.stream_cost) start with: the
-    prompt is required, the flags' target and drafter are loaded, and the prompt is rendered in
-    the target's chat template and padded. Bad input is a usage error.
+    """What the one-prompt timing scripts (infer.bench.step_cost, infer.bench.stream_cost) start
+    with: the prompt is required, the flags' target and drafter are loaded, and the prompt is
+    rendered in the target's chat template and padded. Bad input is a usage error.
     -> (target, drafter or None, prompt [1,P], lengths [1])."""
     if not prompt_text:
         raise app.UsageError("--prompt is required")

@@ -34,7 +34,7 @@ FEATURE_EXTRAS = {"apply_chat_template": ("transformers", "chat-template")}
 # Imports that requirements.txt need not provide: (file, import name) -> why. Allowed only
 # inside a function, so that the module imports (and its --help runs) without them.
 OPTIONAL_IMPORTS = {
-    ("infer/ar_vs_transformers.py", "torch"): (
+    ("infer/bench/ar_vs_transformers.py", "torch"): (
         "times transformers' own PyTorch generate beside ours; torch (and accelerate) come "
         "with requirements-dev.txt"
     ),

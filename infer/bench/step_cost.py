@@ -1,6 +1,6 @@
 r"""What each adaptive step kind costs, in AR steps of the same run.
 
-  python -m infer.step_cost --prompt="Write a Python function that checks whether a number \
+  python -m infer.bench.step_cost --prompt="Write a Python function that checks whether a number \
       is prime." --max_new_tokens=128 --repeats=5 --output=results/step_cost.json
 
 Decodes the prompt with the target alone (AR) and with the adaptive loop forced to run one step

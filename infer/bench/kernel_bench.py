@@ -1,7 +1,7 @@
 r"""Attention kernels against XLA (and cuDNN where it applies), one layer at Qwen3-8B shapes.
 
-  python -m infer.kernel_bench --output=results/kernel_bench_h200.json          # on a GPU
-  python -m infer.kernel_bench --what=memory --output=results/kernel_memory.json  # anywhere
+  python -m infer.bench.kernel_bench --output=results/kernel_bench_h200.json          # on a GPU
+  python -m infer.bench.kernel_bench --what=memory --output=results/kernel_memory.json  # anywhere
 
 Cases (--what):
   train   the drafter's training attention: batch x (num_anchors x block_size) queries over

@@ -1,6 +1,6 @@
 r"""How the target's batched decode step grows with the prompt buffer (context length).
 
-  python -m infer.ar_context_scaling --batch_size=8 --buckets=32,512 --max_new_tokens=64
+  python -m infer.bench.ar_context_scaling --batch_size=8 --buckets=32,512 --max_new_tokens=64
 
 For each prompt bucket P, `autoregressive_decode` runs a batch of rows whose prompts fill the
 bucket (real SmolLM2 tokens, every row P long), twice: with `max_new_tokens` and with 1 (prefill

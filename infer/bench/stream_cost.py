@@ -1,6 +1,6 @@
 r"""What streaming costs: the same decode run in one call and streamed in chunks of steps.
 
-  python -m infer.stream_cost --prompt="Write a Python function that checks whether a number \
+  python -m infer.bench.stream_cost --prompt="Write a Python function that checks whether a number \
       is prime." --max_new_tokens=128 --repeats=5
 
 Runs the decode (DFlash with the default drafter, or the target alone with --drafter=none)

@@ -1,7 +1,8 @@
-r"""Autoregressive decode speed: our jitted `autoregressive_decode` beside transformers' own
-`generate` on the same model and prompt, batch 1, greedy, one token per step.
+r"""AR decode speed: our jitted `autoregressive_decode` beside transformers' `generate`.
 
-  python -m infer.ar_vs_transformers --max_new_tokens=128
+Same model and prompt, batch 1, greedy, one token per step.
+
+  python -m infer.bench.ar_vs_transformers --max_new_tokens=128
 
 Both load the same GGUF (transformers dequantises it itself; needs `accelerate` and torch).
 Compilation and warm-up are excluded; the target prefill is excluded from both by subtracting a

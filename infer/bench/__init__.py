@@ -1,0 +1,10 @@
+"""Measuring scripts: each times one thing and prints (or writes) one JSON object for results/.
+
+kernel_bench        attention kernels against XLA, one layer at Qwen3-8B shapes (time, memory)
+ar_vs_transformers  our jitted AR decode beside transformers' `generate`, same model and prompt
+ar_context_scaling  how a batched AR step grows with the prompt buffer
+step_cost           each adaptive step kind's cost, in AR steps of the same run
+stream_cost         the same decode streamed in chunks of steps and run in one call
+
+docs/results.md says which script made which figure. The user CLIs are the modules of infer/.
+"""
