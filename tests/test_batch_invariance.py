@@ -127,6 +127,48 @@ def test_a_batch_of_rows_of_different_lengths(target):
     np.testing.assert_array_equal(verify, batch_ar)
 
 
+# A 16-token tree whose nodes sit at other indices than their depths (node 3 at depth 1, node
+# 15 at depth 7), as a best-first tree's do: parent[i] < i, the root (the anchor) first.
+TREE_PARENTS = np.array([0, 0, 1, 0, 2, 3, 4, 1, 5, 7, 6, 8, 9, 10, 11, 13])
+
+
+@functools.cache
+def _tree_pass(cfg):
+    """Logits of a token tree's verify (`decoding.tree.verify`'s target call: the cache read,
+    not written, each token seeing the cache and its ancestors)."""
+
+    def logits(mdl, tokens, positions, cache, lengths, mask):
+        hidden = mdl.hidden(tokens, positions, cache, lengths, (), None, True, mask)[0]
+        return mdl.unembed(hidden)
+
+    return jax.jit(lambda p, *a: Transformer(cfg).apply({"params": p}, *a, method=logits))
+
+
+def test_a_tree_verify_gives_each_node_its_ar_bits(target):
+    """Each node of a tree verify gets the bits of the AR step that feeds its token after its
+    root path (its keys at start + depth, where the AR step has them): greedy trees are then
+    lossless in bf16 as chains are."""
+    from dflash_jax.ops.attention import tree_attention_mask
+
+    cfg, params, rule = target
+    inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
+    tokens = _tokens(4)[: len(TREE_PARENTS)].astype(np.int32)
+    depth = np.zeros(len(TREE_PARENTS), np.int32)
+    for i in range(1, len(TREE_PARENTS)):
+        depth[i] = depth[TREE_PARENTS[i]] + 1
+    _, cache0 = _prefill(inv, params, jnp.asarray(_tokens()[:P0], jnp.int32)[None])
+    mask = tree_attention_mask(jnp.asarray(TREE_PARENTS, jnp.int32)[None])
+    tree = _tree_pass(inv)(
+        params, tokens[None], jnp.asarray(P0 + depth)[None], cache0, jnp.asarray([P0]), mask
+    )
+    tree = np.asarray(tree.astype(jnp.float32))[0]
+    after = {}  # the cache after each node's AR step, its root path written
+    for i, parent in enumerate(TREE_PARENTS):
+        cache = cache0 if i == 0 else after[parent]
+        step, after[i] = _continue(inv, params, cache, tokens[None, i : i + 1], [P0 + depth[i]])
+        np.testing.assert_array_equal(tree[i], step[0, 0], err_msg=f"node {i} (depth {depth[i]})")
+
+
 def test_the_check_fails_without_the_padding(target):
     """The same comparison with the AR step left at one row (min_rows 1, the matrix-vector
     kernel): some position's logits differ. This is what the rule exists for."""
@@ -215,7 +257,40 @@ def _decode_pair(dtype: str):
     return cfg, params, dcfg, dp
 
 
-def _greedy_equals_ar(dtype, rows, max_new_tokens, modes, control=False):
+def _branching_drafter(params, dp, dtype):
+    """The drafter of `_decode_pair` made to grow bushy trees: its layers add nothing (zero
+    output projections), so each masked slot's hidden is the mask token's embedding, set to
+    E[0] / 25 + E[2]: tokens 0, the mask token, 2 and its twin 3 lead at every depth, and a
+    best-first tree of 16 is three levels of 2-4 children, most nodes at an index other than
+    their depth. The target still emits 0 often, so paths of 0s are accepted."""
+    emb = params["embed_tokens"]["embedding"]
+    mask_row = (emb[0].astype(jnp.float32) / 25 + emb[2].astype(jnp.float32)).astype(dtype)
+    params = {**params, "embed_tokens": {"embedding": emb.at[8191].set(mask_row)}}
+    layer = dp["layers_0"]
+    zero = lambda w: jnp.zeros_like(w)
+    layer = {
+        **layer,
+        "self_attn": {
+            **layer["self_attn"],
+            "o_proj": jax.tree.map(zero, layer["self_attn"]["o_proj"]),
+        },
+        "mlp": {**layer["mlp"], "down_proj": jax.tree.map(zero, layer["mlp"]["down_proj"])},
+    }
+    # The final norm's gain sets how sure the drafter is: 0.3 left beside tokens 0, 2 and 3.
+    x = np.asarray(mask_row, np.float32)
+    z = (x / np.sqrt(np.mean(x**2) + 1e-6)) @ np.asarray(emb, np.float32).T
+    lo, hi = 0.0, 10.0
+    for _ in range(60):
+        gain = (lo + hi) / 2
+        p = np.exp(gain * (z - z.max()))
+        lo, hi = (gain, hi) if p[[0, 2, 3]].sum() / p.sum() < 0.7 else (lo, gain)
+    dp = {**dp, "layers_0": layer, "norm": {"scale": jnp.full_like(dp["norm"]["scale"], gain)}}
+    return params, dp
+
+
+def _greedy_equals_ar(
+    dtype, rows, max_new_tokens, modes, control=False, branching=False, batch_invariant=None
+):
     """Greedy speculative decoding in each of `modes` (DecodeConfig fields) gives the target's
     own greedy tokens, row for row, under the default invariance (on in bf16). control: also
     decode block 16 with `batch_invariant=False` and require a row that differs from the
@@ -224,6 +299,8 @@ def _greedy_equals_ar(dtype, rows, max_new_tokens, modes, control=False):
     from dflash_jax.decoding import autoregressive_decode, speculative_decode
 
     cfg, params, dcfg, dp = _decode_pair(dtype)
+    if branching:
+        params, dp = _branching_drafter(params, dp, dtype)
     rng = np.random.default_rng(7)
     lengths = rng.integers(12, 48, size=rows).astype(np.int32)
     prompt = np.zeros((rows, 48), np.int32)
@@ -231,7 +308,9 @@ def _greedy_equals_ar(dtype, rows, max_new_tokens, modes, control=False):
         phrase = rng.integers(3, 8000, size=6)
         prompt[r, :n] = np.resize(phrase, n)
     key = jax.random.key(0)
-    base = DecodeConfig(max_new_tokens=max_new_tokens, block_size=16)
+    base = DecodeConfig(
+        max_new_tokens=max_new_tokens, block_size=16, batch_invariant=batch_invariant
+    )
     ar = autoregressive_decode(params, prompt, lengths, key, target_config=cfg, decode_config=base)
     multi = 0
     for mode in modes:
@@ -275,4 +354,16 @@ def test_bf16_decoding_equals_ar_on_long_generations():
     _greedy_equals_ar(
         "bfloat16", rows=8, max_new_tokens=320,
         modes=[{}, {"adaptive": True}, {"adaptive": True, "lookup_kinds": (8, 16)}],
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bf16_tree_decoding_equals_bf16_ar():
+    """Trees of 16 (every step, and a kind of the adaptive decode) over a drafter that grows
+    bushy trees (`_branching_drafter`): 8 rows of 128 tokens equal bf16 AR. The verify-level
+    claim, each node's bits, is `test_a_tree_verify_gives_each_node_its_ar_bits`'s; this one
+    is the decode's (the tree's acceptance, the path's K/V and taps moved into the block)."""
+    _greedy_equals_ar(
+        "bfloat16", rows=8, max_new_tokens=128, branching=True,
+        modes=[{"tree_nodes": 16}, {"adaptive": True, "tree_nodes": 16}],
     )  # fmt: skip

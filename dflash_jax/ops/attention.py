@@ -273,7 +273,8 @@ def tiled_attention(
     tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """The target's causal attention, batch-invariant: a query's output is bitwise the same
-    whatever pass holds it (an AR step, any verify, a prefill, a batch of any rows).
+    whatever pass holds it (an AR step, any verify, a tree verify, a prefill, a batch of any
+    rows).
 
     q [B,T,N,H]: T new tokens of row b at slots start[b] + t; cache (k, v) [B,K,S,H] holds
     the slots before start[b] (None: a prefill, nothing before); new_kv (k, v) [B,K,T,H].
@@ -283,14 +284,11 @@ def tiled_attention(
 
     Why it is invariant: XLA compiles an op by its whole shape (a softmax over [1,3,24,64] and
     over [1,3,12,64] round apart on XLA:CPU), so every number here comes from one fixed-shape
-    computation: a loop over (row, query tile) pairs, and inside it a loop over key tiles of
-    `key_tile` slots, each scoring [K, G*Tq, key_tile] with an online softmax. Tq, the queries
-    per tile, is fixed by the row rule (`RowRule.query_tile`); a short last tile is padded.
-    Keys are read in their cache slots, tile by tile from slot 0, the new rows laid over the
-    cache where they belong (the cache itself is not written here). A tile past a query's
-    last visible slot changes nothing exactly (its probabilities are 0 and the running max is
-    kept, so the rescale is exp(0) = 1), so a pass that visits more tiles, for its later
-    queries, gives the earlier ones the same bits.
+    computation, `_tiled_lanes`, over lanes of Tq queries (`RowRule.query_tile`; a short last
+    tile padded). A tree is verified as chains of its root paths (`_tree_lanes`): a node's key
+    must sit where the AR step that feeds its path has it, at start + depth, or a key tile's
+    sums add their terms in another order (laid out by node index, a tree's nodes off the
+    main path got other bits).
     """
     b, t, n, h = q.shape
     new_k, new_v = new_kv
@@ -298,63 +296,113 @@ def tiled_attention(
     g = n // kh
     tq = rows.query_tile(g)
     tiles_q = -(-t // tq)
-    hi_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :] + 1
-    # Padded queries see slot 0 only (never an empty softmax); their outputs are dropped.
+    # Padded queries are dropped. [B*C, K, G*Tq, H], row m = g_i * Tq + t_i (as `attention`
+    # folds them); built here, outside the lanes' loop, for every pass alike.
     q = jnp.pad(q, ((0, 0), (0, tiles_q * tq - t), (0, 0), (0, 0)))
-    hi_bt = jnp.pad(hi_bt, ((0, 0), (0, tiles_q * tq - t)), constant_values=1)
-    # [B*C, K, G*Tq, H], row m = g_i * Tq + t_i (as `attention` folds them).
-    q_xkmh = (
+    q_ykmh = (
         q.reshape(b, tiles_q, tq, kh, g, h).transpose(0, 1, 3, 4, 2, 5).reshape(-1, kh, g * tq, h)
     )
-    hi_xm = jnp.tile(hi_bt.reshape(b, tiles_q, 1, tq), (1, 1, g, 1)).reshape(-1, g * tq)
-    row_x = jnp.repeat(jnp.arange(b, dtype=jnp.int32), tiles_q)
-    tree_xmt = None
-    if tree_mask is not None:  # padded queries see new token 0 only
-        pad_row = jnp.arange(t) == 0
-        tree_mask = jnp.concatenate(
-            [tree_mask, jnp.broadcast_to(pad_row, (b, tiles_q * tq - t, t))], axis=1
-        )
-        tree_xmt = jnp.tile(tree_mask.reshape(b, tiles_q, 1, tq, t), (1, 1, g, 1, 1))
-        tree_xmt = tree_xmt.reshape(-1, g * tq, t)
     if cache is None:  # a prefill: the new rows are the whole key range, from slot 0
         s = -(-t // key_tile) * key_tile
         pad = ((0, 0), (0, 0), (0, s - t), (0, 0))
         cache = (jnp.pad(new_k, pad), jnp.pad(new_v, pad))
-        start_b, new_k, new_v = jnp.zeros_like(start_b), None, None
+        start_b, new_kv = jnp.zeros_like(start_b), None
+    if tree_mask is not None:
+        return _tree_lanes(q_ykmh, cache, new_kv, start_b, key_tile, tree_mask, (t, n, h))
+    # Lane (b, c): row b's queries c*Tq .. c*Tq + Tq - 1 over its new rows in order.
+    query_ct = jnp.arange(tiles_q * tq, dtype=jnp.int32).reshape(tiles_q, tq)
+    hi_bct = jnp.where(query_ct < t, start_b[:, None, None] + query_ct + 1, 1)
+    out_xtnh = _tiled_lanes(
+        q_ykmh, cache, new_kv, jnp.repeat(jnp.arange(b, dtype=jnp.int32), tiles_q),
+        jnp.repeat(start_b, tiles_q), jnp.broadcast_to(query_ct, (b, tiles_q, tq)).reshape(-1, tq),
+        hi_bct.reshape(-1, tq), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b * tiles_q, t)),
+        key_tile, n,
+    )  # fmt: skip
+    return out_xtnh.reshape(b, tiles_q * tq, n, h)[:, :t]
+
+
+def _tree_lanes(q_ykmh, cache, new_kv, start_b, key_tile, tree_mask, tnh):
+    """`tiled_attention` of a token tree [B,T,T] as chains: lane (b, i, c) holds node i's root
+    path laid out by depth (its ancestors' K/V at start + depth, their queries at offsets
+    0..depth), so each query is computed as a chain verify of that path computes it, which
+    gives the AR step's bits. Only leaves' lanes scan the cache (the others' queries see slot 0
+    alone, one key tile); node i is read from the lane of the first leaf at or below it."""
+    t, n, h = tnh
+    b = tree_mask.shape[0]
+    tq = q_ykmh.shape[2] * q_ykmh.shape[1] // n
+    tiles_q = q_ykmh.shape[0] // b
+    depth_bt = jnp.sum(tree_mask, -1, dtype=jnp.int32) - 1
+    leaf_bt = jnp.sum(tree_mask, 1, dtype=jnp.int32) == 1  # no node but itself below it
+    # path[b, i, d]: node i's ancestor at depth d (0 past its depth).
+    depth_d = jnp.arange(tiles_q * tq, dtype=jnp.int32)
+    at_depth_btdt = tree_mask[:, :, None, :] & (depth_bt[:, None, None, :] == depth_d[:, None])
+    path_btd = jnp.argmax(at_depth_btdt, -1).astype(jnp.int32)
+    live_btd = leaf_bt[:, :, None] & (depth_d <= depth_bt[:, :, None])
+    hi_btd = jnp.where(live_btd, start_b[:, None, None] + depth_d + 1, 1)
+    keys_xw = jnp.repeat(path_btd[:, :, :t].reshape(b * t, t), tiles_q, axis=0)
+    out_xtnh = _tiled_lanes(
+        q_ykmh, cache, new_kv, jnp.repeat(jnp.arange(b, dtype=jnp.int32), t * tiles_q),
+        jnp.repeat(start_b, t * tiles_q), path_btd.reshape(-1, tq), hi_btd.reshape(-1, tq),
+        keys_xw, key_tile, n,
+    )  # fmt: skip
+    out_btdnh = out_xtnh.reshape(b, t, tiles_q * tq, n, h)
+    # Node i: the first leaf at or below it (tree_mask[b, j, i]: i is j or its ancestor).
+    leaf_of_bt = jnp.argmax(jnp.swapaxes(tree_mask, 1, 2) & leaf_bt[:, None, :], -1)
+    return out_btdnh[jnp.arange(b)[:, None], leaf_of_bt, depth_bt]
+
+
+def _tiled_lanes(
+    q_ykmh, cache, new_kv, row_x, start_x, query_xt, hi_xt, keys_xw, key_tile: int, n: int
+):
+    """The fixed-shape core of `tiled_attention`, a loop over X lanes of Tq queries each.
+
+    Lane x reads row row_x[x]. Its queries: the row's queries query_xt[x] (an index into its
+    padded T, Tq of them), taken from q folded per query tile (q_ykmh [B*C, K, G*Tq, H], C
+    tiles a row) into [K, G*Tq, H]. Its keys: the cache (k, v) [B,K,S,H] with the row's new rows
+    (k, v) [B,K,W,H] (None: none) laid over slots start_x[x] + w in the order keys_xw[x] (new
+    row keys_xw[x, w] at offset w). Query t sees the slots below hi_xt[x, t]. Inside, a loop
+    over key tiles of `key_tile` slots, each scoring [K, G*Tq, key_tile] with an online softmax,
+    from slot 0 (the cache itself is not written here). A tile past a query's last visible slot
+    changes nothing exactly (its probabilities are 0 and the running max is kept, so the
+    rescale is exp(0) = 1), so a lane that visits more tiles, for its later queries, gives the
+    earlier ones the same bits. The lanes' gathers run inside the loop on its operands as
+    every pass builds them: outside it, XLA:CPU fused RoPE into a gather of q or k and rounded
+    it apart (an optimization barrier does not stop that fusion). -> [X, Tq, N, H]."""
+    _, kh, m, h = q_ykmh.shape
+    g = n // kh
+    tq = m // g
+    tiles_q = q_ykmh.shape[0] // cache[0].shape[0]
+    new_k, new_v = new_kv if new_kv is not None else (None, None)
     s = cache[0].shape[2]
     if s % key_tile:
         raise ValueError(f"cache length {s} is not a multiple of the key tile {key_tile}")
     scale = h**-0.5
 
-    def key_tile_of(buf, new, row, i):
-        tile_kth = jax.lax.dynamic_slice(buf, (row, 0, i * key_tile, 0), (1, kh, key_tile, h))[0]
-        if new is None:
-            return tile_kth
-        slot = i * key_tile + jnp.arange(key_tile)
-        offset = slot - start_b[row]
-        ours = (offset >= 0) & (offset < t)
-        new_kth = jnp.take(new[row], jnp.clip(offset, 0, t - 1), axis=1)
-        return jnp.where(ours[None, :, None], new_kth.astype(buf.dtype), tile_kth)
-
-    def visible(slot_t, hi_m, row, tree_mt):
-        """[M, key_tile]: which of these slots each folded query sees."""
-        if tree_mt is None:
-            return slot_t[None, :] < hi_m[:, None]
-        offset_t = slot_t - start_b[row]
-        ours_t = (offset_t >= 0) & (offset_t < t)
-        tree_vis = jnp.take(tree_mt, jnp.clip(offset_t, 0, t - 1), axis=1) & ours_t[None, :]
-        return (offset_t < 0)[None, :] | tree_vis
-
     def one(args):
-        q_kmh, hi_m, row, tree_mt = args
+        row, start, query_t, hi_t, keys_w = args
+        # Folded row m = g_i * Tq + t_i is query_t[t_i]'s head g_i in its tile's fold.
+        tile_m = jnp.tile(row * tiles_q + query_t // tq, g)
+        col_m = (jnp.arange(g, dtype=jnp.int32)[:, None] * tq + query_t % tq).reshape(-1)
+        q_kmh = q_ykmh[tile_m, :, col_m].transpose(1, 0, 2)
+        hi_m = jnp.tile(hi_t, g)
+
+        def key_tile_of(buf, new, i):
+            tile_kth = jax.lax.dynamic_slice(buf, (row, 0, i * key_tile, 0), (1, kh, key_tile, h))
+            if new is None:
+                return tile_kth[0]
+            offset = i * key_tile + jnp.arange(key_tile) - start
+            w = keys_w.shape[0]
+            ours = (offset >= 0) & (offset < w)
+            new_kth = jnp.take(new[row], keys_w[jnp.clip(offset, 0, w - 1)], axis=1)
+            return jnp.where(ours[None, :, None], new_kth.astype(buf.dtype), tile_kth[0])
 
         def body(i, carry):
             max_km, sum_km, acc_kmh = carry
-            k_kth = key_tile_of(cache[0], new_k, row, i)
-            v_kth = key_tile_of(cache[1], new_v, row, i)
+            k_kth = key_tile_of(cache[0], new_k, i)
+            v_kth = key_tile_of(cache[1], new_v, i)
             sc_kmt = jnp.einsum("kmh,kth->kmt", q_kmh, k_kth, preferred_element_type=jnp.float32)
             slot_t = i * key_tile + jnp.arange(key_tile)
-            vis_mt = visible(slot_t, hi_m, row, tree_mt)
+            vis_mt = slot_t[None, :] < hi_m[:, None]
             sc_kmt = jnp.where(vis_mt[None], sc_kmt * scale, NEG_INF)
             new_max_km = jnp.maximum(max_km, sc_kmt.max(-1))
             rescale_km = jnp.exp(max_km - new_max_km)
@@ -364,7 +412,6 @@ def tiled_attention(
             acc_kmh = acc_kmh * rescale_km[..., None] + pv_kmh.astype(jnp.float32)
             return new_max_km, sum_km, acc_kmh
 
-        m = q_kmh.shape[1]
         init = (
             jnp.full((kh, m), NEG_INF, jnp.float32),
             jnp.zeros((kh, m), jnp.float32),
@@ -372,8 +419,7 @@ def tiled_attention(
         )
         n_tiles = (jnp.max(hi_m) + key_tile - 1) // key_tile
         _, sum_km, acc_kmh = jax.lax.fori_loop(0, n_tiles, body, init)
-        return (acc_kmh / sum_km[..., None]).astype(q.dtype)
+        return (acc_kmh / sum_km[..., None]).astype(q_ykmh.dtype)
 
-    out_xkmh = jax.lax.map(one, (q_xkmh, hi_xm, row_x, tree_xmt))
-    out = out_xkmh.reshape(b, tiles_q, kh, g, tq, h).transpose(0, 1, 4, 2, 3, 5)
-    return out.reshape(b, tiles_q * tq, n, h)[:, :t]
+    out_xkmh = jax.lax.map(one, (row_x, start_x, query_xt, hi_xt, keys_xw))
+    return out_xkmh.reshape(-1, kh, g, tq, h).transpose(0, 3, 1, 2, 4).reshape(-1, tq, n, h)
