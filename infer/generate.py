@@ -4,9 +4,10 @@ r"""Generate text with DFlash speculative decoding (the main job).
   python -m infer.generate --prompt="..." --compare_ar --json
 
 Defaults: the embedded SmolLM2-135M-Instruct target and the drafter shipped with dflash-jax,
-greedy decoding, the target's chat template, text streamed as the loop commits it. Then one
-summary line: tau, tokens/s (DFlash, and with --compare_ar the target alone and the speedup),
-load and compile time, which are never counted in the speed.
+greedy decoding, the target's chat template, text streamed as the loop commits it. Then a few
+summary lines: tau and steps by kind, tokens/s (DFlash, and with --compare_ar the target alone,
+the speedup and whether the outputs are identical), dtype, load and compile time, which are
+never counted in the speed. --json prints the same as one JSON object.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from absl import app, flags
 from dflash_jax import api
 from dflash_jax.config import kind_label
 from dflash_jax.decoding import calibration, programs
-from infer import common
+from infer import common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -136,23 +137,33 @@ def mode_name(cfg, drafter) -> str:
 
 
 def summary(result: dict) -> str:
-    """One line: what ran, tau, speed (and the target alone, with --compare_ar), set-up times."""
+    """A few aligned lines: what ran, tau and steps by kind, the speed (with --compare_ar the
+    target alone's, the speedup and whether the outputs are identical), dtype, set-up times."""
     tau = f"{result['tau_mean']:.2f}" if result["tau_mean"] is not None else "n/a"
-    line = (
-        f"{result['mode']} (block {result['block_size']}): {result['new_tokens']} tokens in "
-        f"{result['steps']} steps, tau {tau}, {result['tokens_per_s']:.1f} tok/s"
-    )
-    if "speedup" in result:
-        same = "identical" if result["outputs_identical"] else "DIFFERENT"
-        line += (
-            f" | target alone {result['ar_tokens_per_s']:.1f} tok/s -> speedup "
-            f"{result['speedup']:.2f}x, outputs {same}"
-        )
+    rows = [("tau", f"{tau} tokens per step")]
     if "step_kind_mix" in result:
-        line += f" | steps by block size {result['step_kind_mix']}"
-    line += f" | {result['dtype']} ({result['dtype_choice']})"
+        rows.append(("steps by kind", report.kind_mix(result["step_kind_mix"])))
+    speed = "speed" if result["mode"] == "autoregressive" else "DFlash"
+    rows.append((speed, f"{result['tokens_per_s']:.1f} tok/s"))
+    if "speedup" in result:
+        rows += [
+            ("target alone", f"{result['ar_tokens_per_s']:.1f} tok/s"),
+            ("speedup", f"{result['speedup']:.2f}x"),
+            ("outputs", report.identical(result["outputs_identical"])),
+        ]
+    invariant = ", batch-invariant" if result["batch_invariant"] else ""
+    if result["dtype_choice"] == "--dtype":
+        rows.append(("dtype", f"{result['dtype']}{invariant}, as --dtype asked"))
+    else:
+        rows.append(("dtype", f"{result['dtype']}{invariant}, chosen by --dtype=auto"))
+        rows.append(("because", result["dtype_choice"]))
     compile_s = result["compile_s"] + result.get("ar_compile_s", 0.0)
-    return f"{line} | load {result['load_s']:.1f}s, compile {compile_s:.1f}s (not timed)"
+    rows.append(("load, compile", f"{result['load_s']:.1f} s, {compile_s:.1f} s (not timed)"))
+    title = (
+        f"{result['mode']}, block {result['block_size']}: {result['new_tokens']} tokens in "
+        f"{result['steps']} steps"
+    )
+    return report.block(title, rows)
 
 
 if __name__ == "__main__":
