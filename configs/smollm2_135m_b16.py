@@ -6,9 +6,9 @@ the reference rule's layers [1, 8, 14, 20, 27] of 30, block 16, 384-token rows (
 step. Real tau is measured on the shipped dev set (code, math, chat).
 
 Recipe from the ablation (`python -m train.ablate`, 8 CPU-minutes per arm, real tau on the dev
-set; README "Training"): 1 layer beat 3 (twice the steps for the same CPU time, and no worse
-per step), lr 1e-3 beat 3e-3, the sampled softmax beat the full CE at equal time, and neither
-init_from_target nor gamma 4 helped tau at this budget.
+set; docs/training.md, "Ablations"): 1 layer beat 3 (twice the steps for the same CPU time, and
+no worse per step), lr 1e-3 beat 3e-3, the sampled softmax beat the full CE at equal time, and
+neither init_from_target nor gamma 4 helped tau at this budget.
 
 CPU budget choices (measured in dflash_jax/training/trainer.py's docstring): taps cached on disk
 after one target pass, and a sampled softmax with 4096 uniform negatives instead of the full

@@ -176,7 +176,7 @@ def floors_by_dtype(
     default decode in that dtype runs (one row, or the row rule's minimum when the dtype decodes
     batch-invariant by default, `programs.run_target_config`) and also at one row:
     {dtype: {"gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s", "ar_rows",
-    "break_even_tau"}}. What `--dtype=auto` compares, and the README's step-cost table."""
+    "break_even_tau"}}. What `--dtype=auto` compares, and docs/results.md's step-cost table."""
     out = {}
     for dtype in dtypes:
         cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
