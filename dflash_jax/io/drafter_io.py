@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -62,6 +63,30 @@ def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: di
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
 
 
+def ignore_closed_loop_callbacks() -> None:
+    """After an Orbax restore fails, the tensorstore reads still in flight finish on their own
+    threads and call back into the restore's event loop, which Orbax has closed by then: each
+    raises "RuntimeError: Event loop is closed" into `sys.unraisablehook`, a traceback apiece
+    printed after the real error. From this call on, those (and only those) are dropped. Call
+    it where a restore has failed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop_callbacks", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
+
+
+def _first_part(e: Exception) -> str:
+    """A tensorstore error's message without the JSON specs it appends (kilobytes of them)."""
+    return str(e).split(" [tensorstore_spec")[0]
+
+
 def restore_drafter(
     directory: str | os.PathLike, dtype: str | None = None, mesh=None
 ) -> LoadedDrafter:
@@ -89,8 +114,10 @@ def restore_drafter(
     try:
         params = ocp.StandardCheckpointer().restore(params_path, abstract)
     except Exception as e:  # orbax/tensorstore raise many types for missing or corrupt files
+        ignore_closed_loop_callbacks()
         raise CheckpointError(
-            f"cannot restore drafter params from {params_path} (config {config_path}): {e}"
+            f"cannot restore drafter params from {params_path} (config {config_path}), damaged "
+            f"or incomplete: {_first_part(e)}; export it again or pass another drafter"
         ) from e
     return LoadedDrafter(config=config, params=params, source=str(directory))
 
