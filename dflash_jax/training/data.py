@@ -23,7 +23,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from dflash_jax.io import paths
+from dflash_jax.io import jsonl, paths
 from dflash_jax.training.anchors import sample_anchors
 
 ARRAY_RECORD_SUFFIX = ".array_record"
@@ -108,8 +108,22 @@ def expand_paths(patterns: str | Iterable[str]) -> list[str]:
             files.update(_glob(str(where)))
     shards = sorted(f for f in files if _suffix(f) in FORMATS.values())
     if not shards:
-        raise FileNotFoundError(f"no {sorted(FORMATS.values())} shards match {list(patterns)}")
+        raise FileNotFoundError(
+            f"no {sorted(FORMATS.values())} shards match {list(patterns)}: give "
+            "train.generate_data's output directory or shard files (globs, comma-separated)"
+        )
     return shards
+
+
+def _checked_jsonl(path) -> list[bytes]:
+    """A jsonl shard's records, each checked once to be a record object (`file:line` named)."""
+    expected = 'a record {"tokens": [...], "loss_mask": [...]} per line (train.generate_data)'
+    lines = jsonl.numbered_lines(paths.path(path).read_bytes().splitlines())
+    for i, line in lines:
+        record = jsonl.parse_line(line, f"{path}:{i}", expected)
+        if not ("tokens" in record and "loss_mask" in record):
+            raise ValueError(f"{path}:{i}: no 'tokens' and 'loss_mask'; expected {expected}")
+    return [line for _, line in lines]
 
 
 def record_source(shards: Sequence[str]) -> Sequence[bytes]:
@@ -119,7 +133,7 @@ def record_source(shards: Sequence[str]) -> Sequence[bytes]:
     if suffixes == {ARRAY_RECORD_SUFFIX}:
         return grain.sources.ArrayRecordDataSource([str(p) for p in shards])
     if suffixes == {JSONL_SUFFIX}:
-        return [line for p in shards for line in read_shard_bytes(p)]
+        return [line for p in shards for line in _checked_jsonl(p)]
     raise ValueError(
         f"shards must all be ArrayRecord or all jsonl, got suffixes {sorted(suffixes)}"
     )

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import os
 import re
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash_jax.io import paths
+from dflash_jax.io import jsonl, paths
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 
 
@@ -33,13 +32,15 @@ def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
     """`.jsonl` lines with a "prompt" field, or any other file as one prompt per line; `path`
     may be a URL."""
     path = paths.path(path)
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip()]
     if path.suffix == ".jsonl":
         texts = []
-        for i, line in enumerate(lines):
-            record = json.loads(line)
-            if "prompt" not in record:
-                raise ValueError(f"{path}:{i + 1}: jsonl prompt records need a 'prompt' field")
+        expected = 'a {"prompt": "..."} object per line'
+        for i, line in jsonl.numbered_lines(text.splitlines()):
+            record = jsonl.parse_line(line, f"{path}:{i}", expected)
+            if not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{i}: no string 'prompt' field; expected {expected}")
             texts.append(record["prompt"])
     else:
         texts = lines
