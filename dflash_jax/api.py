@@ -25,7 +25,9 @@ MIN_BUCKET = 32
 
 
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
-    """Prompt buffers are padded to powers of two so a few compiled shapes serve all prompts."""
+    """Prompt buffers are padded to powers of two so a few compiled shapes serve all prompts.
+    Only a buffer width: the target's context limits each row's real length plus its new
+    tokens (`programs.check_prompt`), never the bucket."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
@@ -212,6 +214,27 @@ def compile_decodes(
     return time.perf_counter() - t0
 
 
+def check_text_prompts(prompts) -> list[str]:
+    """`generate`'s prompts as a list: one string, or a non-empty list (or tuple) of non-empty
+    strings; anything else is refused here, naming the bad item, before a tokenizer sees it."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    usage = "prompts must be a string or a non-empty list of non-empty strings"
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"{usage}, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError(f"{usage}, got an empty list")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise TypeError(
+                f"{usage}, got {type(p).__name__} {p!r:.40} at prompts[{i}] (token ids: "
+                "pad_prompts, then timed_decode)"
+            )
+        if not p:
+            raise ValueError(f"{usage}, got an empty string at prompts[{i}]")
+    return list(prompts)
+
+
 def generate_config(
     target,
     drafter,
@@ -267,8 +290,7 @@ def generate(
     prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`).
     tree_nodes: a step that verifies a token tree of this many tokens (`decoding.tree`): one
     more step kind of an adaptive decode, else every step; 0: no tree."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    prompts = check_text_prompts(prompts)
     cfg = generate_config(
         target, drafter, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, block_size=block_size, adaptive=adaptive, lookup_kinds=lookup_kinds,

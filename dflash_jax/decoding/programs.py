@@ -132,7 +132,10 @@ def step_limit_array(cfg: DecodeConfig, step_limit: int | None) -> jax.Array:
 
 def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) -> None:
     """Refuses a prompt [B,P] and lengths [B] the decode cannot take (a bad shape, an empty row,
-    a length past the buffer, more tokens than the target's context), naming the problem."""
+    a length past the buffer, more tokens than the target's context), naming the problem. The
+    context holds each row's real length plus max_new_tokens: the buffer's padding (P is a
+    power-of-two bucket, `api.bucket_length`) takes no position. Traced lengths (the decode
+    jitted whole) are not known here: then the buffer width stands in for them."""
     if prompt.ndim != 2:
         raise ValueError(f"prompt must be int32 [batch, length], got shape {prompt.shape}")
     if prompt_lengths.shape != prompt.shape[:1]:
@@ -141,13 +144,10 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) 
         )
     if prompt.shape[1] == 0:
         raise ValueError("prompt is empty: at least one token is needed")
-    total = prompt.shape[1] + cfg.max_new_tokens
-    if total > tcfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt length {prompt.shape[1]} + max_new_tokens {cfg.max_new_tokens} = {total} "
-            f"exceeds the target's context of {tcfg.max_position_embeddings} tokens"
-        )
-    if not isinstance(prompt_lengths, jax.core.Tracer):
+    context = tcfg.max_position_embeddings
+    if isinstance(prompt_lengths, jax.core.Tracer):
+        longest, what = prompt.shape[1], "prompt buffer width"
+    else:
         lengths = np.asarray(prompt_lengths)
         if lengths.min() < 1:
             raise ValueError("prompt is empty: every row needs at least one token")
@@ -155,6 +155,15 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) 
             raise ValueError(
                 f"prompt_lengths {lengths.max()} exceeds the prompt buffer width {prompt.shape[1]}"
             )
+        longest = int(lengths.max())
+        row = f" (row {int(lengths.argmax())})" if len(lengths) > 1 else ""
+        what = f"prompt length{row}"
+    if longest + cfg.max_new_tokens > context:
+        raise ValueError(
+            f"{what} {longest} + max_new_tokens {cfg.max_new_tokens} = "
+            f"{longest + cfg.max_new_tokens} exceeds the target's context of {context} tokens; "
+            f"shorten the prompt or ask for at most {max(context - longest, 0)} new tokens"
+        )
 
 
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
