@@ -29,14 +29,16 @@ from absl import app, flags, logging
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, calibration, speculative_decode
-from infer import benchmark, common
+from infer import benchmark, cli, common
 
 FLAGS = flags.FLAGS
 # --dataset, --num_prompts and --output are infer.benchmark's (one definition, the same sets).
 flags.adopt_module_key_flags(common)
 flags.adopt_module_key_flags(benchmark)
 flags.DEFINE_list(
-    "trees", ["16", "32", "64"], "Tree sizes (tree_nodes) to measure beside the chain."
+    "trees",
+    ["16", "32", "64"],
+    f"Tree sizes (tree_nodes) to measure beside the chain, each 2 to {common.MAX_TREE_NODES}.",
 )
 flags.DEFINE_bool(
     "chain", True, "Measure the chain of --block_size (the reference of tau_vs_chain)."
@@ -62,8 +64,10 @@ def main(argv):
         trees = [int(t) for t in FLAGS.trees]
     except ValueError as e:
         raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: sizes must be integers") from e
-    if any(t < 2 for t in trees):
-        raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: a tree has at least 2 nodes")
+    if any(not 2 <= t <= common.MAX_TREE_NODES for t in trees):
+        raise app.UsageError(
+            f"--trees={','.join(FLAGS.trees)}: a tree has 2 to {common.MAX_TREE_NODES} nodes"
+        )
     with common.usage_errors():
         target, drafter, dtype, _ = common.load_models()
         if drafter is None:
@@ -147,4 +151,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -27,9 +27,9 @@ from dflash_jax import api
 from dflash_jax.config import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.decoding import breakdown, calibration, programs
 from dflash_jax.decoding.lookup import prompt_lookup_taus
-from dflash_jax.io import load_target
+from dflash_jax.io import jsonl, load_target
 from dflash_jax.ops import invariance
-from infer import common, report
+from infer import cli, common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -106,14 +106,13 @@ def load_conversations(dataset: str, limit: int) -> list[list[str]]:
         if not path.is_file():
             raise app.UsageError(f"--dataset={dataset}: no such file {path}")
         convs = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
-                    raise app.UsageError(f"{path}:{i}: expected a non-empty string 'prompt'")
-                convs.append([record["prompt"]])
+        expected = 'one {"prompt": "..."} object per line'
+        for i, record in jsonl.read_objects(path, expected):
+            if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                raise app.UsageError(
+                    f"{path}:{i}: no non-empty string 'prompt'; expected {expected}"
+                )
+            convs.append([record["prompt"]])
     else:
         raise app.UsageError(
             f"--dataset={dataset!r}: expected humaneval, mtbench, dev or jsonl:PATH"
@@ -577,4 +576,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

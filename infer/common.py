@@ -50,11 +50,15 @@ flags.DEFINE_float(
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 disables it.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables it.", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
+# Upper bounds of the sizes that set what a decode compiles: past them a compile takes minutes
+# on a CPU (1000 tree nodes: 118 s for 8 tokens) and no drafter gains from them.
+MAX_BLOCK_SIZE = 64
+MAX_TREE_NODES = 256
 flags.DEFINE_integer(
     "block_size", 0,
     "Tokens per draft block (anchor + drafts), at most the drafter's trained size; "
-    "0 = the trained size.",
-    lower_bound=0,
+    f"0 = the trained size. At most {MAX_BLOCK_SIZE}.",
+    lower_bound=0, upper_bound=MAX_BLOCK_SIZE,
 )  # fmt: skip
 flags.DEFINE_integer(
     "tree_nodes", 0,
@@ -62,8 +66,9 @@ flags.DEFINE_integer(
     "drafter's most probable continuations, grown best-first; decoding/tree.py) in one target "
     "pass and commits its longest accepted path. With --adaptive the tree is one more step "
     "kind (recorded as treeN), calibrated and chosen like the others beside the chains of "
-    "--step_kinds and the lookup kinds; without, every step is a tree. 0 = no tree.",
-    lower_bound=0,
+    f"--step_kinds and the lookup kinds; without, every step is a tree. 0 = no tree. At most "
+    f"{MAX_TREE_NODES} (a larger tree takes minutes to compile).",
+    lower_bound=0, upper_bound=MAX_TREE_NODES,
 )  # fmt: skip
 flags.DEFINE_enum(
     "attention_impl", "auto", list(ATTENTION_IMPLS),
@@ -113,13 +118,15 @@ flags.DEFINE_string(
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 flags.register_validator(
     "lookup_kinds",
-    lambda kinds: kinds is None or all(k.strip().isdigit() and int(k) >= 2 for k in kinds),
-    "--lookup_kinds must be integers >= 2, e.g. 8,16",
+    lambda kinds: (
+        kinds is None or all(k.strip().isdigit() and 2 <= int(k) <= MAX_BLOCK_SIZE for k in kinds)
+    ),
+    f"--lookup_kinds must be integers in [2, {MAX_BLOCK_SIZE}], e.g. 8,16",
 )
 flags.register_validator(
     "step_kinds",
-    lambda kinds: all(k.strip().isdigit() and int(k) >= 1 for k in kinds),
-    "--step_kinds must be positive integers, e.g. 1,4,8,16",
+    lambda kinds: all(k.strip().isdigit() and 1 <= int(k) <= MAX_BLOCK_SIZE for k in kinds),
+    f"--step_kinds must be integers in [1, {MAX_BLOCK_SIZE}], e.g. 1,4,8,16",
 )
 
 FLAGS = flags.FLAGS

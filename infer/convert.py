@@ -9,10 +9,11 @@ Library logs (Orbax) show from warnings up; --verbosity=0 shows their INFO lines
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from dflash_jax.io.drafter_io import read_drafter, save_drafter
 from dflash_jax.io.zlab import write_zlab
+from infer import cli
 from infer.logs import quiet_library_logs
 
 _SOURCE = flags.DEFINE_string(
@@ -58,4 +59,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

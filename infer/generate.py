@@ -22,7 +22,7 @@ from absl import app, flags
 from dflash_jax import api
 from dflash_jax.config import kind_label
 from dflash_jax.decoding import calibration, programs
-from infer import common, report
+from infer import cli, common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -167,4 +167,4 @@ def summary(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -42,7 +42,7 @@ from ml_collections import config_flags
 
 from dflash_jax.config import ATTENTION_IMPLS
 from dflash_jax.ops import dispatch
-from infer import aot, distributed  # noqa: F401  (distributed: --mesh)
+from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
 
 PLATFORMS = ("tpu", "cuda")
 WHATS = ("decode", "train")
@@ -226,4 +226,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -32,7 +32,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from infer import aot, distributed  # noqa: F401  (distributed: --mesh)
+from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
 
 CPU_ONLY = "of which f32 weight copies (CPU only)"
 ACTIVATIONS = "activations (temporaries)"
@@ -192,4 +192,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

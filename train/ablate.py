@@ -36,6 +36,7 @@ from dflash_jax.io.drafter_io import load_drafter
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training import trainer
 from dflash_jax.training.evaluation import eval_prompts, evaluate_acceptance
+from infer import cli
 
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -203,4 +204,4 @@ def table(results: dict) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -42,7 +42,7 @@ from dflash_jax.training.prompts import (
     read_prompt_file,
     stdlib_code_prompts,
 )
-from infer import distributed
+from infer import cli, distributed
 
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 
@@ -238,4 +238,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -12,6 +12,7 @@ from absl import app, flags
 
 from dflash_jax.io import paths
 from dflash_jax.training.plots import plot, read_metrics, tau_projection
+from infer import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -44,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -19,6 +19,7 @@ from absl import app, flags
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
 from dflash_jax.io import load_target
+from infer import cli
 from infer.logs import quiet_library_logs
 
 FLAGS = flags.FLAGS
@@ -65,4 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

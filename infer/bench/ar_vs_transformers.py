@@ -15,10 +15,11 @@ import json
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
+from infer import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -38,6 +38,7 @@ from absl import app, flags
 
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import pallas_gpu
+from infer import cli
 
 CASES = ("train", "draft", "verify", "memory")
 SETTINGS = (
@@ -316,4 +317,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

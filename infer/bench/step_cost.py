@@ -25,7 +25,7 @@ from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.config import kind_label
-from infer import common
+from infer import cli, common
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -81,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
