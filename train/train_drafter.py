@@ -4,8 +4,14 @@
         [--config.num_steps=2000 --config.data=data/smollm2]
 
 Rerunning with the same workdir resumes from the last checkpoint (same data order, same
-losses). With `--taps_only` it only builds (or grows) the tap cache of a `taps="cached"` config
-and exits, e.g. while data generation is still writing shards. The drafter is exported to
+losses). A rerun whose drafter or data settings differ from the checkpoints' (saved in
+`<workdir>/run_config.json`) is refused before anything is touched, naming the fields: rerun
+with the old values, or use a new workdir (`--config.init_from_checkpoint=<old workdir>` starts
+it from the old run's weights and Adam state when only the data changed). Unreadable
+checkpoints are moved to `<workdir>/checkpoints_unreadable/`; when no readable one is left, the
+workdir is refused until `--start_over`. With `--taps_only` it only builds (or grows) the tap
+cache of a `taps="cached"` config and exits, e.g. while data generation is still writing
+shards. The drafter is exported to
 `<workdir>/drafter` at every checkpoint; load it with
 `dflash_jax.load_drafter("<workdir>/drafter", target)`. Metrics: `<workdir>/metrics.jsonl`.
 
@@ -20,11 +26,11 @@ exports, all write their part of each checkpoint):
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from dflash_jax.training.trainer import build_taps, train
-from infer import distributed
+from infer import cli, distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -38,13 +44,21 @@ flags.DEFINE_string(
     "workdir", None,
     "Run directory, local or a URL such as gs://bucket/run: checkpoints, metrics.jsonl and the "
     "exported drafter (<workdir>/drafter). Rerunning with the same directory resumes from its "
-    "last checkpoint.",
+    "last checkpoint; a rerun whose drafter or data settings differ from those of the "
+    "checkpoints there (<workdir>/run_config.json) is refused, naming them.",
 )  # fmt: skip
 flags.DEFINE_bool(
     "taps_only", False,
     "Only build (or finish, or grow) the tap cache of a config with taps='cached' for the "
     "data as it is now, then exit; e.g. while train.generate_data is still writing shards. "
     "Records the cache already has are copied, so the run later computes only new shards.",
+)  # fmt: skip
+flags.DEFINE_bool(
+    "start_over", False,
+    "Train from step 0 in a workdir whose checkpoints were all found unreadable and set aside "
+    "in <workdir>/checkpoints_unreadable (its metrics.jsonl and exported drafter are then "
+    "replaced). Without it such a workdir is refused on every rerun, so that a retry never "
+    "silently restarts a run. No effect while a readable checkpoint is left.",
 )  # fmt: skip
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -59,8 +73,8 @@ def main(argv):
         cache = build_taps(FLAGS.config, FLAGS.workdir)
         print(f"tap cache: {len(cache)} records, {int(cache.lengths.sum())} tokens")
         return
-    train(FLAGS.config, FLAGS.workdir)
+    train(FLAGS.config, FLAGS.workdir, start_over=FLAGS.start_over)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

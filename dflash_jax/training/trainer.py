@@ -402,11 +402,18 @@ def build_taps(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> ta
     return _tap_cache(cfg, workdir, source, target, drafter_config)
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+def train(
+    cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, start_over: bool = False
+) -> dict:
     """Trains (or resumes) the run in `workdir` (a local directory or a URL such as
-    `gs://bucket/run`); -> the last logged metrics."""
+    `gs://bucket/run`); -> the last logged metrics. A rerun whose drafter or data differs from
+    the checkpoints' is refused before anything is touched (`checkpoint.check_run_config`); so
+    is a workdir whose checkpoints were all set aside as unreadable, unless `start_over`
+    (then it trains from step 0 there)."""
     check_config(cfg)
     workdir = paths.path(workdir)
+    shards = data.expand_paths(cfg.data)  # missing data is named before anything loads
+    checkpoint.check_resumable(workdir, start_over)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = training_mesh(cfg)
     # The frozen target is placed shard by shard on the mesh (its taps are computed online).
@@ -416,11 +423,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         target, config=dataclasses.replace(target.config, attention_impl=cfg.attention_impl)
     )
     drafter_config = drafter_config_for(cfg, target.config)
+    signature = checkpoint.run_signature(cfg, drafter_config)
+    checkpoint.check_run_config(workdir, signature, cfg)
     if cfg.init_from_target:  # refused before a tap cache is built, not after
         check_init_from_target(target.config)
     loss_gamma = cfg.loss_gamma or default_gamma(cfg.block_size)
 
-    source = data.record_source(data.expand_paths(cfg.data))
+    source = data.record_source(shards)
     train_records, held_out = data.split_holdout(source, cfg.num_eval_prompts, cfg.seed)
     epoch_steps = len(train_records) // cfg.batch_size
     num_steps = cfg.num_steps or cfg.num_epochs * epoch_steps
@@ -468,6 +477,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
         )
     else:
         state = initial_state(cfg, drafter_config, target, optimizer, mesh)
+    checkpoint.save_run_config(workdir, signature, cfg)
     start = int(state["step"])
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
     step_settings = {
