@@ -111,9 +111,9 @@ flags.DEFINE_bool(
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
-    "infer.generate on GPU/TPU: directory of JAX's persistent compilation cache, so that the "
-    "decode loops compile once per shape and machine and later runs load them (empty: off). "
-    "Off on CPU, where a cached executable loaded slower than a compile and ran slower.",
+    "infer.generate: directory of JAX's persistent compilation cache (a subdirectory per "
+    "jax/jaxlib build and machine), so that the decode loops compile once per shape and "
+    "machine and later runs load them (empty: off).",
 )  # fmt: skip
 flags.register_validator("top_p", lambda p: 0.0 < p <= 1.0, "--top_p must be in (0, 1]")
 flags.register_validator(
@@ -189,27 +189,21 @@ def with_attention_impl(target, drafter=None):
 
 
 def enable_compilation_cache() -> None:
-    """Points JAX's persistent compilation cache at --compilation_cache (every compile over a
-    second is kept), so that a second run of a script skips the loop compiles. For scripts
-    whose executables take their weights as arguments (infer.generate): one that closes over
-    them (the benchmark's --breakdown phases) would write ~300 MB entries, for minutes.
+    """Points JAX's persistent compilation cache at --compilation_cache
+    (`programs.enable_persistent_cache`: a directory per jax/jaxlib build and machine), so that
+    a second run of a script loads the loops instead of compiling them. For scripts whose
+    executables take their weights as arguments (infer.generate): one that closes over them
+    (the benchmark's --breakdown phases) would write ~300 MB entries, for minutes.
 
-    Not on CPU: there, an executable read back from the cache took longer to load than to
-    compile afresh (71 s against 55 s for the default adaptive loop) and then ran slower (22.5
-    against 34.5 tok/s on the README's command, 2026-12-02), as if rebuilt without the loop's
-    compiler options (`loop.LOOP_COMPILER_OPTIONS`: without them every step copies the caches).
-    """
+    On a CPU a float32 decode without a row rule is compiled without YNNPACK fusions
+    (`programs.executable_options`): with them, loading the default adaptive loop took ~33 s
+    (against ~34 s to compile it), without them ~5 s, at the same decode speed."""
     if not FLAGS.compilation_cache:
         return
-    import os
+    from dflash_jax.decoding import programs
 
-    import jax
-
-    if jax.default_backend() == "cpu":
-        logging.info("persistent compilation cache off on CPU (slower to load than to compile)")
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    path = programs.enable_persistent_cache(FLAGS.compilation_cache)
+    logging.info("persistent compilation cache: %s", path)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,51 @@ from dflash_jax.ops.invariance import machine_row_rule
 # region analysis proves the read comes first and updates in place. Other backends ignore it.
 LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
+# XLA:CPU's YNNPACK fusions, which the executables of a run without a row rule do without
+# (`executable_options`): loading a cached executable rebuilds each YNN fusion thunk by looking
+# its instructions up one by one (~28 s of a 33 s load of the default adaptive loop, 2026-12-03,
+# perf: xla::HloInstruction::unique_id), while fp32 decodes as fast without them. Programs under
+# a row rule keep them: the rule was probed on the kernels they select.
+NO_YNN_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def enable_persistent_cache(root: str) -> str:
+    """Points JAX's persistent compilation cache at a directory under `root` named for this
+    jax, jaxlib, backend and device (on a CPU: its model and ISA flags), so that an entry is
+    only ever loaded by the build and machine that wrote it (XLA:CPU loads code compiled for
+    other ISA features only to recompile it). Every compile over a second is kept.
+    -> the directory."""
+    import hashlib
+    import os
+    import platform
+
+    import jaxlib
+
+    device = jax.devices()[0]
+    machine = [device.platform, device.device_kind, platform.machine()]
+    if device.platform == "cpu" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        machine += sorted(set(lines))
+    digest = hashlib.sha256("\n".join(machine).encode()).hexdigest()[:12]
+    path = os.path.join(
+        os.path.expanduser(root), f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{digest}"
+    )
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
+
+
+def executable_options(tcfg: TargetConfig) -> dict:
+    """The compiler options of a decode executable for `tcfg` as it runs
+    (`run_target_config`): `LOOP_COMPILER_OPTIONS`, and on a CPU, for a float32 target without
+    a row rule, `NO_YNN_FUSIONS`, so that JAX's persistent cache loads it in seconds."""
+    plain_fp32 = tcfg.invariant_rows is None and jnp.dtype(tcfg.dtype) == jnp.float32
+    if plain_fp32 and jax.default_backend() == "cpu":
+        return {**LOOP_COMPILER_OPTIONS, **NO_YNN_FUSIONS}
+    return dict(LOOP_COMPILER_OPTIONS)
+
+
 # jitted decoder -> (its function, how many param trees lead its arguments, whether its last
 # argument is a loop state, whether it returns one)
 _DECODERS: dict = {}

@@ -53,7 +53,8 @@ def _compile(jitted, args: tuple, statics: dict, mesh):
     if key in _COMPILED:
         return _COMPILED[key], args, 0.0
     t0 = time.perf_counter()
-    _COMPILED[key] = jitted.lower(*args, **statics).compile()
+    options = programs.executable_options(statics["target_config"])
+    _COMPILED[key] = jitted.lower(*args, **statics).compile(compiler_options=options)
     return _COMPILED[key], args, time.perf_counter() - t0
 
 
