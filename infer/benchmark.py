@@ -366,33 +366,6 @@ def breakdown_table(agg: dict) -> str:
     return "\n".join(lines)
 
 
-def summary(result: dict, output: str) -> str:
-    """The end of a run in a few aligned lines: tau (and prompt lookup's), the step kinds taken,
-    both speeds and the speedups, a step's cost in AR steps, identity, dtype."""
-    agg, env = result["aggregate"], result["environment"]
-    fastest = agg["fastest_ar"]
-    rows = [
-        ("tau", f"{agg['tau_mean']:.2f} tokens per step"),
-        ("lookup tau", f"{agg['prompt_lookup_tau_mean']:.2f} (prompt lookup alone, offline)"),
-        ("steps by kind", report.kind_mix(agg["step_kind_mix"], share=True)),
-        ("target alone", f"{agg['ar_tokens_per_s']:.1f} tok/s"),
-        ("DFlash", f"{agg['dflash_tokens_per_s']:.1f} tok/s"),
-        ("speedup", f"{agg['speedup']:.2f}x (mean TPOT of the target alone / DFlash's)"),
-        (
-            "vs fastest AR",
-            f"{agg['speedup_vs_fastest_ar']:.2f}x ({fastest['dtype']}, "
-            f"{fastest['tokens_per_s']:.1f} tok/s)",
-        ),
-        ("one DFlash step", f"{agg['step_cost_ratio']:.2f} AR steps"),
-        ("outputs", report.identical(agg["outputs_identical"])),
-        ("dtype", env["dtype"] + (", batch-invariant" if env["batch_invariant"] else "")),
-        ("written to", output),
-    ]
-    mode = "adaptive, " if env["adaptive"] else ""
-    title = f"{result['dataset']}, {mode}block {env['block_size']}: {agg['turns']} turns"
-    return report.block(title, rows)
-
-
 def plot(path: str, result: dict, turns: list[dict], block_size: int):
     import matplotlib
     import matplotlib.ticker
@@ -572,7 +545,7 @@ def main(argv):
     if FLAGS.breakdown:
         print(breakdown_table(agg))
         print(dtype_floor_table(agg["gemm_floors_by_dtype"]))
-    print(summary(result, FLAGS.output))
+    print(report.benchmark_summary(result, FLAGS.output))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def main(argv):
         return
     if not stream:
         print(result["text"])
-    print(summary(result), file=sys.stderr)
+    print(report.generate_summary(result), file=sys.stderr)
 
 
 def mode_name(cfg, drafter) -> str:
@@ -134,36 +134,6 @@ def mode_name(cfg, drafter) -> str:
         return "autoregressive"
     name = "adaptive dflash" if cfg.adaptive else "dflash"
     return name + (f" + tree of {cfg.tree_nodes}" if cfg.tree_nodes else "")
-
-
-def summary(result: dict) -> str:
-    """A few aligned lines: what ran, tau and steps by kind, the speed (with --compare_ar the
-    target alone's, the speedup and whether the outputs are identical), dtype, set-up times."""
-    tau = f"{result['tau_mean']:.2f}" if result["tau_mean"] is not None else "n/a"
-    rows = [("tau", f"{tau} tokens per step")]
-    if "step_kind_mix" in result:
-        rows.append(("steps by kind", report.kind_mix(result["step_kind_mix"])))
-    speed = "speed" if result["mode"] == "autoregressive" else "DFlash"
-    rows.append((speed, f"{result['tokens_per_s']:.1f} tok/s"))
-    if "speedup" in result:
-        rows += [
-            ("target alone", f"{result['ar_tokens_per_s']:.1f} tok/s"),
-            ("speedup", f"{result['speedup']:.2f}x"),
-            ("outputs", report.identical(result["outputs_identical"])),
-        ]
-    invariant = ", batch-invariant" if result["batch_invariant"] else ""
-    if result["dtype_choice"] == "--dtype":
-        rows.append(("dtype", f"{result['dtype']}{invariant}, as --dtype asked"))
-    else:
-        rows.append(("dtype", f"{result['dtype']}{invariant}, chosen by --dtype=auto"))
-        rows.append(("because", result["dtype_choice"]))
-    compile_s = result["compile_s"] + result.get("ar_compile_s", 0.0)
-    rows.append(("load, compile", f"{result['load_s']:.1f} s, {compile_s:.1f} s (not timed)"))
-    title = (
-        f"{result['mode']}, block {result['block_size']}: {result['new_tokens']} tokens in "
-        f"{result['steps']} steps"
-    )
-    return report.block(title, rows)
 
 
 if __name__ == "__main__":

@@ -32,3 +32,60 @@ def block(title: str, rows: list[tuple[str, str]]) -> str:
 
 def identical(same: bool, to: str = "the target alone") -> str:
     return f"identical to {to}" if same else f"DIFFERENT from {to}"
+
+
+def generate_summary(result: dict) -> str:
+    """A few aligned lines: what ran, tau and steps by kind, the speed (with --compare_ar the
+    target alone's, the speedup and whether the outputs are identical), dtype, set-up times."""
+    tau = f"{result['tau_mean']:.2f}" if result["tau_mean"] is not None else "n/a"
+    rows = [("tau", f"{tau} tokens per step")]
+    if "step_kind_mix" in result:
+        rows.append(("steps by kind", kind_mix(result["step_kind_mix"])))
+    speed = "speed" if result["mode"] == "autoregressive" else "DFlash"
+    rows.append((speed, f"{result['tokens_per_s']:.1f} tok/s"))
+    if "speedup" in result:
+        rows += [
+            ("target alone", f"{result['ar_tokens_per_s']:.1f} tok/s"),
+            ("speedup", f"{result['speedup']:.2f}x"),
+            ("outputs", identical(result["outputs_identical"])),
+        ]
+    invariant = ", batch-invariant" if result["batch_invariant"] else ""
+    if result["dtype_choice"] == "--dtype":
+        rows.append(("dtype", f"{result['dtype']}{invariant}, as --dtype asked"))
+    else:
+        rows.append(("dtype", f"{result['dtype']}{invariant}, chosen by --dtype=auto"))
+        rows.append(("because", result["dtype_choice"]))
+    compile_s = result["compile_s"] + result.get("ar_compile_s", 0.0)
+    rows.append(("load, compile", f"{result['load_s']:.1f} s, {compile_s:.1f} s (not timed)"))
+    title = (
+        f"{result['mode']}, block {result['block_size']}: {result['new_tokens']} tokens in "
+        f"{result['steps']} steps"
+    )
+    return block(title, rows)
+
+
+def benchmark_summary(result: dict, output: str) -> str:
+    """The end of a run in a few aligned lines: tau (and prompt lookup's), the step kinds taken,
+    both speeds and the speedups, a step's cost in AR steps, identity, dtype."""
+    agg, env = result["aggregate"], result["environment"]
+    fastest = agg["fastest_ar"]
+    rows = [
+        ("tau", f"{agg['tau_mean']:.2f} tokens per step"),
+        ("lookup tau", f"{agg['prompt_lookup_tau_mean']:.2f} (prompt lookup alone, offline)"),
+        ("steps by kind", kind_mix(agg["step_kind_mix"], share=True)),
+        ("target alone", f"{agg['ar_tokens_per_s']:.1f} tok/s"),
+        ("DFlash", f"{agg['dflash_tokens_per_s']:.1f} tok/s"),
+        ("speedup", f"{agg['speedup']:.2f}x (mean TPOT of the target alone / DFlash's)"),
+        (
+            "vs fastest AR",
+            f"{agg['speedup_vs_fastest_ar']:.2f}x ({fastest['dtype']}, "
+            f"{fastest['tokens_per_s']:.1f} tok/s)",
+        ),
+        ("one DFlash step", f"{agg['step_cost_ratio']:.2f} AR steps"),
+        ("outputs", identical(agg["outputs_identical"])),
+        ("dtype", env["dtype"] + (", batch-invariant" if env["batch_invariant"] else "")),
+        ("written to", output),
+    ]
+    mode = "adaptive, " if env["adaptive"] else ""
+    title = f"{result['dataset']}, {mode}block {env['block_size']}: {agg['turns']} turns"
+    return block(title, rows)

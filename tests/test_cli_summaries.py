@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from infer import benchmark, generate, report
+from infer import report
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -29,7 +29,7 @@ def _rows(text: str) -> dict[str, str]:
 def test_summaries_are_aligned_lines_of_each_figure():
     run = json.loads((RESULTS / "main_command_run1.json").read_text())  # its --json output
     run.update(dtype="float32", dtype_choice="--dtype", batch_invariant=False)
-    rows = _rows(generate.summary(run))
+    rows = _rows(report.generate_summary(run))
     assert rows["tau"] == "3.27 tokens per step"
     assert rows["steps by kind"] == "35 plain, 30 copy 8, 11 copy 16, 2 block 4"
     assert (rows["DFlash"], rows["target alone"], rows["speedup"]) == (
@@ -41,7 +41,7 @@ def test_summaries_are_aligned_lines_of_each_figure():
 
     bench = json.loads((RESULTS / "tree_bench_dev24_fixed_t32.json").read_text())
     bench["aggregate"]["outputs_identical"] = False
-    rows = _rows(benchmark.summary(bench, "out.json"))
+    rows = _rows(report.benchmark_summary(bench, "out.json"))
     assert rows["steps by kind"] == "100% tree 32"
     assert rows["speedup"].startswith("0.15x") and rows["one DFlash step"] == "12.92 AR steps"
     assert rows["outputs"] == "DIFFERENT from the target alone"
