@@ -100,10 +100,12 @@ def test_target_initialisations_over_a_hybrid_target(tmp_path, hybrid_trainer):
     """Copying the top layers is refused (naming the setting) before any data is read; the
     final norm starts at the target's zero-centred norm's multiplier, 1 + w."""
     target = hybrid_trainer
-    cfg = _config(tmp_path / "missing.jsonl", init_from_target=True)
+    empty = tmp_path / "empty.jsonl"  # found (missing data is refused first), never read
+    empty.touch()
+    cfg = _config(empty, init_from_target=True)
     with pytest.raises(ConfigError, match="init_from_target"):
         trainer.train(cfg, tmp_path / "run")
-    cfg = _config(tmp_path / "missing.jsonl", init_norm_from_target=True)
+    cfg = _config(empty, init_norm_from_target=True)
     params = init.initial_params(cfg, trainer.drafter_config_for(cfg, target.config), target)
     np.testing.assert_allclose(params["norm"]["scale"], 1.0 + target.params["norm"]["scale"])
 
