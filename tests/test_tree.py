@@ -344,3 +344,20 @@ def test_adaptive_sampling_through_a_tree_step_is_lossless():
     assert (np.asarray(out.block_sizes)[:, 0] == tree_kind(12)).all()
     tv = two_token_tv(tcfg, tp, prompt, temperature, out.tokens)
     assert tv < 0.08, tv  # sampling noise ~0.03 (test_sampled_tree_is_lossless)
+
+
+def test_a_tree_under_invariance_is_refused_where_the_ar_step_runs_a_kernel():
+    """The attention kernels take no tree mask: under a row rule, where the AR step and chains
+    run a kernel (here the GPU kernels in interpret mode), a tree verify would run XLA's
+    attention and round apart, so it is refused, naming the ways out; without a rule it
+    falls back to XLA as before."""
+    from dflash_jax.ops import dispatch
+    from dflash_jax.ops.invariance import RowRule
+
+    q, cache, new = jnp.zeros((1, 4, 4, 64)), jnp.zeros((1, 2, 64, 64)), jnp.zeros((1, 2, 4, 64))
+    mask = attention.tree_attention_mask(jnp.array([[0, 0, 0, 1]], jnp.int32))
+    args = (q, (cache, cache), None, (new, new), jnp.array([8], jnp.int32))
+    with pytest.raises(ConfigError, match="attention_impl=xla"):
+        dispatch.cached_attention(*args, impl="pallas", rows=RowRule(2, 32), tree_mask=mask)
+    with pytest.raises(ConfigError, match="no kernel"):  # pallas alone: no fallback either
+        dispatch.cached_attention(*args, impl="pallas", tree_mask=mask)

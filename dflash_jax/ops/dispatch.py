@@ -283,6 +283,14 @@ def cached_attention(
     """
     kernel = _target_kernel(impl, q, old_cache[0], old_cache[1])
     if kernel != "xla" and tree_mask is not None:
+        if rows is not None:  # the AR step and chains run the kernel: a tree's bits would differ
+            raise ConfigError(
+                f"a token tree under batch invariance with attention_impl={impl}: the AR step "
+                f"runs the {kernel} attention kernel, which takes no tree mask, so a tree "
+                "verify's logits would not be the AR step's bits and greedy output could "
+                "differ from the target's; use --attention_impl=xla, --nobatch_invariant "
+                "(not bitwise lossless), or --tree_nodes=0"
+            )
         kernel = _fall_back(impl, "target attention", "a token-tree mask (kernels: causal only)")
     if kernel != "xla":
         fn = _decode_kernel(kernel, "appended_attention")
