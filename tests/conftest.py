@@ -26,3 +26,46 @@ def _private_target_cache():
     ):
         mp.setenv("DFLASH_JAX_CACHE", cache)
         yield
+
+
+# The default suite's time budget, summed over its tests' setup, call and teardown as pytest
+# times them (so over every xdist worker: about twice the wall time on the 2-core CI machine).
+# A whole default run over it fails, naming the sum: the suite is a budget like a kernel's
+# memory (docs/development.md). Headroom over the measured sum, so noise does not fail it;
+# DFLASH_JAX_SUITE_BUDGET_S sets another (a tiny one shows the check failing).
+DEFAULT_SUITE_BUDGET_S = float(os.environ.get("DFLASH_JAX_SUITE_BUDGET_S", "1800"))
+_durations = {"sum": 0.0, "tests": 0}
+
+
+def pytest_runtest_logreport(report):
+    _durations["sum"] += report.duration
+    _durations["tests"] += report.when == "call"
+
+
+def _whole_default_run(config) -> bool:
+    return (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and config.option.markexpr == "not slow"
+        and not config.option.keyword
+        and not config.option.lf
+        and not config.option.deselect
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or not _whole_default_run(session.config):
+        return
+    spent = _durations["sum"]
+    if spent > DEFAULT_SUITE_BUDGET_S and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.config._dflash_budget_line = (
+        f"default suite: {_durations['tests']} tests, {spent:.0f} s summed over workers, "
+        f"budget {DEFAULT_SUITE_BUDGET_S:.0f} s"
+        + (" -- OVER BUDGET" if spent > DEFAULT_SUITE_BUDGET_S else "")
+    )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = getattr(config, "_dflash_budget_line", None)
+    if line:
+        terminalreporter.write_line(line, red="OVER" in line, bold=True)
