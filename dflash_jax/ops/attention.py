@@ -308,7 +308,7 @@ def tiled_attention(
         cache = (jnp.pad(new_k, pad), jnp.pad(new_v, pad))
         start_b, new_kv = jnp.zeros_like(start_b), None
     if tree_mask is not None:
-        return _tree_lanes(q_ykmh, cache, new_kv, start_b, key_tile, tree_mask, (t, n, h))
+        return _tree_lanes(q_ykmh, cache, new_kv, start_b, tree_mask, key_tile, n)
     # Lane (b, c): row b's queries c*Tq .. c*Tq + Tq - 1 over its new rows in order.
     query_ct = jnp.arange(tiles_q * tq, dtype=jnp.int32).reshape(tiles_q, tq)
     hi_bct = jnp.where(query_ct < t, start_b[:, None, None] + query_ct + 1, 1)
@@ -321,16 +321,16 @@ def tiled_attention(
     return out_xtnh.reshape(b, tiles_q * tq, n, h)[:, :t]
 
 
-def _tree_lanes(q_ykmh, cache, new_kv, start_b, key_tile, tree_mask, tnh):
+def _tree_lanes(q_ykmh, cache, new_kv, start_b, tree_mask, key_tile: int, n: int):
     """`tiled_attention` of a token tree [B,T,T] as chains: lane (b, i, c) holds node i's root
     path laid out by depth (its ancestors' K/V at start + depth, their queries at offsets
     0..depth), so each query is computed as a chain verify of that path computes it, which
     gives the AR step's bits. Only leaves' lanes scan the cache (the others' queries see slot 0
-    alone, one key tile); node i is read from the lane of the first leaf at or below it."""
-    t, n, h = tnh
-    b = tree_mask.shape[0]
-    tq = q_ykmh.shape[2] * q_ykmh.shape[1] // n
-    tiles_q = q_ykmh.shape[0] // b
+    alone, one key tile); node i is read from the lane of the first leaf at or below it.
+    q_ykmh: the queries folded per tile as `tiled_attention` folds them; n query heads."""
+    b, t = tree_mask.shape[:2]
+    _, kh, m, h = q_ykmh.shape
+    tq, tiles_q = m * kh // n, q_ykmh.shape[0] // b
     depth_bt = jnp.sum(tree_mask, -1, dtype=jnp.int32) - 1
     leaf_bt = jnp.sum(tree_mask, 1, dtype=jnp.int32) == 1  # no node but itself below it
     # path[b, i, d]: node i's ancestor at depth d (0 past its depth).
