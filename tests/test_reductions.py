@@ -52,3 +52,8 @@ def test_head_argmax_applies_only_with_rows_and_whole_chunks():
     assert not head_argmax_applies(None, 256)
     assert not head_argmax_applies(rows, 250)
     assert head_argmax_applies(rows, 256) == (jax.default_backend() == "cpu")
+
+
+def test_head_argmax_is_not_the_bf16_path():
+    """In bf16 the greedy head is `argmax_last` over one GEMM's logits (the faster there)."""
+    assert not head_argmax_applies(jnp.zeros((256, 4), jnp.bfloat16), 256)

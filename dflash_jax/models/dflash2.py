@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
+from dflash_jax.ops import dots
 
 
 def _identity_taps(key, shape, dtype):
@@ -75,6 +76,7 @@ class GroupedDynamicCausalConv(nn.Module):
             use_bias=False,
             dtype=self.dtype,
             kernel_init=nn.initializers.zeros,
+            dot_general=dots.dot_general,
         )
 
     def prepare(self, h_bqd, block_size: int):
@@ -105,7 +107,9 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embed(
             c.vocab_size, c.selector_rank, dtype=dtype, embedding_init=nn.initializers.zeros
         )
-        self.hidden_projection = nn.Dense(c.selector_rank, use_bias=False, dtype=dtype)
+        self.hidden_projection = nn.Dense(
+            c.selector_rank, use_bias=False, dtype=dtype, dot_general=dots.dot_general
+        )
 
     def project(self, hidden_xd: jax.Array) -> jax.Array:
         """Final-normed drafter hidden [..., D] -> [..., R] (once per block, before the walk)."""
@@ -116,7 +120,7 @@ class CandidateSelector(nn.Module):
         projected hidden [..., R] of its slot -> fp32 [..., K] (added to the unary logits)."""
         p_xr = self.predecessor_codebook(predecessor_x) * h_xr
         s_xkr = self.successor_codebook(candidates_xk)
-        return jnp.einsum("...r,...kr->...k", p_xr, s_xkr).astype(jnp.float32)
+        return dots.einsum("...r,...kr->...k", p_xr, s_xkr, out_dtype=jnp.float32)
 
     def __call__(self, hidden_xd, unary_xk, predecessor_x, candidates_xk) -> jax.Array:
         """Selector scores [..., K] of the candidates: unary + transition (fp32)."""

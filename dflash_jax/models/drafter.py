@@ -28,6 +28,7 @@ from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.models.dflash2 import GroupedDynamicCausalConv, init_selector_params
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.target import Transformer
+from dflash_jax.ops import dots
 from dflash_jax.ops.dispatch import block_attention
 
 
@@ -108,7 +109,7 @@ class Drafter(nn.Module):
     def setup(self):
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype)
+        self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype, dot_general=dots.dot_general)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
         self.layers = [DrafterLayer(c) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
@@ -243,7 +244,7 @@ def hidden_to_subset_logits(
     """`hidden_to_logits` restricted to the vocabulary rows `rows_ud` (from `unembedding_rows`):
     [T, D] -> fp32 [T, U], equal to the full logits' columns for those ids."""
     dtype = jnp.dtype(target_config.dtype)
-    logits_tu = jnp.einsum("td,ud->tu", hidden_td.astype(dtype), rows_ud.astype(dtype))
+    logits_tu = dots.einsum("td,ud->tu", hidden_td.astype(dtype), rows_ud.astype(dtype))
     return finish_logits(drafter_config, logits_tu)
 
 

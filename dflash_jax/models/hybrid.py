@@ -28,6 +28,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm
 from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.moe import SparseMoE
+from dflash_jax.ops import dots
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
 
@@ -68,13 +69,12 @@ class GatedAttentionProjections(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     def setup(self):
-        dg = lambda feats, name: nn.DenseGeneral(feats, use_bias=False, dtype=self.dtype, name=name)
+        opts = dict(use_bias=False, dtype=self.dtype, dot_general=dots.dot_general)
+        dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
         self.q_proj = dg((self.num_heads, 2 * self.head_dim), "q_proj")
         self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")
         self.v_proj = dg((self.num_kv_heads, self.head_dim), "v_proj")
-        self.o_proj = nn.DenseGeneral(
-            self.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="o_proj"
-        )
+        self.o_proj = nn.DenseGeneral(self.hidden_size, axis=(-2, -1), **opts, name="o_proj")
         self.q_norm = ZeroCenteredRMSNorm(self.eps, self.dtype, name="q_norm")
         self.k_norm = ZeroCenteredRMSNorm(self.eps, self.dtype, name="k_norm")
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import thaw
+from dflash_jax.ops import dots
 from dflash_jax.ops.invariance import fixed_rows
 
 Dtype = jnp.dtype
@@ -90,12 +91,13 @@ class MLP(nn.Module):
 
     intermediate_size: int
     dtype: Dtype = jnp.float32
-    dot_general: Callable | None = None  # None: jax.lax.dot_general (see ops.invariance)
+    dot_general: Callable | None = None  # None: `ops.dots.dot_general` (see ops.invariance)
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dot = self.dot_general or dots.dot_general
         dense = lambda f, name: nn.Dense(
-            f, use_bias=False, dtype=self.dtype, dot_general=self.dot_general, name=name
+            f, use_bias=False, dtype=self.dtype, dot_general=dot, name=name
         )
         gate_btf = dense(self.intermediate_size, "gate_proj")(x_btd)
         up_btf = dense(self.intermediate_size, "up_proj")(x_btd)
@@ -115,11 +117,12 @@ class AttentionProjections(nn.Module):
     qk_norm: bool
     eps: float
     dtype: Dtype = jnp.float32
-    dot_general: Callable | None = None  # None: jax.lax.dot_general (see ops.invariance)
+    dot_general: Callable | None = None  # None: `ops.dots.dot_general` (see ops.invariance)
     norm_rows: int = 0  # the q/k norms' `RMSNorm.tile_rows`
 
     def setup(self):
-        opts = dict(use_bias=False, dtype=self.dtype, dot_general=self.dot_general)
+        dot = self.dot_general or dots.dot_general
+        opts = dict(use_bias=False, dtype=self.dtype, dot_general=dot)
         dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
         self.q_proj = dg((self.num_heads, self.head_dim), "q_proj")
         self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")

@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops import dots
+
 CHUNK = 64
 
 
@@ -205,7 +207,9 @@ class GatedDeltaNet(nn.Module):
         -> (out [B,T,D], new state | LinearRows | None)."""
         b, t, d = x_btd.shape
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.dtype, name=name)
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=False, dtype=self.dtype, dot_general=dots.dot_general, name=name
+        )
         x_btc = dense(2 * hk * dk + hv * dv, "in_proj_qkv")(x_btd)
         z_bthv = dense(hv * dv, "in_proj_z")(x_btd).reshape(b, t, hv, dv)
         b_bth = dense(hv, "in_proj_b")(x_btd)

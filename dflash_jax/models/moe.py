@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.layers import MLP
+from dflash_jax.ops import dots
 
 
 def route(logits_me: jax.Array, top_k: int, normalise: bool):
@@ -43,9 +44,9 @@ def experts_forward(x_md, weights_mk, ids_mk, w_gate_edf, w_up_edf, w_down_efd) 
     token_of = order // k
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     x_rd = x_md[token_of]  # R = M*K rows in expert order
-    gate_rf = jax.lax.ragged_dot(x_rd, w_gate_edf.astype(x_md.dtype), group_sizes)
-    up_rf = jax.lax.ragged_dot(x_rd, w_up_edf.astype(x_md.dtype), group_sizes)
-    y_rd = jax.lax.ragged_dot(nn.silu(gate_rf) * up_rf, w_down_efd.astype(x_md.dtype), group_sizes)
+    gate_rf = dots.ragged_dot(x_rd, w_gate_edf.astype(x_md.dtype), group_sizes)
+    up_rf = dots.ragged_dot(x_rd, w_up_edf.astype(x_md.dtype), group_sizes)
+    y_rd = dots.ragged_dot(nn.silu(gate_rf) * up_rf, w_down_efd.astype(x_md.dtype), group_sizes)
     y_rd = y_rd * weights_mk.reshape(-1)[order][:, None]
     return jnp.zeros_like(x_md).at[token_of].add(y_rd)
 
@@ -80,12 +81,15 @@ class SparseMoE(nn.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         b, t, d = x_btd.shape
         x_md = x_btd.reshape(b * t, d)
-        router = nn.Dense(self.num_experts, use_bias=False, dtype=self.dtype, name="gate")
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=False, dtype=self.dtype, dot_general=dots.dot_general, name=name
+        )
+        router = dense(self.num_experts, "gate")
         weights_mk, ids_mk = route(router(x_md), self.top_k, self.normalise)
         experts = Experts(self.num_experts, self.expert_size, name="experts")
         out_md = experts(x_md, weights_mk, ids_mk)
         if self.shared_size:
             shared_md = MLP(self.shared_size, self.dtype, name="shared_expert")(x_md)
-            gate_m1 = nn.Dense(1, use_bias=False, dtype=self.dtype, name="shared_expert_gate")(x_md)
+            gate_m1 = dense(1, "shared_expert_gate")(x_md)
             out_md = out_md + jax.nn.sigmoid(gate_m1) * shared_md
         return out_md.reshape(b, t, d)

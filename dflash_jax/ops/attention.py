@@ -17,6 +17,13 @@ from dflash_jax.ops.invariance import RowRule
 NEG_INF = -1e30
 
 
+def _pv(spec: str, p, v) -> jax.Array:
+    """probabilities (in v's dtype) x values, accumulated and returned in fp32 (the dot policy
+    of `ops.dots`: a bf16 product would run as an upcast fp32 dot on XLA:CPU); each caller
+    casts the attention's output to q's dtype once, at its end."""
+    return jnp.einsum(spec, p, v, preferred_element_type=jnp.float32)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """q [B,T,N,H], k/v [B,K,S,H], mask [B,T,S] bool -> [B,T,N,H] in q's dtype.
 
@@ -37,7 +44,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     scores_bkgts = scores_bkms.reshape(b, kh, g, t, -1) * (h**-0.5)
     scores_bkgts = jnp.where(mask[:, None, None, :, :], scores_bkgts, NEG_INF)
     probs_bkms = jax.nn.softmax(scores_bkgts, axis=-1).reshape(b, kh, g * t, -1)
-    out_bkmh = jnp.einsum("bkms,bksh->bkmh", probs_bkms.astype(v.dtype), v)
+    out_bkmh = _pv("bkms,bksh->bkmh", probs_bkms.astype(v.dtype), v)
     out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out_btnh.astype(q.dtype)
 
@@ -192,7 +199,7 @@ def block_attention(
     pb_bkgti = jnp.exp(blk_bkgti - max_bkgt1)
     denom_bkgt1 = jnp.sum(pc_bkgts, -1, keepdims=True) + jnp.sum(pb_bkgti, -1, keepdims=True)
     pc_bkms = (pc_bkgts / denom_bkgt1).reshape(b, kh, g * t, -1).astype(ctx_v.dtype)
-    out_bkmh = jnp.einsum("bkms,bksh->bkmh", pc_bkms, ctx_v)
+    out_bkmh = _pv("bkms,bksh->bkmh", pc_bkms, ctx_v)
     pb_bknmi = (
         (pb_bkgti / denom_bkgt1)
         .reshape(b, kh, g, nb, j, j)
@@ -200,7 +207,7 @@ def block_attention(
         .reshape(b, kh, nb, g * j, j)
         .astype(blk_v.dtype)
     )
-    blk_out_bknmh = jnp.einsum("bknmi,bknih->bknmh", pb_bknmi, v_bknih)
+    blk_out_bknmh = _pv("bknmi,bknih->bknmh", pb_bknmi, v_bknih)
     blk_out_bkmh = (
         blk_out_bknmh.reshape(b, kh, nb, g, j, h)
         .transpose(0, 1, 3, 2, 4, 5)
@@ -253,8 +260,8 @@ def append_attention(
     p_old_bkms = jnp.exp(old_bkms - max_bkm1)
     p_new_bkmt = jnp.exp(new_bkmt - max_bkm1)
     denom_bkm1 = p_old_bkms.sum(-1, keepdims=True) + p_new_bkmt.sum(-1, keepdims=True)
-    out_bkmh = jnp.einsum("bkms,bksh->bkmh", p_old_bkms.astype(v_cache.dtype), v_cache)
-    out_bkmh += jnp.einsum("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new)
+    out_bkmh = _pv("bkms,bksh->bkmh", p_old_bkms.astype(v_cache.dtype), v_cache)
+    out_bkmh += _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new)
     out_bkmh = out_bkmh / denom_bkm1
     out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out_btnh.astype(q.dtype)
@@ -408,8 +415,8 @@ def _tiled_lanes(
             rescale_km = jnp.exp(max_km - new_max_km)
             p_kmt = jnp.exp(sc_kmt - new_max_km[..., None])
             sum_km = sum_km * rescale_km + p_kmt.sum(-1)
-            pv_kmh = jnp.einsum("kmt,kth->kmh", p_kmt.astype(v_kth.dtype), v_kth)
-            acc_kmh = acc_kmh * rescale_km[..., None] + pv_kmh.astype(jnp.float32)
+            pv_kmh = _pv("kmt,kth->kmh", p_kmt.astype(v_kth.dtype), v_kth)
+            acc_kmh = acc_kmh * rescale_km[..., None] + pv_kmh
             return new_max_km, sum_km, acc_kmh
 
         init = (

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.ops import dots
+
 
 @dataclasses.dataclass(frozen=True)
 class RowRule:
@@ -98,10 +100,11 @@ def fixed_rows(x_md: jax.Array, fn, rows: int) -> jax.Array:
 
 
 def dot_general(rule: RowRule | None):
-    """A `dot_general` for flax's Dense/DenseGeneral that runs under `rule` (None: plain).
-    Contracts the lhs's trailing dims with the rhs's leading dims (what Dense does)."""
+    """A `dot_general` for flax's Dense/DenseGeneral that runs under `rule` (None: as XLA
+    picks, under the dot policy of `ops.dots`: fp32 accumulation, one cast). Contracts the
+    lhs's trailing dims with the rhs's leading dims (what Dense does)."""
     if rule is None or rule == NO_RULE:
-        return jax.lax.dot_general
+        return dots.dot_general
     return functools.partial(_rule_dot_general, rule)
 
 
