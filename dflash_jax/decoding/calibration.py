@@ -17,11 +17,16 @@ import jax
 import numpy as np
 
 from dflash_jax.config import DecodeConfig, cache_root
+from dflash_jax.decoding import programs
 from dflash_jax.decoding.runner import timed_decode
+from dflash_jax.ops.invariance import machine_name
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
 # enough that all kinds together take seconds.
 CALIBRATION_STEPS = 16
+# Part of the cache key: 2 since every product accumulates in fp32 (`ops.dots`), which changed
+# what a bf16 step costs.
+COSTS_VERSION = 2
 
 
 def _cache_file() -> Path:
@@ -30,9 +35,13 @@ def _cache_file() -> Path:
 
 def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
     """What a step's cost depends on: both models, batch and buffer shapes, the kinds, the
-    sampling arithmetic, and the device."""
+    sampling arithmetic, the row rule the run keeps to (batch-invariant or not), the device
+    (a CPU's GEMM features included) and how the products are computed (`COSTS_VERSION`)."""
     device = jax.devices()[0]
     parts = [
+        f"costs{COSTS_VERSION}",
+        repr(programs.run_target_config(target.config, cfg).invariant_rows),
+        machine_name(),
         repr(target.config),
         repr(drafter.config),
         str(getattr(drafter, "source", "")),

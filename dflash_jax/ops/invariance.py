@@ -245,21 +245,33 @@ def target_shapes(config) -> tuple[tuple, ...]:
     return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), head)))
 
 
+# The CPU features that change which GEMM kernels XLA:CPU runs (and so row rules, floors and
+# step costs): a VM's "model name" can be the same ("AMD EPYC") on hosts with and without them.
+GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
 def machine_name() -> str:
-    """The CPU model (GEMM kernels differ by instruction set), or the accelerator's kind."""
+    """The CPU model and its GEMM features (`GEMM_CPU_FLAGS`: GEMM kernels differ by
+    instruction set), e.g. "cpu:AMD EPYC [avx2 avx512f avx512_bf16]", or the accelerator's kind."""
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
+    model, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return "cpu:" + line.split(":", 1)[1].strip()
+                if line.startswith("model name") and model is None:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    import platform
+    if model is None:
+        import platform
 
-    return "cpu:" + (platform.processor() or platform.machine())
+        model = platform.processor() or platform.machine()
+    features = " ".join(f for f in GEMM_CPU_FLAGS if f in flags)
+    return f"cpu:{model} [{features}]" if features else f"cpu:{model}"
 
 
 def machine_row_rule(config) -> RowRule:
