@@ -5,7 +5,6 @@ call `speculative_decode` directly."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import os
 import time
@@ -151,25 +150,36 @@ class TokenStream:
                     self._text[row] = text
 
 
-def fastest_dtype(target, drafter, block_size: int) -> tuple[str, dict[str, float]]:
+def fastest_dtype(
+    target, drafter, block_size: int, batch_invariant: bool | None = None
+) -> tuple[str, dict[str, float]]:
     """The precision to decode in when the user does not say: the one whose DFlash step floor
-    (`block_size` rows through the target's and the drafter's matrices and the head,
-    `decoding.breakdown.gemm_floors`, weights cast) is fastest on this machine. bf16 wins where
-    matrix units make a 16-row pass cheap (an Intel Xeon with AMX: 28 ms vs 56 ms in fp32 for
-    SmolLM2) and loses badly without them (an AMD EPYC without AVX-512: ~9x slower). Measured
-    once per machine and shapes, kept in <cache_root>/dtype_floors.json. The target alone
-    (drafter None): float32, whose one-row pass is the fast one everywhere measured.
-    -> (dtype, {dtype: step floor in seconds})."""
+    (`block_size` rows through the target's and the drafter's matrices and the head, weights
+    cast) is fastest on this machine, each computed as the model computes it in the setting
+    the decode will run (`decoding.floors.gemm_floors` under `floors.run_config`: the dot
+    policy, the row rule when `batch_invariant` (None: each dtype's default) makes it
+    invariant, the decode's compiler options). bf16 wins where bf16 units make a 16-row pass
+    cheap (an AMD EPYC with avx512_bf16, an Intel Xeon with AMX) and loses without them (an AMD
+    EPYC without AVX-512: ~9x slower). Measured once per machine (its CPU features included),
+    shapes and setting, kept in <cache_root>/dtype_floors.json. The target alone (drafter
+    None): float32, whose one-row pass is the fast one everywhere measured.
+    -> (dtype, {setting, e.g. "bfloat16 batch-invariant": its step floor in seconds})."""
     if drafter is None:
         return "float32", {}
-    from dflash_jax.decoding import breakdown
+    from dflash_jax.decoding import floors as floors_lib
     from dflash_jax.ops.invariance import machine_name
 
+    settings = {
+        dtype: floors_lib.run_config(target.config, dtype, batch_invariant)
+        for dtype in ("float32", "bfloat16")
+    }
     path = cache_root() / "dtype_floors.json"
     key = "|".join(
-        [machine_name(), jax.__version__, repr(target.config.num_layers),
-         repr(target.config.hidden_size), repr(target.config.intermediate_size),
-         repr(target.config.vocab_size), repr(drafter.config.num_layers), str(block_size)]
+        [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), jax.__version__,
+         repr(target.config.num_layers), repr(target.config.hidden_size),
+         repr(target.config.intermediate_size), repr(target.config.vocab_size),
+         repr(drafter.config.num_layers), str(block_size),
+         *(f"{d}:{c.invariant_rows}" for d, c in settings.items())]
     )  # fmt: skip
     try:
         table = json.loads(path.read_text())
@@ -177,13 +187,12 @@ def fastest_dtype(target, drafter, block_size: int) -> tuple[str, dict[str, floa
         table = {}
     if key not in table:
         floors = {}
-        for dtype in ("float32", "bfloat16"):
+        for dtype, tcfg in settings.items():
             cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
-            tcfg = dataclasses.replace(target.config, dtype=dtype)
-            out = breakdown.gemm_floors(
+            out = floors_lib.gemm_floors(
                 cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
             )
-            floors[dtype] = out["gemm_floor_step_s"]
+            floors[floors_lib.setting_name(tcfg)] = out["gemm_floor_step_s"]
         table[key] = floors
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +202,7 @@ def fastest_dtype(target, drafter, block_size: int) -> tuple[str, dict[str, floa
         except OSError:
             pass  # a read-only cache: measured again next time
     floors = table[key]
-    return min(floors, key=floors.get), floors
+    return min(floors, key=floors.get).split()[0], floors
 
 
 def compile_decodes(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 from absl import app, flags, logging
 
@@ -153,7 +154,8 @@ def decode_config(
 def load_models(block_size: int = 0):
     """(target, drafter, dtype, why) as the flags ask, on the mesh of --mesh (`distributed`),
     with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` at `block_size` (0: the
-    default block size), `why` saying what it measured (None when --dtype was given)."""
+    default block size) and --batch_invariant, `why` saying what it chose and the floors it
+    compared, on one line, which is also printed (None when --dtype was given)."""
     mesh = distributed.mesh()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
     load = lambda dt: with_attention_impl(
@@ -163,12 +165,15 @@ def load_models(block_size: int = 0):
     why = None
     if FLAGS.dtype == "auto":
         block = block_size or (api.default_block_size(target, drafter) if drafter else 1)
-        dtype, floors = api.fastest_dtype(target, drafter, block)
-        if floors:
-            costs = ", ".join(f"{d} {1e3 * s:.1f} ms" for d, s in floors.items())
-            why = f"a {block}-row DFlash step floor costs {costs} here"
+        dtype, floors = api.fastest_dtype(target, drafter, block, FLAGS.batch_invariant)
+        if floors:  # each as the model computes it in the setting it would run
+            short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
+            costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())
+            why = f"{dtype}: {block}-row step floors {costs}"
         else:
-            why = "the target alone runs one row per step, fastest in float32"
+            why = "float32: the target alone runs one row per step, fastest in float32"
+        if distributed.is_primary():
+            print(f"--dtype=auto chose {why}", file=sys.stderr, flush=True)
         if dtype != "float32":
             target, drafter = load(dtype)
     return target, drafter, dtype, why

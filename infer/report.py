@@ -69,6 +69,8 @@ def benchmark_summary(result: dict, output: str) -> str:
     both speeds and the speedups, a step's cost in AR steps, identity, dtype."""
     agg, env = result["aggregate"], result["environment"]
     fastest = agg["fastest_ar"]
+    invariant = ", batch-invariant" if env["batch_invariant"] else ""
+    auto = env.get("dtype_choice", "--dtype") != "--dtype"
     rows = [
         ("tau", f"{agg['tau_mean']:.2f} tokens per step"),
         ("lookup tau", f"{agg['prompt_lookup_tau_mean']:.2f} (prompt lookup alone, offline)"),
@@ -83,7 +85,8 @@ def benchmark_summary(result: dict, output: str) -> str:
         ),
         ("one DFlash step", f"{agg['step_cost_ratio']:.2f} AR steps"),
         ("outputs", identical(agg["outputs_identical"])),
-        ("dtype", env["dtype"] + (", batch-invariant" if env["batch_invariant"] else "")),
+        ("dtype", env["dtype"] + invariant + (", chosen by --dtype=auto" if auto else "")),
+        *([("because", env["dtype_choice"])] if auto else []),
         ("written to", output),
     ]
     mode = "adaptive, " if env["adaptive"] else ""

@@ -91,24 +91,50 @@ def _largest_constant(lowered) -> int:
 
 
 @pytest.mark.slow
-def test_floors_by_dtype_time_each_precision_at_the_rows_its_decode_runs():
-    """fp32 decodes one plain row per AR step; bf16 decodes batch-invariant, its AR step padded
-    to the row rule's minimum, so its AR floor is timed there and at one row too."""
+def test_floors_by_dtype_time_each_setting_as_its_decode_computes():
+    """Each dtype plain and batch-invariant: a plain AR floor runs one row, an invariant one the
+    row rule's minimum (the rule that `run_target_config` gives that dtype)."""
     import dataclasses
 
     from dflash_jax.decoding import programs
 
     tcfg, tp, dcfg, dp = make_pair("qwen3")
     out = breakdown.floors_by_dtype(tp, tcfg, dp, rows=8, repeats=3)
-    assert set(out) == {"float32", "bfloat16"}
-    assert out["float32"]["ar_rows"] == 1
-    bf16 = dataclasses.replace(tcfg, dtype="bfloat16", invariant_rows=None)
-    rule = programs.run_target_config(bf16, DecodeConfig()).invariant_rows
-    assert out["bfloat16"]["ar_rows"] == rule[0]
+    names = {f"{d} {s}" for d in ("float32", "bfloat16") for s in ("plain", "batch-invariant")}
+    assert set(out) == names
+    for dtype in ("float32", "bfloat16"):
+        plain = dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None)
+        rule = programs.run_target_config(plain, DecodeConfig(batch_invariant=True))
+        assert out[f"{dtype} plain"]["ar_rows"] == 1
+        assert out[f"{dtype} plain"]["row_rule"] is None
+        assert out[f"{dtype} batch-invariant"]["row_rule"] == list(rule.invariant_rows)
+        assert out[f"{dtype} batch-invariant"]["ar_rows"] == rule.invariant_rows[0]
     for floors in out.values():
-        for name in ("gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s"):
+        for name in ("gemm_floor_ar_s", "gemm_floor_step_s"):
             assert floors[name] > 0, name
         assert floors["break_even_tau"] == floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"]
+
+
+def test_floors_compute_each_product_as_the_model_does():
+    """In bf16 every floor product accumulates in fp32 (no bf16-result dot asked for); under a
+    row rule the target's products and the head are the rule's isolated GEMMs (one row padded
+    to the rule's minimum), the drafter's the plain policy's."""
+    import dataclasses
+    import re
+
+    import jax
+
+    tcfg, tp, dcfg, dp = make_pair("qwen3")
+    cast = lambda tree: jax.tree.map(lambda w: w.astype("bfloat16"), tree)
+    for rule in (None, (2, 8)):
+        cfg = dataclasses.replace(tcfg, dtype="bfloat16", invariant_rows=rule)
+        fns = breakdown.floor_fns(cast(tp), cfg, cast(dp), rows=8)
+        for name, (step, carry, weights) in fns.items():
+            text = jax.jit(lambda c, w, step=step: step(c, *w)).lower(carry, weights).as_text()
+            dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+            assert dots and not [d for d in dots if re.search(r"-> tensor<[0-9x]*bf16>", d)]
+            if rule is not None and name == "gemm_floor_ar_s":  # one row, padded to 2
+                assert all("tensor<1x" not in d.split("->")[-1] for d in dots), name
 
 
 def test_floors_and_phases_take_the_weights_as_arguments():

@@ -48,3 +48,6 @@ def test_summaries_are_aligned_lines_of_each_figure():
     assert report.kind_mix({"1": 0.7, "-8": 0.297, "16": 0.003}, share=True) == (
         "70% plain, 30% copy 8, <1% block 16"
     )
+    # --dtype=auto: its choice and the floors it compared, on one line.
+    assert rows["dtype"] == "float32, chosen by --dtype=auto"
+    assert rows["because"] == bench["environment"]["dtype_choice"]

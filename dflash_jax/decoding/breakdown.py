@@ -30,6 +30,7 @@ from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import phases, programs, selector, tree
 from dflash_jax.decoding.floors import (
     bracket_floors,
+    compile_options,
     floor_fns,
     floors_by_dtype,
     gemm_floors,
@@ -244,12 +245,14 @@ def _tree_phase_fns(state, hidden_bgd, head, start_b, key, tcfg, dcfg, cfg, weig
     }
 
 
-def phase_times(*args, repeats: int = 20, **kwargs) -> dict:
+def phase_times(*args, repeats: int = 20, compiler_options=None, **kwargs) -> dict:
     """{"phase_<name>_s": seconds per call} for every phase `phase_fns` gives (`phase_names`,
-    and with a tree `TREE_PHASES`) (`loop_time` over `repeats` calls); the arguments are
-    `phase_fns`'."""
+    and with a tree `TREE_PHASES`) (`loop_time` over `repeats` calls, compiled with
+    `compiler_options`); the other arguments are `phase_fns`'."""
     fns = phase_fns(*args, **kwargs)
-    return {f"phase_{name}_s": loop_time(*fn, repeats) for name, fn in fns.items()}
+    return {
+        f"phase_{name}_s": loop_time(*fn, repeats, compiler_options) for name, fn in fns.items()
+    }
 
 
 def breakdown(
@@ -264,7 +267,7 @@ def breakdown(
     ar_rows = run_cfg.invariant_rows[0] if run_cfg.invariant_rows else 1
     out = gemm_floors(
         target.params,
-        target.config,
+        run_cfg,
         drafter.params,
         cfg.block_size,
         repeats,
@@ -282,6 +285,7 @@ def breakdown(
             cfg,
             live_length,
             repeats=repeats,
+            compiler_options=compile_options(run_cfg),
         )
     )
     out["phases_sum_s"] = sum(out[f"phase_{p}_s"] for p in phase_names(drafter.config))

@@ -3,7 +3,13 @@
 
 GEMM floor: the time to multiply a batch of rows through every weight matrix of a model, the
 lm_head included, with nothing else (no attention, norms, RoPE, caches or sampling): what the
-hardware needs for the weights alone.
+hardware needs for the weights alone. Each product is computed as the model computes it for the
+config it runs (`programs.run_target_config`): in its dtype, by the dot policy (`ops.dots`: fp32
+accumulation, one cast), under the row rule when the run is batch-invariant (rows padded to the
+rule's minimum and cut into its tiles, each GEMM isolated: `ops.invariance.dot_general`), the
+head as `models.target.Head` runs it, compiled with the decode's compiler options. (Plain
+`x @ w` products in bf16 measured a path no decode runs: on XLA:CPU an fp32 dot of widened
+operands, 2-8x slower than the model's bf16 GEMMs on a CPU with bf16 units.)
   * `gemm_floor_ar_s`: 1 row through the target;
   * `gemm_floor_step_s`: T rows through the target (the verify) plus T rows through the
     drafter's layers and `fc` (the draft and the context append), plus the head for the T-1
@@ -24,23 +30,30 @@ import numpy as np
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
-from dflash_jax.models.target import unembedding_matrix
+from dflash_jax.models.target import decoding_head, row_rule
+from dflash_jax.ops import dots, invariance
+
+# Part of the key of the floors kept on disk (`api.fastest_dtype`): 2 computes every product as
+# the model does (1 timed plain `x @ w` products, in bf16 a path no decode runs).
+FLOORS_VERSION = 2
 
 
-def loop_time(step, carry, weights, repeats: int) -> float:
+def loop_time(step, carry, weights, repeats: int, compiler_options=None) -> float:
     """Seconds per call of `step` (carry, *weights -> carry), run `repeats` times inside one
     jitted `fori_loop` compiled as the decode loop is: no per-call dispatch, buffers the step
     updates are updated in place, and the weights are arguments of the jitted function, as the
     decode's params are. (Closed over, they would be constants of the executable, which XLA:CPU
     multiplies faster: 16 rows through SmolLM2's matrices took ~9% less time that way, a floor
-    no decode can reach.) Median of 3 timed runs, after a compiling one."""
+    no decode can reach.) compiler_options: the decode executable's
+    (`programs.executable_options`; None: `LOOP_COMPILER_OPTIONS`). Median of 3 timed runs,
+    after a compiling one."""
     run = jax.jit(
-        lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c),
-        donate_argnums=0,
-        compiler_options=LOOP_COMPILER_OPTIONS,
+        lambda c, w: jax.lax.fori_loop(0, repeats, lambda i, c: step(c, *w), c), donate_argnums=0
     )
+    options = LOOP_COMPILER_OPTIONS if compiler_options is None else compiler_options
     # Own copies: the loop donates its carry, and phases share their inputs.
     carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
+    run = run.lower(carry, weights).compile(compiler_options=options)
     carry = jax.block_until_ready(run(carry, weights))
     times = []
     for _ in range(3):
@@ -48,6 +61,13 @@ def loop_time(step, carry, weights, repeats: int) -> float:
         carry = jax.block_until_ready(run(carry, weights))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / repeats
+
+
+def compile_options(tcfg: TargetConfig) -> dict:
+    """The compiler options of the decode executables for `tcfg` as it runs
+    (`programs.executable_options`: on a CPU a plain fp32 decode is compiled without YNNPACK
+    fusions, and its floors and phases are timed so too)."""
+    return programs.executable_options(tcfg)
 
 
 def tie(x: jax.Array, out) -> jax.Array:
@@ -73,16 +93,26 @@ def _layer_matrices(layer: dict) -> list[jax.Array]:
     ]
 
 
-def _through(x_rd: jax.Array, layers: list[list[jax.Array]]) -> tuple[jax.Array, jax.Array]:
+def _through(x_rd, layers: list[list[jax.Array]], rule=None) -> tuple[jax.Array, jax.Array]:
     """Rows through each layer's matrices in their real order (q,k,v from the input, o after q;
-    gate/up, then down), so every product has its real shape. -> (rows out, a checksum of the
-    k/v products, which would otherwise be dead code)."""
-    sink = jnp.zeros((), x_rd.dtype)
+    gate/up, then down), so every product has its real shape, each as the model's Dense layers
+    compute it (`ops.invariance.dot_general(rule)`: the dot policy, under `rule` when given).
+    -> (rows out, a checksum of the k/v products, which would otherwise be dead code)."""
+    dot_general = invariance.dot_general(rule)
+    mm = lambda x, w: dot_general(x, w, (((1,), (0,)), ((), ())))
+    sink = jnp.zeros((), jnp.float32)
     for q, k, v, o, gate, up, down in layers:
-        sink += jnp.sum(x_rd @ k) + jnp.sum(x_rd @ v)
-        x_rd = x_rd + (x_rd @ q) @ o
-        x_rd = x_rd + ((x_rd @ gate) * (x_rd @ up)) @ down
+        sink += jnp.sum(mm(x_rd, k).astype(jnp.float32)) + jnp.sum(mm(x_rd, v).astype(jnp.float32))
+        x_rd = x_rd + mm(mm(x_rd, q), o)
+        x_rd = x_rd + mm(mm(x_rd, gate) * mm(x_rd, up), down)
     return x_rd, sink
+
+
+def _head_max(head, x_rd) -> jax.Array:
+    """The head's product for rows [R, D] as the decode runs it (`Head.logits`: under the row
+    rule the tied embedding contracted as stored, else the [D,V] matrix by the dot policy),
+    reduced to its max (a GEMM + max, as a greedy step's)."""
+    return jnp.max(head.logits(x_rd).astype(jnp.float32))
 
 
 def floor_fns(
@@ -99,47 +129,53 @@ def floor_fns(
     drafter's (`fc` included) and the head for rows - 1 draft rows}, each
     (step, carry, weights) with step(carry, *weights) -> carry, as `phase_fns`. tree_rows > 0
     adds "gemm_floor_tree_step_s": the step with `tree_rows` rows through the target (a tree's
-    nodes) and `rows` through the drafter."""
-    head_dv = jax.jit(unembedding_matrix, static_argnums=1)(target_params, tcfg)
+    nodes) and `rows` through the drafter. `tcfg`: the target config as the decode runs it
+    (`programs.run_target_config`): its dtype, and its row rule (`invariant_rows`), which the
+    target's products and the head keep to (a rule pads one AR row to its minimum itself); the
+    drafter's products run by the dot policy, as the drafter's Dense layers do."""
+    head = jax.jit(decoding_head, static_argnums=1)(target_params, tcfg)
     t_layers = [_layer_matrices(target_params[f"layers_{i}"]) for i in range(tcfg.num_layers)]
     d = tcfg.hidden_size
     dtype = jnp.dtype(tcfg.dtype)
+    rule = row_rule(tcfg)
 
-    def ar(carry, t_layers, head_dv):
+    def ar(carry, t_layers, head):
         x_1d, sink = carry
-        y_1d, s = _through(x_1d, t_layers)
-        out = jnp.max(y_1d @ head_dv) + s
+        y_1d, s = _through(x_1d, t_layers, rule)
+        out = _head_max(head, y_1d) + s
         return tie(x_1d, out), sink + out
 
     n_draft = sum(1 for k in drafter_params if k.startswith("layers_"))
     d_layers = [_layer_matrices(drafter_params[f"layers_{i}"]) for i in range(n_draft)]
     fc_fd = drafter_params["fc"]["kernel"]
 
-    def step(carry, t_layers, d_layers, fc_fd, head_dv):
+    def draft(x_td, taps_tf, d_layers, fc_fd, head):
+        draft_td, s_d = _through(x_td + dots.matmul(taps_tf, fc_fd), d_layers)
+        return _head_max(head, draft_td[1:].astype(dtype)) + s_d
+
+    def step(carry, t_layers, d_layers, fc_fd, head):
         x_td, taps_tf, sink = carry
-        verify_td, s_t = _through(x_td, t_layers)
-        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
-        out = jnp.max(verify_td @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
+        verify_td, s_t = _through(x_td, t_layers, rule)
+        out = _head_max(head, verify_td) + s_t + draft(x_td, taps_tf, d_layers, fc_fd, head)
         return tie(x_td, out), tie(taps_tf, out), sink + out
 
-    def tree_step(carry, t_layers, d_layers, fc_fd, head_dv):
+    def tree_step(carry, t_layers, d_layers, fc_fd, head):
         x_nd, x_td, taps_tf, sink = carry
-        verify_nd, s_t = _through(x_nd, t_layers)
-        draft_td, s_d = _through(x_td + taps_tf @ fc_fd, d_layers)
-        out = jnp.max(verify_nd @ head_dv) + jnp.max(draft_td[1:] @ head_dv) + s_t + s_d
+        verify_nd, s_t = _through(x_nd, t_layers, rule)
+        out = _head_max(head, verify_nd) + s_t + draft(x_td, taps_tf, d_layers, fc_fd, head)
         return tie(x_nd, out), tie(x_td, out), tie(taps_tf, out), sink + out
 
     step_init = (
         jnp.full((rows, d), 0.01, dtype),
         jnp.full((rows, fc_fd.shape[0]), 0.01, fc_fd.dtype),
-        0.0,
+        jnp.zeros((), jnp.float32),
     )
-    step_weights = (t_layers, d_layers, fc_fd, head_dv)
+    step_weights = (t_layers, d_layers, fc_fd, head)
     fns = {
         "gemm_floor_ar_s": (
             ar,
-            (jnp.full((ar_rows, d), 0.01, dtype), 0.0),
-            (t_layers, head_dv),
+            (jnp.full((ar_rows, d), 0.01, dtype), jnp.zeros((), jnp.float32)),
+            (t_layers, head),
         ),
         "gemm_floor_step_s": (step, step_init, step_weights),
     }
@@ -159,9 +195,23 @@ def gemm_floors(
     tree_rows: int = 0,
 ) -> dict:
     """{"gemm_floor_ar_s", "gemm_floor_step_s"} (and "gemm_floor_tree_step_s" with tree_rows)
-    (`floor_fns`), timed like the phases (`loop_time`, weights as arguments)."""
+    (`floor_fns`; `tcfg` as the decode runs it), timed like the phases (`loop_time`, weights as
+    arguments, the decode's compiler options)."""
     fns = floor_fns(target_params, tcfg, drafter_params, rows, ar_rows, tree_rows)
-    return {name: loop_time(*fn, repeats) for name, fn in fns.items()}
+    options = compile_options(tcfg)
+    return {name: loop_time(*fn, repeats, options) for name, fn in fns.items()}
+
+
+def setting_name(tcfg: TargetConfig) -> str:
+    """A run setting in words: "bfloat16 batch-invariant", "float32 plain"."""
+    return f"{tcfg.dtype} {'plain' if tcfg.invariant_rows is None else 'batch-invariant'}"
+
+
+def run_config(tcfg: TargetConfig, dtype: str, batch_invariant: bool | None) -> TargetConfig:
+    """`tcfg` as a decode in `dtype` with `DecodeConfig.batch_invariant` runs it (None: the
+    dtype's default; `programs.run_target_config`, which probes this machine's row rule)."""
+    plain = dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None)
+    return programs.run_target_config(plain, DecodeConfig(batch_invariant=batch_invariant))
 
 
 def floors_by_dtype(
@@ -171,28 +221,34 @@ def floors_by_dtype(
     rows: int,
     repeats=20,
     dtypes=("float32", "bfloat16"),
+    invariance=(False, True),
 ) -> dict:
-    """The GEMM floors with the weights cast to each of `dtypes`, each AR floor at the rows a
-    default decode in that dtype runs (one row, or the row rule's minimum when the dtype decodes
-    batch-invariant by default, `programs.run_target_config`) and also at one row:
-    {dtype: {"gemm_floor_ar_s", "gemm_floor_ar_1row_s", "gemm_floor_step_s", "ar_rows",
-    "break_even_tau"}}. What `--dtype=auto` compares, and docs/results.md's step-cost table."""
+    """The GEMM floors with the weights cast to each of `dtypes`, under each setting of
+    `invariance` (`DecodeConfig.batch_invariant` values; None: the dtype's default), computed
+    as the model computes them in that setting (`floor_fns`):
+    {"<dtype> plain" | "<dtype> batch-invariant": {"dtype", "batch_invariant", "row_rule",
+    "ar_rows", "gemm_floor_ar_s", "gemm_floor_step_s", "break_even_tau"}}, the AR floor at the
+    rows such an AR step runs (1, or the rule's minimum). What docs/results.md's step-cost
+    table and `infer.benchmark --breakdown` show; `--dtype=auto` compares two of them
+    (`api.fastest_dtype`)."""
     out = {}
     for dtype in dtypes:
         cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
-        cfg = programs.run_target_config(
-            dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None), DecodeConfig()
-        )
-        ar_rows = cfg.invariant_rows[0] if cfg.invariant_rows else 1
         tp, dp = cast(target_params), cast(drafter_params)
-        floors = gemm_floors(tp, cfg, dp, rows, repeats, ar_rows=ar_rows)
-        one_row = floors if ar_rows == 1 else gemm_floors(tp, cfg, dp, rows, repeats)
-        out[dtype] = {
-            **floors,
-            "gemm_floor_ar_1row_s": one_row["gemm_floor_ar_s"],
-            "ar_rows": ar_rows,
-            "break_even_tau": floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"],
-        }
+        for batch_invariant in invariance:
+            cfg = run_config(tcfg, dtype, batch_invariant)
+            name = setting_name(cfg)
+            if name in out:  # None: the same setting as an explicit one
+                continue
+            floors = gemm_floors(tp, cfg, dp, rows, repeats)
+            out[name] = {
+                **floors,
+                "dtype": dtype,
+                "batch_invariant": cfg.invariant_rows is not None,
+                "row_rule": list(cfg.invariant_rows) if cfg.invariant_rows else None,
+                "ar_rows": cfg.invariant_rows[0] if cfg.invariant_rows else 1,
+                "break_even_tau": floors["gemm_floor_step_s"] / floors["gemm_floor_ar_s"],
+            }
     return out
 
 
