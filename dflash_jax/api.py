@@ -210,17 +210,27 @@ def compile_decodes(
 ) -> float:
     """Compiles what `timed_decode` will run for `prompt` under `cfg` (the speculative decode,
     or the target alone when drafter is None; with_target_alone: that too) side by side in
-    threads, since XLA compiles outside the GIL; each then runs only its prefill. -> seconds."""
+    threads, since XLA compiles outside the GIL; each then runs its prefill and one loop step
+    of each step kind (`_warm`). -> seconds."""
     jobs = [drafter] + ([None] if with_target_alone and drafter is not None else [])
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [
-            pool.submit(timed_decode, target, d, prompt, lengths, 0, cfg, step_limit=0)
-            for d in jobs
-        ]
+        futures = [pool.submit(_warm, target, d, prompt, lengths, cfg) for d in jobs]
         for future in futures:
             future.result()
     return time.perf_counter() - t0
+
+
+def _warm(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
+    """Compiles a decode, then runs one loop step of each of its step kinds (the kind forced:
+    the same executable): XLA:CPU sets each YNNPACK fusion up at its first execution, ~0.4 s
+    for the bf16 adaptive loop of SmolLM2 batch-invariant and ~0.75 s without (2026-12-04, an
+    AMD EPYC with avx512_bf16), a one-time cost that the first timed decode would otherwise
+    carry and later ones do not."""
+    timed_decode(target, drafter, prompt, lengths, 0, cfg, step_limit=0)
+    adaptive = drafter is not None and cfg.adaptive
+    for kind in range(len(cfg.all_kinds)) if adaptive else (-1,):
+        timed_decode(target, drafter, prompt, lengths, 0, cfg, step_limit=1, forced_kind=kind)
 
 
 def check_text_prompts(prompts) -> list[str]:

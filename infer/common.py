@@ -29,9 +29,11 @@ flags.DEFINE_string(
 )  # fmt: skip
 flags.DEFINE_enum(
     "dtype", "auto", ["auto", "float32", "bfloat16"],
-    "Compute/parameter dtype. 'auto': the one whose DFlash step (a block of rows through the "
-    "target's and drafter's matrices) is fastest on this machine, measured once and cached "
-    "(api.fastest_dtype): bfloat16 where matrix units make it cheap, else float32.",
+    "Compute/parameter dtype. 'auto': the one whose DFlash step floor (a block of rows through "
+    "the target's and drafter's matrices and the head, each product computed as the model "
+    "computes it in the --batch_invariant setting that dtype runs) is lower on this machine, "
+    "measured once and cached (api.fastest_dtype), its choice and the floors printed on one "
+    "line: bfloat16 where bf16 units make it cheap (avx512_bf16, AMX), else float32.",
 )  # fmt: skip
 flags.DEFINE_bool(
     "target_cache", True,
@@ -106,9 +108,14 @@ flags.DEFINE_bool(
     "batch_invariant", None,
     "Batch-invariant target passes (dflash_jax/ops/invariance.py): a position's logits are the "
     "same bits in an AR step, a verify or a prefill, so greedy DFlash output equals greedy AR "
-    "output in any dtype. --nobatch_invariant runs the passes as XLA picks them (faster; bf16 "
-    "output may then differ from AR). Unset: on for bfloat16, off for float32 (whose "
-    "rounding differences have not flipped a token on any benchmark prompt).",
+    "output in any dtype. Its cost: every matmul an isolated GEMM at a probed row count (an AR "
+    "step's row padded), norms and attention at fixed shapes. --nobatch_invariant runs the "
+    "passes as XLA picks them: faster, but bf16 output may then differ from AR. In bf16 on a "
+    "2-core AMD EPYC with avx512_bf16 (docs/results.md, 2026-12-04, 64 tokens, median of 5 "
+    "runs in one process): the default decode 57 tok/s with, 71 without; block 16: 44 and 51; "
+    "the target alone: 49 and 60. (A process's first decode also sets up XLA:CPU's bf16 "
+    "kernels, ~0.3 s more without.) Unset: on for bfloat16, off for float32 (whose rounding "
+    "differences have not flipped a token on any benchmark prompt).",
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
