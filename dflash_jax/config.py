@@ -688,6 +688,11 @@ class DecodeConfig:
     # step is one. Adaptive: one more step kind (`tree_kind(tree_nodes)`, last in `all_kinds`)
     # the controller chooses beside the chains and copies. 0: no tree.
     tree_nodes: int = 0
+    # Each row carries its own request's settings in the loop state (`sampling.RowSettings`:
+    # temperature, top-k, top-p, PRNG key, token limit up to max_new_tokens), so the rows of one
+    # running decode can be different requests (a server's slots, `decoding.slots`). The start
+    # gives every row this config's settings; greedy rows keep the argmax of the greedy path.
+    row_settings: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -696,6 +701,11 @@ class DecodeConfig:
             raise ConfigError(
                 f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "
                 f"draft) and block_size >= 2 (got {self.block_size}); 0 = a chain"
+            )
+        if self.tree_nodes and self.row_settings:
+            raise ConfigError(
+                f"tree_nodes={self.tree_nodes} with row_settings: per-row sampling settings are "
+                "not implemented for tree steps; use tree_nodes=0"
             )
         if self.tree_nodes and self.block_size >= TREE_KIND_BASE:
             raise ConfigError(

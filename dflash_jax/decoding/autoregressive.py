@@ -43,6 +43,7 @@ _DRAFTING_FIELDS = (
     "lookup_kinds",
     "lookup_ngram",
     "tree_nodes",
+    "row_settings",  # the baseline of a row-settings decode runs its uniform settings
 )
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import selector
 from dflash_jax.decoding.sampling import (
+    RowSettings,
     accept_greedy_choices,
     accept_rejection,
     pick,
@@ -30,10 +31,20 @@ from dflash_jax.ops.reductions import argmax_last
 
 
 def prefill(
-    target_params, head, tcfg, cfg, prompt_bp, prompt_lengths_b, rng, cache_len, tap_layers
+    target_params,
+    head,
+    tcfg,
+    cfg,
+    prompt_bp,
+    prompt_lengths_b,
+    rng,
+    cache_len,
+    tap_layers,
+    rows: RowSettings | None = None,
 ) -> tuple[LoopState, jax.Array | None]:
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
-    prompt position. -> (state without drafter fields, prompt taps [B,P,F] or None)."""
+    prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
+    replace `rng`). -> (state without drafter fields, prompt taps [B,P,F] or None)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
@@ -49,7 +60,12 @@ def prefill(
         (prompt_lengths_b - 1)[:, None],
         method="hidden",
     )
-    first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
+    if rows is None:
+        first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
+        limit_b = jnp.full((b,), cfg.max_new_tokens, jnp.int32)
+    else:
+        first_b = next_token(head, hidden_b1d[:, 0], step_key(rows.keys(), max_steps(cfg)), rows)
+        limit_b = rows.max_new
     width = cfg.max_new_tokens + cfg.block_size + 1
     gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
     done_b = (
@@ -57,7 +73,7 @@ def prefill(
         if cfg.stop_token_ids
         else jnp.zeros((b,), bool)
     )
-    done_b = done_b | (cfg.max_new_tokens <= 1)
+    done_b = done_b | (limit_b <= 1)
     state = LoopState(
         gen=gen_bw,
         n_gen=jnp.ones((b,), jnp.int32),
@@ -67,6 +83,7 @@ def prefill(
         acc=jnp.zeros((b, max_steps(cfg)), jnp.int32),
         kinds=jnp.zeros((b, max_steps(cfg)), jnp.int32),
         cache=cache,
+        rows=rows,
     )
     return state, taps_bpf
 
@@ -116,13 +133,25 @@ def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=No
             head, tcfg, dcfg, cfg, selector_params, hidden_bgd, anchor_b1[:, 0], key
         )
     hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
-    if cfg.greedy and not dcfg.final_logit_softcapping:  # a positive multiplier keeps the argmax
-        return head.argmax(hidden_bgd), None
-    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd))
+    logits = lambda: finish_logits(dcfg, head.logits(hidden_bgd))
+    if isinstance(cfg, RowSettings):  # greedy rows' drafts as greedy; logp read only if sampled
+        no_logp_bgv = jnp.zeros((*hidden_bgd.shape[:2], tcfg.vocab_size), jnp.float32)
+        greedy = (_greedy_drafts(head, dcfg, hidden_bgd, logits), no_logp_bgv)
+        return cfg.where_sampled(lambda: _sampled_drafts(logits(), key, cfg), greedy)
     if cfg.greedy:
-        return argmax_last(logits_bgv), None
+        return _greedy_drafts(head, dcfg, hidden_bgd, logits), None
+    return _sampled_drafts(logits(), key, cfg)
+
+
+def _greedy_drafts(head: Head, dcfg, hidden_bgd, logits) -> jax.Array:
+    if dcfg.final_logit_softcapping:
+        return argmax_last(logits())
+    return head.argmax(hidden_bgd)  # a positive multiplier keeps the argmax
+
+
+def _sampled_drafts(logits_bgv, key, cfg):
     draft_logp_bgv = process_logits(logits_bgv, cfg)
-    return sample(row_keys(key, hidden_bgd.shape[0]), draft_logp_bgv), draft_logp_bgv
+    return sample(row_keys(key, logits_bgv.shape[0]), draft_logp_bgv), draft_logp_bgv
 
 
 def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_write=False):
@@ -146,28 +175,48 @@ def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_wr
 def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
     """The target's head on the verified block, then the longest valid prefix plus one target
     token. -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
-    if cfg.greedy:
-        return accept_greedy_choices(drafts_bg, head.argmax(hidden_btd))
-    return accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg)
+    greedy = lambda: accept_greedy_choices(drafts_bg, head.argmax(hidden_btd))
+    sampled = lambda: accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg)
+    if isinstance(cfg, RowSettings):
+        return cfg.where_sampled(sampled, greedy())
+    return greedy() if cfg.greedy else sampled()
 
 
 def next_token(head: Head, hidden_bd, key, cfg: DecodeConfig) -> jax.Array:
     """The next target token per row from its final-normed hidden [B,D]: the greedy argmax
     (`Head.argmax`, the one function every greedy target token goes through) or a sample
-    (`sampling.pick`). -> [B] int32."""
+    (`sampling.pick`); with a RowSettings, each row as its own settings say. -> [B] int32."""
+    if isinstance(cfg, RowSettings):
+        sampled = lambda: pick(head.logits(hidden_bd), key, cfg)
+        return cfg.where_sampled(sampled, head.argmax(hidden_bd))
     if cfg.greedy:
         return head.argmax(hidden_bd)
     return pick(head.logits(hidden_bd), key, cfg)
 
 
 def init_speculative(
-    target_params, drafter_params, head, tcfg, dcfg, cfg, prompt, prompt_lengths, rng
+    target_params,
+    drafter_params,
+    head,
+    tcfg,
+    dcfg,
+    cfg,
+    prompt,
+    prompt_lengths,
+    rng,
+    rows: RowSettings | None = None,
+    cache_len: int | None = None,
 ) -> LoopState:
     """Prefill, then the prompt's drafter context K/V (block-independent: all appended now).
-    -> the speculative loop's state before any step (the adaptive controller at its prior)."""
+    -> the speculative loop's state before any step (the adaptive controller at its prior).
+    rows: each row's own settings (`DecodeConfig.row_settings`; None there: `cfg`'s for every
+    row). cache_len: the caches' length (None: room for the prompt, the new tokens and a step)."""
     bs = cfg.block_size
     b, p = prompt.shape
-    cache_len = p + cfg.max_new_tokens + 2 * max(bs, cfg.tree_nodes)  # a tree: N verify slots
+    if cache_len is None:
+        cache_len = p + cfg.max_new_tokens + 2 * max(bs, cfg.tree_nodes)  # a tree: N verify slots
+    if cfg.row_settings and rows is None:
+        rows = RowSettings.uniform(cfg, rng, b)
     state, taps_bpf = prefill(
         target_params,
         head,
@@ -178,6 +227,7 @@ def init_speculative(
         rng,
         cache_len,
         dcfg.target_layer_ids,
+        rows,
     )
     ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
     dtype = jnp.dtype(dcfg.dtype)

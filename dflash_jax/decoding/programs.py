@@ -216,6 +216,11 @@ def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConf
     a decode mode the target cannot run (`check_tree_target`)."""
     check_fits(dcfg, tcfg)
     check_tree_target(tcfg, cfg)
+    if cfg.row_settings and dcfg.is_dflash2:
+        raise ConfigError(
+            "row_settings (per-row sampling settings, a server's slots) are not implemented "
+            "for a DFlash2 drafter's candidate selector; use a DFlash drafter"
+        )
     if cfg.block_size > dcfg.block_size:
         raise ConfigError(
             f"block_size={cfg.block_size} exceeds the drafter's trained block size "

@@ -41,7 +41,7 @@ class TimedRun:
 _COMPILED: dict = {}
 
 
-def _compile(jitted, args: tuple, statics: dict, mesh):
+def compile_half(jitted, args: tuple, statics: dict, mesh):
     """(executable, args placed for it, compile seconds); compiled once per function, shapes
     and statics in this process (and, through JAX's persistent cache, across processes)."""
     if mesh is not None:
@@ -91,10 +91,10 @@ def timed_run(
     the loop runs in one call."""
     cfg: DecodeConfig = statics["decode_config"]
     head = (*lead, prompt, lengths, rng)
-    start_x, start_args, start_compile = _compile(start, head, statics, mesh)
+    start_x, start_args, start_compile = compile_half(start, head, statics, mesh)
     state_info = start_x.out_info
     adv_head = (*head, *inputs, np.int32(0))
-    advance_x, adv_args, adv_compile = _compile(advance, (*adv_head, state_info), statics, mesh)
+    advance_x, adv_args, adv_compile = compile_half(advance, (*adv_head, state_info), statics, mesh)
     adv_args = adv_args[:-2]  # the step limit and the state change from call to call
     peek, finished = _readers(mesh)
 

@@ -6,6 +6,7 @@ Letters: B batch, G = block_size - 1 drafted tokens, V vocab.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -13,9 +14,61 @@ from dflash_jax.config import DecodeConfig
 from dflash_jax.ops.reductions import argmax_last
 
 
-def process_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
+@flax.struct.dataclass
+class RowSettings:
+    """Each row's own request settings, carried in the loop state of a decode whose rows are
+    different requests (`DecodeConfig.row_settings`: a server's slots, `decoding.slots`):
+    temperature [B] (0 = greedy), top_k [B] (0 = off), top_p [B] (1 = off), key_data [B, 2]
+    (the raw PRNG key of the request's seed) and max_new [B] (its token limit, at most
+    `max_new_tokens`). Passed where a DecodeConfig gives the sampling settings: it takes the
+    sampling path (`greedy` is False), and the phases give greedy rows the argmax
+    (`where_sampled`)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    key_data: jax.Array
+    max_new: jax.Array
+
+    greedy = False  # not a field: the sampling path runs, greedy rows mixed in by the phases
+
+    @classmethod
+    def uniform(cls, cfg: DecodeConfig, rng: jax.Array, batch: int) -> RowSettings:
+        """Every row with `cfg`'s settings and its own key (`rng` folded with its index)."""
+        full = lambda value, dtype: jnp.full((batch,), value, dtype)
+        return cls(
+            temperature=full(cfg.temperature, jnp.float32),
+            top_k=full(cfg.top_k, jnp.int32),
+            top_p=full(cfg.top_p, jnp.float32),
+            key_data=jax.random.key_data(row_keys(rng, batch)),
+            max_new=full(cfg.max_new_tokens, jnp.int32),
+        )
+
+    def keys(self) -> jax.Array:
+        """The rows' PRNG keys [B]."""
+        return jax.random.wrap_key_data(self.key_data)
+
+    def where_sampled(self, sampled, greedy):
+        """`greedy` (a pytree of [B, ...] arrays), where any row samples with the sampled rows
+        replaced by `sampled()`'s: the sampling arithmetic runs only when a row needs it."""
+
+        def mixed():
+            pick_b = self.temperature > 0
+            return jax.tree.map(
+                lambda s, g: jnp.where(pick_b.reshape((-1,) + (1,) * (s.ndim - 1)), s, g),
+                sampled(),
+                greedy,
+            )
+
+        return jax.lax.cond(jnp.any(self.temperature > 0), mixed, lambda: greedy)
+
+
+def process_logits(logits: jax.Array, cfg: DecodeConfig | RowSettings) -> jax.Array:
     """Temperature, top-k then top-p -> fp32 log-probabilities with -inf outside the support.
-    Applied identically to target and draft logits. Not for greedy decoding."""
+    Applied identically to target and draft logits. Not for greedy decoding. `cfg` a
+    RowSettings: each row [B, ...] with its own settings (a greedy row as temperature 1)."""
+    if isinstance(cfg, RowSettings):
+        return _process_rows(logits.astype(jnp.float32), cfg)
     x = logits.astype(jnp.float32) / cfg.temperature
     if cfg.top_k > 0 and cfg.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
@@ -31,10 +84,50 @@ def process_logits(logits: jax.Array, cfg: DecodeConfig) -> jax.Array:
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def _process_rows(x: jax.Array, rows: RowSettings) -> jax.Array:
+    """`process_logits` of x [B, ..., V] with per-row settings; the sort that top-k and top-p
+    need runs only when a row asks for either."""
+    per_row = lambda a: a.reshape((-1,) + (1,) * (x.ndim - 1))
+    x = x / per_row(jnp.where(rows.temperature > 0, rows.temperature, 1.0))
+    k, p = per_row(rows.top_k), per_row(rows.top_p)
+
+    def truncate(x):
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        kth_idx = jnp.broadcast_to(jnp.clip(k - 1, 0, x.shape[-1] - 1), x.shape[:-1] + (1,))
+        kth = jnp.where(k > 0, jnp.take_along_axis(sorted_x, kth_idx, -1), -jnp.inf)
+        x = jnp.where(x < kth, -jnp.inf, x)
+        sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)  # x's top-k, still sorted
+        sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        keep = mass_before < p  # as `process_logits`: the crossing token included
+        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((p < 1.0) & (x < threshold), -jnp.inf, x)
+
+    cut = jnp.any(rows.top_k > 0) | jnp.any(rows.top_p < 1.0)
+    return jax.nn.log_softmax(jax.lax.cond(cut, truncate, lambda x: x, x), axis=-1)
+
+
 def row_keys(key: jax.Array, batch: int) -> jax.Array:
     """One key per batch row (fold in the row index), so a row's randomness never depends on
-    the other rows of its batch. -> [B] keys."""
+    the other rows of its batch. -> [B] keys. Keys that are already one per row ([B]: each
+    request's own, `RowSettings`) are returned as they are."""
+    if per_row(key):
+        return key
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+def per_row(key: jax.Array) -> bool:
+    """Whether `key` is [B] typed keys, one per row, rather than one key."""
+    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+
+def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two keys from one, or from each of [B] per-row keys (two [B] arrays)."""
+    if per_row(key):
+        pairs = jax.vmap(jax.random.split)(key)
+        return pairs[:, 0], pairs[:, 1]
+    first, second = jax.random.split(key)
+    return first, second
 
 
 def sample(keys_b: jax.Array, logp_bxv: jax.Array) -> jax.Array:
@@ -43,7 +136,7 @@ def sample(keys_b: jax.Array, logp_bxv: jax.Array) -> jax.Array:
     return jax.vmap(draw)(keys_b, logp_bxv).astype(jnp.int32)
 
 
-def pick(logits_bv: jax.Array, key: jax.Array, cfg: DecodeConfig) -> jax.Array:
+def pick(logits_bv: jax.Array, key: jax.Array, cfg: DecodeConfig | RowSettings) -> jax.Array:
     """Greedy argmax (temperature 0) or one sample per row of the processed distribution."""
     if cfg.greedy:
         return argmax_last(logits_bv)
@@ -69,7 +162,7 @@ def accept_rejection(
     draft_logp_bgv: jax.Array,
     target_logits_bgv: jax.Array,
     key: jax.Array,
-    cfg: DecodeConfig,
+    cfg: DecodeConfig | RowSettings,
 ):
     """Lossless speculative rejection sampling (Leviathan et al.; Chen et al.).
 
@@ -83,7 +176,7 @@ def accept_rejection(
     target_logp_btv = process_logits(target_logits_bgv, cfg)
     p_btv = jnp.exp(target_logp_btv)
     q_bgv = jnp.exp(draft_logp_bgv)
-    k_accept, k_bonus = jax.random.split(key)
+    k_accept, k_bonus = split_key(key)
     keys_accept, keys_bonus = row_keys(k_accept, b), row_keys(k_bonus, b)
     p_d = jnp.take_along_axis(p_btv[:, :g], drafts_bg[..., None], -1)[..., 0]
     q_d = jnp.take_along_axis(q_bgv, drafts_bg[..., None], -1)[..., 0]

@@ -44,7 +44,7 @@ from dflash_jax.decoding.state import (
     constrain,
     finish,
     keep_going,
-    step_key,
+    step_sampling,
 )
 from dflash_jax.models.target import Head, KVCache, commit_states, decoding_head
 from dflash_jax.ops.caches import write_rows
@@ -110,7 +110,7 @@ def _propose(
     one, so a drafting kind and a lookup kind of one block size share one compiled verify."""
     tcfg, dcfg, cfg = ctx.tcfg, ctx.dcfg, ctx.cfg
     tparams, dparams, head = ctx.target_params, ctx.drafter_params, ctx.head
-    k_draft, k_accept = jax.random.split(step_key(ctx.rng, s.step))
+    draw, k_draft, k_accept = step_sampling(s, cfg, ctx.rng)
     start_b = ctx.prompt_lengths + s.n_gen - 1
     anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
     if sources == ("copy",):
@@ -120,14 +120,14 @@ def _propose(
 
     def copied():
         drafts_bg = copy_bg[:, : bs - 1]
-        return drafts_bg, None if cfg.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
+        return drafts_bg, None if draw.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
 
     def drafted():
         # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
-        return draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, k_draft, dparams, anchor_b1)
+        return draft_tokens(head, tcfg, dcfg, draw, hidden_bgd, k_draft, dparams, anchor_b1)
 
     if bs > 1:
         if sources == ("copy",):
@@ -145,9 +145,9 @@ def _propose(
     )
     # Accept the longest valid prefix plus one target token.
     if bs > 1:
-        a_b, new_bt = verify_accept(head, cfg, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
+        a_b, new_bt = verify_accept(head, draw, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
     else:
-        new_bt = next_token(head, vhidden_btd[:, 0], k_accept, cfg)[:, None]
+        new_bt = next_token(head, vhidden_btd[:, 0], k_accept, draw)[:, None]
         a_b = jnp.zeros_like(start_b)
     ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
 

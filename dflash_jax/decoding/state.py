@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.sampling import split_key
 from dflash_jax.models.target import KVCache
 
 
@@ -57,6 +58,7 @@ class LoopState:
     probe_wait: jax.Array | None = None  # [] adaptive: plain steps before the next probe
     lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
     tree_alpha: jax.Array | None = None  # [B, T-1] adaptive with a tree kind: per tree depth
+    rows: object | None = None  # `sampling.RowSettings` [B] with `DecodeConfig.row_settings`
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -78,6 +80,7 @@ _CARRY_AXES = {
     "probe_wait": (),
     "lookup_alpha": ("batch", None),
     "tree_alpha": ("batch", None),
+    "rows": ("batch",),  # each field [B] or [B, 2] (a key's data)
 }
 
 
@@ -86,7 +89,9 @@ def carry_shardings(state: LoopState, mesh) -> LoopState:
     state = state.replace(
         **{
             name: jax.tree.map(
-                lambda x, axes=axes: sharding.logical_sharding(axes, x.shape, mesh),
+                lambda x, axes=axes: sharding.logical_sharding(
+                    (*axes, *(None,) * (x.ndim - len(axes))), x.shape, mesh
+                ),
                 getattr(state, name),
             )
             for name, axes in _CARRY_AXES.items()
@@ -111,8 +116,22 @@ def max_steps(cfg: DecodeConfig) -> int:
 
 def step_key(rng, step):
     """The key of loop step `step` (rng folded with it); the prefill draws with
-    step = max_steps (never a loop step)."""
+    step = max_steps (never a loop step). Per-row keys [B] (`sampling.RowSettings`) are folded
+    with each row's own step (`step` [B], or one for all)."""
+    if rng.ndim == 1:
+        return jax.vmap(jax.random.fold_in)(rng, jnp.broadcast_to(step, rng.shape))
     return jax.random.fold_in(rng, step)
+
+
+def step_sampling(s: LoopState, cfg: DecodeConfig, rng):
+    """How loop step `s.step` draws: (`cfg`, or each row's `RowSettings` under row_settings;
+    the step's draft key; its acceptance key). Per-row keys fold each row's own step count."""
+    if s.rows is None:
+        draw, key = cfg, step_key(rng, s.step)
+    else:
+        draw, key = s.rows, step_key(s.rows.keys(), s.num_steps)
+    k_draft, k_accept = split_key(key)
+    return draw, k_draft, k_accept
 
 
 def commit(
@@ -120,10 +139,12 @@ def commit(
 ) -> tuple[LoopState, jax.Array]:
     """Commits new[:, :produced] per row, capped by max_new_tokens and cut after the first
     stop token inside the new span only; records the step's block size. Done rows commit
-    nothing. Returns (state, produced)."""
+    nothing. Each row's own limit with `state.rows` (`DecodeConfig.row_settings`). Returns
+    (state, produced)."""
     b, t = new_bt.shape
     active_b = ~state.done
-    produced_b = jnp.minimum(produced_b, cfg.max_new_tokens - state.n_gen)
+    limit_b = cfg.max_new_tokens if state.rows is None else state.rows.max_new
+    produced_b = jnp.minimum(produced_b, limit_b - state.n_gen)
     idx_t = jnp.arange(t)
     in_span_bt = idx_t[None, :] < produced_b[:, None]
     if cfg.stop_token_ids:
@@ -138,7 +159,7 @@ def commit(
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     gen = state.gen.at[rows_bt, write_bt].set(new_bt, mode="drop")
     n_gen = state.n_gen + produced_b
-    done = state.done | (active_b & (has_stop_b | (n_gen >= cfg.max_new_tokens)))
+    done = state.done | (active_b & (has_stop_b | (n_gen >= limit_b)))
     acc = state.acc.at[jnp.arange(b), state.step].set(produced_b, mode="drop")
     kind_b = jnp.where(active_b, block_size, 0).astype(jnp.int32)
     kinds = state.kinds.at[jnp.arange(b), state.step].set(kind_b, mode="drop")

@@ -1,0 +1,263 @@
+"""Continuous batching over the speculative loop: the B rows of one running decode are slots
+that requests enter and leave between advance calls (a server's engine, `infer.serve`).
+
+The decode is the loop of `decoding.speculative` with `DecodeConfig.row_settings`: each row
+carries its request's sampling settings, PRNG key and token limit (`sampling.RowSettings`), so
+one compiled loop serves every mix of requests. Between calls of its `advance` half (a chunk of
+steps) the host reads what each row committed, frees the rows that are done, and admits waiting
+requests into free rows with `insert`: a jitted prefill of one row's prompt whose target cache
+rows, drafter context rows and bookkeeping replace that row of the loop state while the other
+rows keep theirs (the state is donated: nothing else is copied). Every program is compiled
+once, at construction: the advance for the slots' shape, one insert per prompt bucket.
+
+With batch invariance (`DecodeConfig.batch_invariant`) a greedy row's tokens are the target's
+greedy tokens whatever the other rows hold: every target pass computes a row the same way at
+any row count, and stale cache rows of a slot's previous request sit past its length, where
+attention gives them weight zero. A sampled row draws from its own key folded with its own step
+count; its tokens are still exact samples of the target, but in adaptive mode the rows share
+each step's kind, so which tokens a seed gives depends on the other rows.
+
+Letters: N slots (the batch), P prompt buffer width, W generated-token buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.decoding import programs, speculative
+from dflash_jax.decoding.phases import init_speculative
+from dflash_jax.decoding.runner import compile_half
+from dflash_jax.decoding.sampling import RowSettings
+from dflash_jax.decoding.state import LoopState, max_steps
+from dflash_jax.models.target import decoding_head
+
+MIN_BUCKET = 32  # the narrowest prompt buffer an insert compiles for (as `api.bucket_length`)
+
+
+def prompt_buckets(max_prompt: int) -> tuple[int, ...]:
+    """The prompt widths an insert compiles for: powers of two from MIN_BUCKET up to the first
+    that holds `max_prompt` tokens."""
+    widths = [MIN_BUCKET]
+    while widths[-1] < max_prompt:
+        widths.append(widths[-1] * 2)
+    return tuple(widths)
+
+
+def _insert(
+    target_params,
+    drafter_params,
+    prompt_1p,
+    length_1,
+    rows_1: RowSettings,
+    slot,
+    state: LoopState,
+    *,
+    target_config,
+    drafter_config,
+    decode_config,
+) -> LoopState:
+    """Prefills one request (prompt [1,P'], length [1], settings [1]) and writes it into row
+    `slot` of `state`: its target cache and drafter context rows from slot 0, its generated
+    tokens, counts and controller estimates. The loop-wide scalars (step, probe wait) stay."""
+    head = decoding_head(target_params, target_config)
+    one = init_speculative(
+        target_params, drafter_params, head, target_config, drafter_config, decode_config,
+        prompt_1p, length_1, None, rows=rows_1, cache_len=prompt_1p.shape[1],
+    )  # fmt: skip
+
+    def put(big, small):  # row `slot` of big [N, ...] from small [1, ...] (no wider)
+        if big.ndim == 0:
+            return big
+        start = (slot,) + (0,) * (big.ndim - 1)
+        return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), start)
+
+    return jax.tree.map(put, state, one)
+
+
+def _release(state: LoopState, release_n) -> LoopState:
+    """Between chunks: rows in `release_n` [N] bool stop (done, greedy, so no free row keeps
+    the sampling arithmetic running) and the step counter restarts, so the per-step records
+    (acc, kinds) of the next chunk start at column 0."""
+    rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
+    return state.replace(done=state.done | release_n, step=jnp.int32(0), rows=rows)
+
+
+@jax.jit
+def _peek(state: LoopState):
+    return state.gen, state.n_gen, state.done, state.num_steps, state.acc, state.kinds, state.step
+
+
+@dataclasses.dataclass
+class Chunk:
+    """What one advance call did. gen [N,W], n_gen [N], done [N], num_steps [N] as the state
+    holds them after the chunk; acc [N,steps], kinds [N,steps]: each step's committed tokens
+    and kind per row (0 where the row ran no step); seconds: the call's wall time."""
+
+    gen: np.ndarray
+    n_gen: np.ndarray
+    done: np.ndarray
+    num_steps: np.ndarray
+    acc: np.ndarray
+    kinds: np.ndarray
+    seconds: float
+
+
+class SlotDecoder:
+    """`slots` rows of one speculative decode, with requests inserted into free rows and rows
+    released between chunks of `chunk_steps` loop steps. Not thread-safe: one engine thread
+    drives it. Prompts up to `max_prompt` tokens, each with at most `cfg.max_new_tokens` new
+    tokens (its own limit below that); `cfg` must have row_settings. step_costs: the adaptive
+    controller's (None: `calibrate` or the defaults)."""
+
+    def __init__(self, target, drafter, cfg: DecodeConfig, slots: int, max_prompt: int):
+        if not cfg.row_settings:
+            raise ConfigError("a SlotDecoder needs DecodeConfig(row_settings=True)")
+        if drafter is None:
+            raise ConfigError("a SlotDecoder decodes with a drafter (speculative rows)")
+        programs.check_decode_inputs(target.config, drafter.config, cfg)
+        context = target.config.max_position_embeddings
+        if max_prompt + cfg.max_new_tokens > context:
+            raise ConfigError(
+                f"max_prompt {max_prompt} + max_new_tokens {cfg.max_new_tokens} exceeds the "
+                f"target's context of {context} tokens"
+            )
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.slots, self.max_prompt = slots, max_prompt
+        self.buckets = prompt_buckets(max_prompt)
+        tcfg = programs.run_target_config(target.config, cfg)
+        self.statics = dict(target_config=tcfg, drafter_config=drafter.config, decode_config=cfg)
+        self.params = (target.params, drafter.params)
+        width = self.buckets[-1]
+        self.prompt = np.zeros((slots, width), np.int32)
+        self.lengths = np.ones((slots,), np.int32)
+        self.step_costs = speculative.step_cost_array(cfg)
+        self.compile_s = 0.0
+        self._rng = jax.random.key(0)  # the loop's own key: unused, each row has its own
+        self.state = self._empty_state()
+        self._compile_all()
+
+    # -- programs -------------------------------------------------------------------------
+    def _empty_state(self) -> LoopState:
+        """The loop state of `slots` free rows (every row done), without running a prefill."""
+        shapes = speculative.start_speculative.eval_shape(
+            *self.params, self.prompt, self.lengths, self._rng, **self.statics
+        )
+        state = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+        return state.replace(
+            done=jnp.ones((self.slots,), bool), probe_wait=jnp.int32(self.cfg.probe_every)
+        )
+
+    def _compile_all(self) -> None:
+        t0 = time.perf_counter()
+        args = (*self.params, self.prompt, self.lengths, self._rng, self.step_costs)
+        self._advance, _, _ = compile_half(
+            speculative.advance_speculative,
+            (*args, np.int32(-1), np.int32(0), self.state),
+            self.statics,
+            None,
+        )
+        options = programs.executable_options(self.statics["target_config"])
+        insert = jax.jit(_insert, static_argnames=tuple(self.statics), donate_argnames="state")
+        row = self._row_settings(0.0, 0, 1.0, 0, 1)
+        self._inserts = {
+            width: insert.lower(
+                *self.params, np.zeros((1, width), np.int32), np.ones((1,), np.int32), row,
+                np.int32(0), self.state, **self.statics,
+            ).compile(compiler_options=options)
+            for width in self.buckets
+        }  # fmt: skip
+        release = jax.jit(_release, donate_argnums=0)
+        self._release = release.lower(self.state, np.zeros((self.slots,), bool)).compile()
+        self.compile_s = time.perf_counter() - t0
+
+    # -- rows ----------------------------------------------------------------------------
+    def _row_settings(self, temperature, top_k, top_p, seed, max_new) -> RowSettings:
+        return RowSettings(
+            temperature=np.full((1,), temperature, np.float32),
+            top_k=np.full((1,), top_k, np.int32),
+            top_p=np.full((1,), top_p, np.float32),
+            key_data=np.asarray(jax.random.key_data(jax.random.key(seed)))[None],
+            max_new=np.full((1,), max_new, np.int32),
+        )
+
+    def insert(
+        self,
+        slot: int,
+        token_ids,
+        *,
+        max_new: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        """Prefills a request's prompt into row `slot` (a free one) with its own settings."""
+        n = len(token_ids)
+        if not 1 <= n <= self.max_prompt:
+            raise ValueError(f"prompt of {n} tokens: between 1 and {self.max_prompt} fit")
+        if not 1 <= max_new <= self.cfg.max_new_tokens:
+            raise ValueError(f"max_new={max_new}: between 1 and {self.cfg.max_new_tokens}")
+        width = next(w for w in self.buckets if w >= n)
+        prompt = np.zeros((1, width), np.int32)
+        prompt[0, :n] = token_ids
+        self.prompt[slot] = 0
+        self.prompt[slot, :n] = token_ids
+        self.lengths[slot] = n
+        row = self._row_settings(temperature, top_k, top_p, seed, max_new)
+        self.state = self._inserts[width](
+            *self.params, prompt, np.asarray([n], np.int32), row, np.int32(slot), self.state
+        )
+
+    def advance(self, steps: int, forced_kind: int = -1) -> Chunk:
+        """Runs up to `steps` loop steps (fewer when every row is done), then releases nothing:
+        call `release` next, which also restarts the step count. -> the chunk's records."""
+        t0 = time.perf_counter()
+        self.state = self._advance(
+            *self.params, self.prompt, self.lengths, self._rng, self.step_costs,
+            np.int32(forced_kind), np.int32(min(steps, max_steps(self.cfg))), self.state,
+        )  # fmt: skip
+        gen, n_gen, done, num_steps, acc, kinds, step = jax.device_get(_peek(self.state))
+        seconds = time.perf_counter() - t0
+        ran = int(step)
+        return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds)
+
+    def release(self, rows) -> None:
+        """Marks the rows `rows` (indices) free (done), and restarts the step count."""
+        mask = np.zeros((self.slots,), bool)
+        mask[list(rows)] = True
+        self.state = self._release(self.state, mask)
+
+    # -- start-up ------------------------------------------------------------------------
+    def warm_up(self, token_ids, steps: int = 1) -> None:
+        """Runs every step kind once over all rows (XLA:CPU sets each fusion up at its first
+        execution; `api._warm`), then frees the rows."""
+        kinds = range(len(self.cfg.all_kinds)) if self.cfg.adaptive else (-1,)
+        for kind in kinds:
+            for slot in range(self.slots):
+                self.insert(slot, token_ids, max_new=self.cfg.max_new_tokens)
+            self.advance(steps, forced_kind=kind)
+            self.release(range(self.slots))
+
+    def calibrate(self, token_ids, steps: int = 8, repeats: int = 2) -> np.ndarray:
+        """The adaptive controller's step costs measured on this decode's own program, every
+        row busy: each kind forced for `steps` steps, the fastest of `repeats` rounds, in units
+        of a plain step's (only their ratios steer the controller). Sets and returns them."""
+        if not self.cfg.adaptive:
+            return self.step_costs
+        best = np.full(len(self.cfg.all_kinds), np.inf)
+        for _ in range(repeats):
+            for kind in range(len(self.cfg.all_kinds)):
+                for slot in range(self.slots):
+                    self.insert(slot, token_ids, max_new=self.cfg.max_new_tokens)
+                chunk = self.advance(steps, forced_kind=kind)
+                self.release(range(self.slots))
+                best[kind] = min(best[kind], chunk.seconds / max(chunk.acc.shape[1], 1))
+        unit = best[self.cfg.all_kinds.index(1)] if 1 in self.cfg.all_kinds else best.min()
+        self.step_costs = jnp.asarray(np.maximum(best / unit, 1.0), jnp.float32)
+        return np.asarray(self.step_costs)
