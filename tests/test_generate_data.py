@@ -2,13 +2,10 @@
 shard round trips and the offline prompt sources. A character-level ChatML tokenizer and a tiny
 random target keep it fast."""
 
-import string
-
 import jax
 import numpy as np
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from _chat_tokenizer import CHATML, char_tokenizer
 
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode
@@ -26,28 +23,10 @@ from dflash_jax.training.prompts import (
     stdlib_code_prompts,
 )
 
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _char_tokenizer():
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(string.printable))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", additional_special_tokens=SPECIALS
-    )
-
 
 @pytest.fixture(scope="module")
 def target():
-    tokenizer = _char_tokenizer()
+    tokenizer = char_tokenizer()
     config = TargetConfig(
         arch="llama",
         vocab_size=len(tokenizer),

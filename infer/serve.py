@@ -1,0 +1,164 @@
+r"""An OpenAI-compatible server: continuous batching over the jitted DFlash loop.
+
+  python -m infer.serve --slots=8 --port=8000
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}],
+         "max_tokens": 64, "temperature": 0}'
+
+POST /v1/completions and /v1/chat/completions (`stream: true` as server-sent events; per
+request max_tokens, temperature, top_p, top_k, stop, seed), GET /v1/models, /health (200 once
+every program is compiled and warmed up, 503 before and while draining) and /metrics (requests,
+queue, tokens/s, tau, steps by kind). The --slots rows of one running decode are the slots:
+between chunks of --chunk_steps loop steps, finished rows are freed and queued requests are
+prefilled into free rows (`dflash_jax.decoding.slots`). Target passes are batch-invariant
+unless --nobatch_invariant, so a greedy request's answer is the same alone or beside others.
+A full queue (--max_queue) answers 429 with Retry-After; a bad request 400 naming the field.
+SIGTERM (or Ctrl-C) stops admitting, lets every accepted request finish, then exits. Loopback
+by default (--host). The sampling flags of infer.generate do not apply: each request brings
+its own (OpenAI's defaults: temperature 1, top_p 1). docs/serving.md has the details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import uvicorn
+from absl import app, flags
+
+from dflash_jax import api
+from dflash_jax.decoding.slots import SlotDecoder
+from infer import cli, common
+from infer.serving.app import Limits, make_app
+from infer.serving.engine import Engine
+
+FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+flags.DEFINE_integer(
+    "slots", 8, "Requests decoded at once: the rows of the running decode.", lower_bound=1
+)
+flags.DEFINE_integer(
+    "max_prompt_tokens", 512,
+    "Longest prompt (in tokens, after the chat template) a request may have; one insert "
+    "program is compiled per power-of-two width from 32 up to it.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "chunk_steps", 8,
+    "Loop steps per advance call: between chunks, text is handed out, finished rows freed and "
+    "waiting requests admitted.",
+    lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_integer(
+    "max_queue", 64, "Requests that may wait for a slot; past it, 429 with Retry-After.",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_string(
+    "model_name", None, "The model id requests name (and /v1/models lists); default: --target."
+)
+flags.DEFINE_bool(
+    "calibrate", True,
+    "Measure the adaptive step kinds' costs on the served program at start-up (a few "
+    "seconds); off: the default costs.",
+)  # fmt: skip
+
+WARM_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def server_config(target, drafter) -> api.DecodeConfig:
+    """The served decode: the flags' kinds (the measured defaults when unset), every row with
+    its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
+    --nobatch_invariant."""
+    block, adaptive = api.decode_mode(target, drafter, FLAGS.block_size or None, FLAGS.adaptive)
+    cfg = common.decode_config(block, api.stop_token_ids(target), adaptive)
+    invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
+    return dataclasses.replace(
+        cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True
+    )
+
+
+def build_decoder(target, drafter, cfg, *, slots, max_prompt, calibrate) -> SlotDecoder:
+    """The SlotDecoder, compiled, warmed up over every step kind and (adaptive) calibrated:
+    what /health waits for."""
+    decoder = SlotDecoder(target, drafter, cfg, slots, max_prompt)
+    warm = api.render_prompt(target.tokenizer, WARM_PROMPT)[:max_prompt]
+    decoder.warm_up(warm)
+    if calibrate:
+        decoder.calibrate(warm)
+    return decoder
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit signal (SIGTERM, Ctrl-C) first stops the engine taking
+    requests; uvicorn then waits for the accepted ones, and the app's shutdown drains it."""
+
+    def __init__(self, config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.stop_admitting()
+        super().handle_exit(sig, frame)
+
+
+def make_server(target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue,
+                model_name, calibrate=True) -> tuple[DrainingServer, Engine]:  # fmt: skip
+    """(server, engine): the engine builds its decoder on its own thread once the server runs
+    (`server.run()`); /health says ready when it is built."""
+    engine = Engine(
+        lambda: build_decoder(
+            target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate
+        ),
+        target.tokenizer,
+        cfg.stop_token_ids,
+        max_queue=max_queue,
+        chunk_steps=chunk_steps,
+    )
+    limits = Limits(max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings)
+    web = make_app(engine, model=model_name, tokenizer=target.tokenizer, limits=limits)
+    config = uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="on")
+    return DrainingServer(config, engine), engine
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    common.quiet_library_logs()
+    common.enable_compilation_cache()
+    if FLAGS.batch_invariant is None:
+        FLAGS.batch_invariant = True  # also what --dtype=auto compares dtypes under
+    with common.usage_errors():
+        target, drafter, _, _ = common.load_models()
+        if drafter is None:
+            raise ValueError("--drafter=none: the server decodes with a drafter")
+        if target.tokenizer is None:
+            raise ValueError(f"the target {FLAGS.target} has no tokenizer to read requests with")
+        cfg = server_config(target, drafter)
+        api.check_inputs(target, drafter, [[1]], [1], cfg)
+        context = target.config.max_position_embeddings
+        if FLAGS.max_prompt_tokens + cfg.max_new_tokens > context:
+            raise ValueError(
+                f"--max_prompt_tokens {FLAGS.max_prompt_tokens} + --max_new_tokens "
+                f"{cfg.max_new_tokens} exceed the target's context of {context} tokens"
+            )
+    server, engine = make_server(
+        target, drafter, cfg, host=FLAGS.host, port=FLAGS.port, slots=FLAGS.slots,
+        max_prompt=FLAGS.max_prompt_tokens, chunk_steps=FLAGS.chunk_steps,
+        max_queue=FLAGS.max_queue, model_name=FLAGS.model_name or FLAGS.target,
+        calibrate=FLAGS.calibrate,
+    )  # fmt: skip
+    print(
+        f"serving {FLAGS.model_name or FLAGS.target} on http://{FLAGS.host}:{FLAGS.port} "
+        f"({FLAGS.slots} slots; /health is 200 once compiled)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
+    if engine.error is not None:
+        raise ValueError(f"the decoder failed to start: {engine.error}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

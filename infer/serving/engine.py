@@ -1,0 +1,252 @@
+"""The server's engine: a bounded queue of requests and one thread that drives a
+`decoding.slots.SlotDecoder` (continuous batching over the jitted speculative loop).
+
+The thread repeats: admit queued requests into free slots (a jitted one-row prefill each), run
+one chunk of loop steps for all slots, hand every request the text its row committed, and free
+the rows that are done (a stop token, the request's max_tokens, one of its stop strings, or a
+client that went away). Requests talk to it through `Request.events`, an asyncio queue the HTTP
+handler reads on its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+
+from dflash_jax.config import kind_label
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds its maximum; `retry_after` is a guess in seconds for the client."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the request queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class NotServing(Exception):
+    """The engine is still warming up, or draining before it exits."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One completion: its prompt token ids and settings, and what the engine writes back.
+    events receives ("text", str) deltas, then ("done", None); `cancel()` frees its slot."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    id: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # the answer so far (cut at a stop string)
+    sent: int = 0  # characters of `text` handed out
+    finish_reason: str | None = None
+    steps: int = 0  # loop steps the row ran
+    arrived: float = 0.0
+    first_text: float | None = None
+    finished: float | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens committed per loop step (the prefill's token is not a step's)."""
+        return (len(self.tokens) - 1) / self.steps if self.steps else None
+
+    def _post(self, event) -> None:
+        if self.loop is not None and self.events is not None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """Builds its decoder on its own thread (`build()` -> a SlotDecoder ready to run: compiled,
+    warmed up, calibrated), then serves. submit() raises QueueFull past `max_queue` waiting
+    requests and NotServing before it is ready or once it drains; drain() lets the running and
+    queued requests finish and stops the thread."""
+
+    def __init__(self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int):
+        self._build = build
+        self.tokenizer = tokenizer
+        self.stop_token_ids = set(stop_token_ids)
+        self.max_queue, self.chunk_steps = max_queue, chunk_steps
+        self.decoder = None
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._queue: collections.deque[Request] = collections.deque()
+        self._active: dict[int, Request] = {}
+        self._cond = threading.Condition()
+        self._draining = False
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self.started = time.time()
+        self.stats = collections.Counter()
+        self.kinds = collections.Counter()
+        self.busy_s = 0.0
+
+    # -- the HTTP side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            if not self.ready.is_set() or self._draining:
+                raise NotServing("warming up" if not self._draining else "draining")
+            if len(self._queue) >= self.max_queue:
+                self.stats["rejected_queue_full"] += 1
+                raise QueueFull(self._retry_after())
+            req.id, req.arrived = next(self._ids), time.perf_counter()
+            self._queue.append(req)
+            self.stats["requests"] += 1
+            self._cond.notify()
+
+    def stop_admitting(self) -> None:
+        """From now on submit() refuses; the accepted requests still run to their end."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Stops admitting new requests; returns when every accepted one has finished."""
+        self.stop_admitting()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def metrics(self) -> dict:
+        with self._cond:
+            queued, active = len(self._queue), len(self._active)
+        tokens, row_steps = self.stats["tokens"], self.stats["row_steps"]
+        slots = self.decoder.slots if self.decoder is not None else 0
+        return {
+            "ready": self.ready.is_set(),
+            "draining": self._draining,
+            "slots": slots,
+            "active_slots": active,
+            "queue_length": queued,
+            "max_queue": self.max_queue,
+            "requests": {
+                k: self.stats[k]
+                for k in ("requests", "completed", "cancelled", "rejected_queue_full")
+            },
+            "generated_tokens": tokens,
+            "decode_busy_s": round(self.busy_s, 3),
+            "tokens_per_s_busy": tokens / self.busy_s if self.busy_s else 0.0,
+            "tokens_per_s_uptime": tokens / max(time.time() - self.started, 1e-9),
+            "tau": self.stats["step_tokens"] / row_steps if row_steps else None,
+            "loop_steps": self.stats["steps"],
+            "steps_by_kind": dict(self.kinds),
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def _retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: the mean request time so far."""
+        done = max(self.stats["completed"], 1)
+        return max(1, int(np.ceil(self.stats["request_s"] / done)))
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.decoder = self._build()
+        except BaseException as e:  # reported by /health and the CLI
+            self.error = e
+            log.exception("the decoder failed to build")
+            return
+        self.started = time.time()
+        self.ready.set()
+        dec = self.decoder
+        while True:
+            with self._cond:
+                while not self._queue and not self._active and not self._draining:
+                    self._cond.wait()
+                if self._draining and not self._queue and not self._active:
+                    return
+                free = [s for s in range(dec.slots) if s not in self._active]
+                admit = [(s, self._queue.popleft()) for s in free[: len(self._queue)]]
+                for slot, req in admit:
+                    self._active[slot] = req
+            for slot, req in admit:
+                dec.insert(
+                    slot, req.prompt_ids, max_new=req.max_tokens, temperature=req.temperature,
+                    top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                )  # fmt: skip
+            if admit:  # the prefill's token: the first text, without waiting for a chunk
+                self._deliver(dec.advance(0))
+            self._deliver(dec.advance(self.chunk_steps))
+
+    def _deliver(self, chunk) -> None:
+        """Hands each active row's new tokens to its request; frees the finished rows."""
+        self.busy_s += chunk.seconds
+        steps = chunk.kinds.shape[1]
+        self.stats["steps"] += steps
+        for j in range(steps):
+            col = chunk.kinds[:, j]
+            if col.any():
+                self.kinds[kind_label(int(col[col != 0][0]))] += 1
+        self.stats["step_tokens"] += int(chunk.acc.sum())
+        self.stats["row_steps"] += int((chunk.kinds != 0).sum())
+        freed = []
+        for slot, req in list(self._active.items()):
+            new = chunk.gen[slot, len(req.tokens) : int(chunk.n_gen[slot])].tolist()
+            req.tokens.extend(new)
+            req.steps = int(chunk.num_steps[slot])
+            self.stats["tokens"] += len(new)
+            if req.cancelled:
+                req.finish_reason = "cancelled"
+            elif new or chunk.done[slot]:
+                self._update_text(req, bool(chunk.done[slot]))
+            if req.finish_reason is not None:
+                freed.append(slot)
+                self._finish(req)
+        with self._cond:
+            for slot in freed:
+                del self._active[slot]
+        self.decoder.release(freed)
+
+    def _update_text(self, req: Request, row_done: bool) -> None:
+        text = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
+        if row_done:
+            last = req.tokens[-1] if req.tokens else None
+            req.finish_reason = "stop" if last in self.stop_token_ids else "length"
+        cuts = [i for i in (text.find(s) for s in req.stop) if i >= 0]
+        if cuts:
+            text, req.finish_reason = text[: min(cuts)], "stop"
+        if req.finish_reason is None:
+            if text.endswith("\ufffd"):  # half a character: wait for the rest
+                return
+            # Hold back what could be the start of a stop string.
+            hold = max((len(s) - 1 for s in req.stop), default=0)
+            upto = max(len(text) - hold, req.sent)
+        else:
+            upto = len(text)
+        req.text = text
+        if upto > req.sent:
+            if req.first_text is None:
+                req.first_text = time.perf_counter()
+            req._post(("text", text[req.sent : upto]))
+            req.sent = upto
+
+    def _finish(self, req: Request) -> None:
+        req.finished = time.perf_counter()
+        self.stats["cancelled" if req.cancelled else "completed"] += 1
+        self.stats["request_s"] += req.finished - req.arrived
+        req._post(("done", None))

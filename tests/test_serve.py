@@ -1,0 +1,329 @@
+"""infer.serve on loopback with a tiny target (a character-level ChatML tokenizer) and drafter:
+the shapes the `openai` client reads, streaming, 400s naming the field, 429 with Retry-After, a
+client that disconnects freeing its slot, SIGTERM draining, and greedy answers under
+concurrency equal to the same requests alone and to the target's own greedy decode.
+
+The drafter proposes token 0 and the target's head favours it (as in test_decoding), so steps
+accept anywhere from nothing to the whole block. One server (fixed block 8, 4 slots, fp32,
+batch-invariant under a given row rule, so no probe runs) serves the default tests; its
+programs are compiled once per process and reused by the servers built after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import httpx2 as httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from _chat_tokenizer import CHATML, char_tokenizer
+
+from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.io.drafter_io import LoadedDrafter
+from dflash_jax.io.target_loader import LoadedTarget
+from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.target import init_params
+from infer import serve
+
+MODEL = "tiny"
+RULE = (2, 16)  # a row rule given, so that no probe runs
+MAX_NEW = 40
+PROMPTS = ["abc", "Hello there", "x" * 20, "The quick brown fox", "12+34=", "?"]
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    server: object
+    engine: object
+    thread: threading.Thread
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", **kw)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=60)
+
+    def metrics(self) -> dict:
+        return httpx.get(f"{self.url}/metrics").json()
+
+
+def tiny_pair(dtype: str):
+    tok = char_tokenizer(CHATML)
+    vocab = len(tok)
+    tcfg = TargetConfig(
+        arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+        eos_token_ids=(2,), dtype=dtype, invariant_rows=RULE, attention_impl="xla",
+    )  # fmt: skip
+    dcfg = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=8, vocab_size=vocab, mask_token_id=vocab - 1, target_layer_ids=(0, 1),
+        num_target_layers=2, block_size=8, dtype=dtype, attention_impl="xla",
+    )  # fmt: skip
+    tp = init_params(tcfg, jax.random.key(0))
+    tp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, tp)
+    tp["lm_head"]["kernel"] = tp["lm_head"]["kernel"].at[:, 0].mul(4.0)
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])
+    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+    target = LoadedTarget(tcfg, cast(tp), tok, CHATML, MODEL)
+    return target, LoadedDrafter(dcfg, cast(dp), MODEL)
+
+
+def decode_config(adaptive: bool = False) -> DecodeConfig:
+    return DecodeConfig(
+        max_new_tokens=MAX_NEW, block_size=8, stop_token_ids=(2,), adaptive=adaptive,
+        lookup_kinds=(8,) if adaptive else (), batch_invariant=True, row_settings=True,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def running(target, drafter, cfg, *, slots=4, max_queue=16, chunk_steps=4):
+    """A server on a free loopback port, ready; stopped (drained) on exit."""
+    server, engine = serve.make_server(
+        target, drafter, cfg, host="127.0.0.1", port=0, slots=slots, max_prompt=64,
+        chunk_steps=chunk_steps, max_queue=max_queue, model_name=MODEL, calibrate=False,
+    )  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not (server.started and engine.ready.is_set()):
+        assert engine.error is None, engine.error
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    served = Served(f"http://127.0.0.1:{port}", server, engine, thread)
+    try:
+        yield served
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def fp32_pair():
+    return tiny_pair("float32")
+
+
+@pytest.fixture(scope="module")
+def served(fp32_pair):
+    with running(*fp32_pair, decode_config()) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def slowed(engine, seconds: float = 0.0, gate: threading.Event | None = None):
+    """Each advance call of the engine's decoder waits for `gate` and `seconds` first."""
+    dec = engine.decoder
+    advance = dec.advance
+
+    def slow(*args, **kw):
+        if gate is not None:
+            gate.wait(30)
+        time.sleep(seconds)
+        return advance(*args, **kw)
+
+    dec.advance = slow
+    try:
+        yield
+    finally:
+        dec.advance = advance
+
+
+def test_openai_client_shapes_and_streaming(served):
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    done = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)
+    choice = done.choices[0]
+    assert done.object == "text_completion" and choice.finish_reason in ("stop", "length")
+    assert done.usage.prompt_tokens == 3 and 1 <= done.usage.completion_tokens <= 12
+    kw = dict(model=MODEL, prompt="abc", max_tokens=12, temperature=0)
+    parts = list(client.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == choice.text
+    assert parts[-1].choices[0].finish_reason == choice.finish_reason
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=20, temperature=0
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    # The prompt is the target's chat template with the generation prompt.
+    tok = char_tokenizer(CHATML)
+    hi = [{"role": "user", "content": "Hi"}]
+    hi = tok.apply_chat_template(hi, tokenize=False, add_generation_prompt=True)
+    assert hi.endswith("<|im_start|>assistant\n")
+    assert chat.usage.prompt_tokens == len(tok.encode(hi, add_special_tokens=False))
+    pieces = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=20, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    pieces = list(pieces)
+    assert pieces[0].choices[0].delta.role == "assistant"
+    text = "".join(p.choices[0].delta.content or "" for p in pieces)
+    assert text == chat.choices[0].message.content
+    assert pieces[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    # A stop string cuts the answer before it, and ends it with finish_reason "stop".
+    full = client.completions.create(model=MODEL, prompt="?", max_tokens=MAX_NEW, temperature=0)
+    visible = full.choices[0].text
+    assert len(visible) >= 4, visible
+    cut = client.completions.create(
+        model=MODEL, prompt="?", max_tokens=MAX_NEW, temperature=0, stop=[visible[2:4]]
+    )
+    assert cut.choices[0].text == visible[: visible.index(visible[2:4])]
+    assert cut.choices[0].finish_reason == "stop"
+    m = served.metrics()
+    assert m["requests"]["completed"] >= 6 and m["tau"] >= 1 and m["steps_by_kind"]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x" * 70}, "prompt"),  # past --max_prompt_tokens (64)
+        ({"prompt": "a", "model": "other"}, "model"),
+        ({"prompt": "a", "temperature": -1}, "temperature"),
+        ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "top_k": -2}, "top_k"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": MAX_NEW + 1}, "max_tokens"),
+        ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "a", "seed": -1}, "seed"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(served, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = served.post(path, {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param.split("[")[0] in error["message"]
+
+
+def test_openai_client_sees_a_bad_request(served):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        served.client().completions.create(model=MODEL, prompt="a", temperature=3.0)
+
+
+def test_full_queue_is_429_with_retry_after(served):
+    gate = threading.Event()
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+    n = 4 + served.engine.max_queue + 2  # slots + queue + 2: at least two find it full
+    with slowed(served.engine, gate=gate), concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(served.post, "/v1/completions", body) for _ in range(n)]
+        deadline = time.time() + 30
+        while sum(f.done() for f in futures) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        gate.set()
+        codes = [f.result().status_code for f in futures]
+    full = [f.result() for f in futures if f.result().status_code == 429]
+    assert len(full) >= 2 and set(codes) == {200, 429}, codes
+    assert int(full[0].headers["Retry-After"]) >= 1
+    assert full[0].json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_client_that_disconnects_frees_its_slot(served):
+    before = served.metrics()["requests"]["cancelled"]
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": MAX_NEW, "temperature": 0.8}
+    body["stream"] = True
+    with slowed(served.engine, seconds=0.2):
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # the first event: the request holds a slot
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            m = served.metrics()
+            if m["requests"]["cancelled"] > before and m["active_slots"] == 0:
+                break
+            time.sleep(0.1)
+    assert m["requests"]["cancelled"] == before + 1 and m["active_slots"] == 0, m
+    ok = served.client().completions.create(model=MODEL, prompt="a", max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def _greedy_reference(target, prompt: str, max_tokens: int) -> str:
+    """The target's own greedy decode of the raw prompt, alone (batch 1), as text: the first
+    max_tokens of one MAX_NEW-token decode (one program for every request)."""
+    ids = target.tokenizer.encode(prompt, add_special_tokens=False)
+    buf = np.zeros((1, 64), np.int32)
+    buf[0, : len(ids)] = ids
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, stop_token_ids=(2,), batch_invariant=True)
+    out = autoregressive_decode(
+        target.params, buf, np.array([len(ids)], np.int32), jax.random.key(0),
+        target_config=target.config, decode_config=cfg,
+    )  # fmt: skip
+    tokens = np.asarray(out.tokens[0, : min(int(out.lengths[0]), max_tokens)]).tolist()
+    return target.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def check_greedy_under_load(served, target) -> None:
+    """Each greedy request alone, then all of them at once among sampled ones (more requests
+    than slots, so rows are reused mid-decode): the same text, the target's own greedy text."""
+    client = served.client(max_retries=0)
+    greedy = [
+        dict(prompt=p, max_tokens=MAX_NEW - 3 * i, temperature=0) for i, p in enumerate(PROMPTS)
+    ]
+    sampled = [
+        dict(prompt=p, max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, seed=i, **extra)
+        for i, (p, extra) in enumerate(
+            zip(PROMPTS, [{}, {"extra_body": {"top_k": 5}}] * 3, strict=True)
+        )
+    ]
+    ask = lambda kw: client.completions.create(model=MODEL, **kw).choices[0].text
+    alone = [ask(kw) for kw in greedy]
+    mixed = [kw for pair in zip(greedy, sampled, strict=True) for kw in pair]
+    with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
+        loaded = list(pool.map(ask, mixed))[::2]
+    assert loaded == alone
+    reference = [_greedy_reference(target, kw["prompt"], kw["max_tokens"]) for kw in greedy]
+    assert alone == reference
+
+
+def test_greedy_under_concurrency_equals_alone_fp32(served, fp32_pair):
+    check_greedy_under_load(served, fp32_pair[0])
+
+
+@pytest.mark.slow
+def test_greedy_under_concurrency_equals_alone_bf16_adaptive():
+    """Guards the bf16 claim (and the adaptive loop with copy kinds under load): greedy answers
+    in a full batch of mixed requests equal the same requests alone and bf16 AR."""
+    target, drafter = tiny_pair("bfloat16")
+    with running(target, drafter, decode_config(adaptive=True)) as s:
+        check_greedy_under_load(s, target)
+
+
+def refused(request) -> bool:
+    """Whether `request()` is turned away: 503 (draining), or no connection (closed port)."""
+    try:
+        return request().status_code == 503
+    except httpx.TransportError:
+        return True
+
+
+def test_sigterm_drains_then_exits(fp32_pair):
+    with running(*fp32_pair, decode_config()) as s:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": MAX_NEW, "temperature": 0.7}
+        with slowed(s.engine, seconds=0.1), concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running_one = pool.submit(s.post, "/v1/completions", body)
+            while s.metrics()["active_slots"] == 0:
+                time.sleep(0.02)
+            previous = signal.signal(signal.SIGTERM, s.server.handle_exit)  # as uvicorn does
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler runs in the main thread, between bytecodes
+                assert refused(lambda: s.post("/v1/completions", body))  # after SIGTERM
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            answer = running_one.result(timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"]
+        s.thread.join(60)
+        assert not s.thread.is_alive() and not s.engine._thread.is_alive()
+        assert s.engine.metrics()["requests"]["completed"] == 1
