@@ -45,6 +45,9 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
+# Quantized target weights (ops/quant.py): int8 and fp8 (float8_e4m3fn) per output channel, int4
+# per block of 32 contracted values.
+QUANT_SCHEMES = ("int8", "int4", "fp8")
 
 
 class ConfigError(ValueError):
@@ -161,6 +164,10 @@ class TargetConfig:
     # independent of the pass it is in. None: matmuls as XLA picks them. The decodes fill it
     # from `DecodeConfig.batch_invariant` (`decoding.programs.run_target_config`).
     invariant_rows: tuple[int, int] | None = None
+    # How the decoder layers' projection kernels are stored (QUANT_SCHEMES; None: float), as
+    # the params hold them (`models.quantized`): set by the loader, never read from or written
+    # to config.json.
+    quantize: str | None = None
     # MoE (qwen3_moe, qwen3_next, qwen3_5_moe; 0 experts: dense MLPs): top-k of num_experts
     # routed experts of width moe_intermediate_size, renormalised when norm_topk_prob; a layer is
     # sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step; an optional gated
@@ -189,6 +196,11 @@ class TargetConfig:
             lo, hi = self.invariant_rows
             if lo < 1 or (hi and hi < lo):
                 raise ConfigError(f"invariant_rows={self.invariant_rows}: need 1 <= min <= max")
+        if self.quantize is not None and self.quantize not in QUANT_SCHEMES:
+            raise ConfigError(
+                f"quantize={self.quantize!r} is not a supported scheme; use one of "
+                f"{', '.join(QUANT_SCHEMES)} or none for float weights"
+            )
         if self.arch not in SUPPORTED_TARGET_ARCHS:
             raise ConfigError(
                 f"target architecture {self.arch!r} is not supported "

@@ -75,10 +75,16 @@ _WARNED: set[tuple] = set()
 
 
 def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+# A quantized kernel's arrays (`ops.quant.QWeight`: the qvalue, its scales, Q4_1's offsets) are
+# sharded as the kernel is; a scale's dims that the mesh axes do not divide stay replicated.
+_QUANTIZED_LEAF = re.compile(r"/kernel/(q/(qvalue|scale|zero_point)|offset)$")
 
 
 def _param_axes(name: str, shape) -> tuple[str, ...]:
+    name = _QUANTIZED_LEAF.sub("/kernel", name)
     for pattern, axes in PARAM_AXES:
         if re.search(pattern, name):
             if len(axes) != len(shape):
@@ -125,7 +131,7 @@ def logical_to_spec(
             raise ValueError(f"logical axes {tuple(axes)} map mesh axis {clash} twice")
         used.update(mesh_axes)
         ways = math.prod(mesh.shape[a] for a in mesh_axes)
-        if ways > 1 and size % ways:
+        if ways > 1 and size % ways and size > 1:  # (a size-1 dim: a quantized kernel's scale)
             _warn_replicated(axis, size, mesh_axes, ways)
         spec.append(mesh_axes if ways > 1 and size % ways == 0 else None)
     return PartitionSpec(*spec)

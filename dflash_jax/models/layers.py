@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import thaw
-from dflash_jax.ops import dots
+from dflash_jax.ops import dots, quant
 from dflash_jax.ops.invariance import fixed_rows
 
 Dtype = jnp.dtype
@@ -97,8 +97,9 @@ class MLP(nn.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dot = self.dot_general or dots.dot_general
         dense = lambda f, name: nn.Dense(
-            f, use_bias=False, dtype=self.dtype, dot_general=dot, name=name
-        )
+            f, use_bias=False, dtype=self.dtype, dot_general=dot, name=name,
+            promote_dtype=quant.promote_dtype,
+        )  # fmt: skip
         gate_btf = dense(self.intermediate_size, "gate_proj")(x_btd)
         up_btf = dense(self.intermediate_size, "up_proj")(x_btd)
         return dense(x_btd.shape[-1], "down_proj")(nn.silu(gate_btf) * up_btf)
@@ -122,7 +123,9 @@ class AttentionProjections(nn.Module):
 
     def setup(self):
         dot = self.dot_general or dots.dot_general
-        opts = dict(use_bias=False, dtype=self.dtype, dot_general=dot)
+        opts = dict(
+            use_bias=False, dtype=self.dtype, dot_general=dot, promote_dtype=quant.promote_dtype
+        )
         dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
         self.q_proj = dg((self.num_heads, self.head_dim), "q_proj")
         self.k_proj = dg((self.num_kv_heads, self.head_dim), "k_proj")

@@ -21,12 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.ops import quant
+
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     """`jax.lax.dot_general` accumulating in fp32, the result cast once to
     `preferred_element_type` (None: the inputs' promoted dtype). A drop-in `dot_general` for
     flax's Dense / DenseGeneral. A Dense-form bf16 product of one row on a CPU runs as two rows
-    (the second zero, sliced off): see `pads_one_row`."""
+    (the second zero, sliced off): see `pads_one_row`. A quantized rhs (`ops.quant.QWeight`)
+    is dequantized to the lhs's dtype first."""
+    rhs = quant.weight(rhs, lhs.dtype)
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
     if pads_one_row(lhs, rhs, dimension_numbers):
         (lc, _), _ = dimension_numbers

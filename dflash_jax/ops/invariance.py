@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.ops import dots
+from dflash_jax.ops import dots, quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,9 @@ def dot_general(rule: RowRule | None):
 
 
 def _rule_dot_general(rule, lhs, rhs, dimension_numbers, precision=None, **kwargs):
+    # A quantized weight enters the isolated GEMMs dequantized (an elementwise op of the weight
+    # alone, so every row still meets the same float GEMM).
+    rhs = quant.weight(rhs, lhs.dtype)
     (lc, rc), (lb, rb) = dimension_numbers
     nc = len(lc)
     trailing = tuple(lc) == tuple(range(lhs.ndim - nc, lhs.ndim)) and tuple(rc) == tuple(range(nc))
