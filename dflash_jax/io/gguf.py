@@ -16,7 +16,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from dflash_jax.io.hf import CheckpointError, StoredTensor
+from dflash_jax.io.hf import CheckpointError, StoredTensor, block_transform, param_layout
+
+# Block schemes read as stored (`blocks`): bytes per block of 32 values.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_BLOCK = 32
+# Which of them each quantization scheme takes as it is (`native_kernels`).
+NATIVE_TYPES = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}
 
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -103,6 +109,61 @@ def _dequantized_part(
     return out
 
 
+def _blocks(tensor, n_head: int | None, file: str, shape: tuple[int, ...]):
+    """A Q4_0 / Q4_1 / Q8_0 matrix as stored, in HF layout: (qvalue int8 [out, in], scale f16
+    [out, in/32], offset f32 [out, in/32] or None) with w = qvalue * scale + offset. Q4_0:
+    w = d * (q - 8); Q4_1: w = d * q + m = d * (q - 8) + (m + 8 d), the offset exact in fp32;
+    Q8_0: w = d * q. A 4-bit block holds values 0-15 in its low nibbles, 16-31 in its high."""
+    kind = tensor.tensor_type.name
+    rows, cols = shape
+    if cols % GGUF_BLOCK:
+        raise CheckpointError(f"{file}: tensor {tensor.name!r} rows are not whole blocks")
+    raw = np.asarray(tensor.data).reshape(rows, cols // GGUF_BLOCK, _BLOCK_BYTES[kind])
+    half = lambda a, b: np.ascontiguousarray(raw[..., a:b]).view(np.float16)[..., 0]
+    scale, offset = half(0, 2), None
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(raw[..., 2:]).view(np.int8)
+    else:
+        packed = raw[..., 4:] if kind == "Q4_1" else raw[..., 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], -1).astype(np.int8) - 8
+        if kind == "Q4_1":
+            offset = half(2, 4).astype(np.float32) + 8 * scale.astype(np.float32)
+    q = q.reshape(rows, cols)
+    if n_head is not None:
+        q, scale = _unpermute(q, n_head), _unpermute(scale, n_head)
+        offset = None if offset is None else _unpermute(offset, n_head)
+    return q, scale, offset
+
+
+def native_kernels(tensors: dict[str, StoredTensor], config, scheme: str) -> dict:
+    """Canonical name -> `QWeight` in our layout, for each decoder-layer projection stored in a
+    block type that `scheme` takes as it is (`NATIVE_TYPES`): the blocks become the qvalue,
+    scales and offsets, never a float matrix. Other tensors are not in the result."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import qwix
+
+    from dflash_jax.models.quantized import CONTRACTED
+    from dflash_jax.ops.quant import QWeight
+
+    types = NATIVE_TYPES.get(scheme, ())
+    storage = ml_dtypes.int4 if scheme == "int4" else np.int8
+    out = {}
+    for name, (_, _, fn) in param_layout(config).items():
+        t = tensors[name]
+        module = name.rsplit(".", 2)[-2]
+        if t.ggml_type not in types or module not in CONTRACTED or t.blocks is None:
+            continue
+        block_fn = block_transform(fn, GGUF_BLOCK)
+        if block_fn is None:  # blocks straddling heads: the kernel is quantized from floats
+            continue
+        q, scale, offset = t.blocks()
+        qarray = qwix.QArray(jnp.asarray(fn(q).astype(storage)), jnp.asarray(block_fn(scale)))
+        offset = None if offset is None else jnp.asarray(block_fn(offset))
+        out[name] = QWeight(qarray, offset)
+    return out
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor], bool]:
     """Returns (HF-style config dict for `TargetConfig.from_hf`, canonical HF name ->
     StoredTensor in HF layout, whether the file embeds a tokenizer). Only the llama
@@ -165,5 +226,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor]
             shape,
             lambda t=t, n=n_head, s=shape: _dequantized(t, n, file, s),
             lambda index, t=t, n=n_head, s=shape: _dequantized_part(t, n, file, s, index),
+            t.tensor_type.name,
+            (lambda t=t, n=n_head, s=shape: _blocks(t, n, file, s))
+            if t.tensor_type.name in _BLOCK_BYTES and len(shape) == 2
+            else None,
         )
     return config, tensors, tokens is not None

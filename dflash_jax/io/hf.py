@@ -38,6 +38,10 @@ class StoredTensor:
     # index (one slice per dim, steps of 1) -> that region, reading no more of the file than
     # it needs (GGUF: dequantising only its rows); None: read()[index] (a memory map's view).
     read_part: Callable[[tuple[slice, ...]], np.ndarray] | None = None
+    # A GGUF tensor stored in a block scheme (Q4_0, Q4_1, Q8_0): its type's name and
+    # `blocks()` -> (qvalue int8 [out, in], scale [out, in/32], offset or None), HF layout.
+    ggml_type: str = ""
+    blocks: Callable[[], tuple] | None = None
 
     def part(self, index: tuple[slice, ...]) -> np.ndarray:
         """The region `index` (one slice per dim) of the tensor, in HF layout."""
@@ -234,6 +238,15 @@ class _HeadsOut:
         return w.reshape(w.shape[0], n.stop - n.start, self.h)[:, :, h].transpose(1, 2, 0)
 
 
+def block_transform(fn, block: int):
+    """The transform `fn` (HF [out, in] -> our layout) for an array of one value per `block`
+    consecutive `in` values ([out, in / block]: a block-quantized kernel's scales), or None
+    when a block would straddle two heads of o_proj's split input."""
+    if isinstance(fn, _HeadsOut):
+        return _HeadsOut(fn.n, fn.h // block) if fn.h % block == 0 else None
+    return fn
+
+
 _t, _keep = _Transpose(), _Keep()
 _split_heads_in, _split_heads_out = _HeadsIn, _HeadsOut
 
@@ -312,6 +325,7 @@ def convert_to_params(
     source: str,
     cast: Callable[[np.ndarray], Any] = np.asarray,
     place: Callable[[tuple[str, ...], Callable[[], np.ndarray]], Any] | None = None,
+    native: Mapping[str, Any] | None = None,
 ) -> dict:
     """Checks names and shapes against `param_layout` and builds the nested param dict.
 
@@ -320,7 +334,8 @@ def convert_to_params(
     in the file must equal the embedding (compared by slices). `cast` turns each converted
     numpy array into a leaf; or `place(param path, read)` makes the leaf from `read()`, the
     converted array as a lazy `Converted` (files are then read, and a GGUF dequantised, only
-    where `place` slices them).
+    where `place` slices them). `native`: canonical name -> a leaf already made in our layout
+    (a GGUF's quantized blocks as a `QWeight`), used as it is.
     """
     layout = param_layout(config)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
@@ -356,7 +371,9 @@ def convert_to_params(
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        if place is None:
+        if native and name in native:
+            node[path[-1]] = native[name]
+        elif place is None:
             node[path[-1]] = cast(fn(tensors[name].read()))
         else:
             node[path[-1]] = place(path, lambda fn=fn, t=tensors[name]: Converted(t, fn))

