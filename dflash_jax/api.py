@@ -110,14 +110,18 @@ def load_pair(
     dtype: str = "float32",
     target_cache: bool = True,
     mesh=None,
+    quantize: str | None = None,
 ):
     """(target, drafter or None for drafter_source == "none"), as the CLIs accept them;
-    `target_cache` as in `load_target(cache=...)`. With a `mesh`, both are placed on it shard
-    by shard, and `timed_decode` runs on it."""
+    `target_cache` and `quantize` as in `load_target(cache=..., quantize=...)` (the drafter
+    stays in `dtype`). With a `mesh`, both are placed on it shard by shard, and
+    `timed_decode` runs on it."""
     from dflash_jax.io import load_target
     from dflash_jax.io.drafter_io import load_drafter
 
-    target = load_target(target_source, dtype=dtype, cache=target_cache, mesh=mesh)
+    target = load_target(
+        target_source, dtype=dtype, cache=target_cache, mesh=mesh, quantize=quantize
+    )
     drafter = None if drafter_source == "none" else load_drafter(drafter_source, target, mesh=mesh)
     return target, drafter
 
@@ -168,6 +172,7 @@ def fastest_dtype(
         return "float32", {}
     from dflash_jax.decoding import floors as floors_lib
     from dflash_jax.ops.invariance import machine_name
+    from dflash_jax.ops.quant import QWeight
 
     settings = {
         dtype: floors_lib.run_config(target.config, dtype, batch_invariant)
@@ -179,7 +184,8 @@ def fastest_dtype(
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
          repr(drafter.config.num_layers), str(block_size),
-         *(f"{d}:{c.invariant_rows}" for d, c in settings.items())]
+         *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
+         *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
     try:
         table = json.loads(path.read_text())
@@ -188,7 +194,11 @@ def fastest_dtype(
     if key not in table:
         floors = {}
         for dtype, tcfg in settings.items():
-            cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
+            cast = lambda tree, dt=dtype: jax.tree.map(
+                lambda w: w if isinstance(w, QWeight) else w.astype(dt),
+                tree,
+                is_leaf=lambda w: isinstance(w, QWeight),
+            )  # quantized kernels as stored: the dot dequantizes them to dt
             out = floors_lib.gemm_floors(
                 cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
             )

@@ -132,6 +132,7 @@ def main(argv):
         "max_new_tokens": FLAGS.max_new_tokens,
         "block_size": block,
         "dtype": dtype,
+        "quantize": FLAGS.quantize,
         "target": FLAGS.target,
         "drafter": FLAGS.drafter,
         "results": results,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.config import QUANT_SCHEMES, DecodeConfig, TargetConfig
 from dflash_jax.io import assets
 from dflash_jax.io.gguf import read_gguf
 
@@ -93,6 +93,7 @@ class DecodeShape:
     block_size: int = 0
     dtype: str = "bfloat16"
     invariant_rows: tuple[int, int] | None = None
+    quantize: str | None = None  # the target's quantized kernels (`TargetConfig.quantize`)
 
 
 def define_shape_flags(flags) -> None:
@@ -114,13 +115,19 @@ def define_shape_flags(flags) -> None:
         "dtype", shape.dtype, ["bfloat16", "float32"],
         "Decode: param and cache dtype (training uses the config's compute_dtype).",
     )  # fmt: skip
+    flags.DEFINE_enum(
+        "quantize", None, list(QUANT_SCHEMES),
+        "Decode: the target's decoder-layer kernels quantized to this scheme (int8/fp8 per "
+        "output channel, int4 per block of 32; docs/quantization.md), sharded by the same table "
+        "as the float kernels; the drafter, embedding and head stay in --dtype. Unset: float.",
+    )  # fmt: skip
 
 
 def shape_from_flags(values, invariant_rows: tuple[int, int] | None = None) -> DecodeShape:
     """The `DecodeShape` the `define_shape_flags` flags in `values` (absl's FLAGS) name."""
     return DecodeShape(
         values.batch, values.prompt_len, values.max_new_tokens, values.block_size, values.dtype,
-        invariant_rows,
+        invariant_rows, values.quantize,
     )  # fmt: skip
 
 
@@ -239,11 +246,18 @@ def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, st
 
 
 def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:
-    """(target params, prompt [B,P], lengths [B], rng) as ShapeDtypeStructs."""
+    """(target params, prompt [B,P], lengths [B], rng) as ShapeDtypeStructs; with
+    `shape.quantize` the layer kernels quantized (`models.quantized`), placed by the table."""
     from dflash_jax.models.target import init_params
 
+    params = abstract_params(init_params, tcfg, shape.dtype, mesh)
+    if shape.quantize:
+        from dflash_jax.models.quantized import quantize_params
+
+        params = jax.eval_shape(lambda p: quantize_params(p, tcfg, shape.quantize), params)
+        params = sharding.put(params, sharding.param_shardings(params, mesh))
     return (
-        abstract_params(init_params, tcfg, shape.dtype, mesh),
+        params,
         jax.ShapeDtypeStruct((shape.batch, shape.prompt_len), jnp.int32),
         jax.ShapeDtypeStruct((shape.batch,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
@@ -257,7 +271,7 @@ def speculative_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> 
     from dflash_jax.models.drafter import init_drafter_params
 
     tcfg, dcfg = _configs(cfg, shape.dtype, attention_impl)
-    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows)
+    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows, quantize=shape.quantize)
     decode = DecodeConfig(
         max_new_tokens=shape.max_new_tokens,
         block_size=shape.block_size or dcfg.block_size,
@@ -281,7 +295,7 @@ def autoregressive_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) 
     from dflash_jax.decoding import autoregressive
 
     tcfg, _ = _configs(cfg, shape.dtype, attention_impl)
-    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows)
+    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows, quantize=shape.quantize)
     decode = autoregressive.autoregressive_config(
         DecodeConfig(
             max_new_tokens=shape.max_new_tokens, batch_invariant=shape.invariant_rows is not None

@@ -250,8 +250,9 @@ def pick_plain_ars(target, ids, cfg: DecodeConfig) -> tuple[dict, dict]:
         t = target
         if dtype != target.config.dtype:
             loaded = load_target(
-                FLAGS.target, dtype=dtype, cache=FLAGS.target_cache, mesh=common.distributed.mesh()
-            )
+                FLAGS.target, dtype=dtype, cache=FLAGS.target_cache,
+                mesh=common.distributed.mesh(), quantize=FLAGS.quantize,
+            )  # fmt: skip
             t = common.with_attention_impl(loaded)[0]
         for _ in range(2):  # compile + warm, then timed
             run = api.timed_decode(t, None, prompt, lengths, FLAGS.seed, plain_cfg, step_limit=16)
@@ -518,6 +519,7 @@ def main(argv):
             "jax_version": jax.__version__,
             "python": platform.python_version(),
             "dtype": dtype,
+            "quantize": FLAGS.quantize,
             "dtype_choice": dtype_why or "--dtype",
             "machine": invariance.machine_name(),
             "batch_invariant": programs.run_target_config(target.config, cfg).invariant_rows

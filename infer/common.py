@@ -35,6 +35,14 @@ flags.DEFINE_enum(
     "measured once and cached (api.fastest_dtype), its choice and the floors printed on one "
     "line: bfloat16 where bf16 units make it cheap (avx512_bf16, AMX), else float32.",
 )  # fmt: skip
+flags.DEFINE_enum(
+    "quantize", None, ["int8", "int4", "fp8"],
+    "Quantized target weights (docs/quantization.md): the decoder layers' projections stored in "
+    "int8 or fp8 (one scale per output channel) or int4 (one per block of 32), dequantized to "
+    "--dtype in each product; embedding, head, norms and the drafter stay in --dtype. The "
+    "quantized model is the target: DFlash output equals its own AR output. A GGUF's Q4_0/Q4_1 "
+    "(int4) or Q8_0 (int8) blocks load as stored. Dense Llama/Qwen3 targets only. Unset: float.",
+)  # fmt: skip
 flags.DEFINE_bool(
     "target_cache", True,
     "Reuse the converted target (params, config, tokenizer) kept in $DFLASH_JAX_CACHE "
@@ -166,7 +174,9 @@ def load_models(block_size: int = 0):
     mesh = distributed.mesh()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
     load = lambda dt: with_attention_impl(
-        *api.load_pair(FLAGS.target, FLAGS.drafter, dt, FLAGS.target_cache, mesh=mesh)
+        *api.load_pair(
+            FLAGS.target, FLAGS.drafter, dt, FLAGS.target_cache, mesh=mesh, quantize=FLAGS.quantize
+        )
     )
     target, drafter = load(dtype)
     why = None

@@ -99,6 +99,7 @@ def main(argv):
         "mode": mode_name(cfg, drafter),
         "block_size": block,
         "dtype": dtype,
+        "quantize": FLAGS.quantize,
         "dtype_choice": dtype_why or "--dtype",
         "batch_invariant": programs.run_target_config(target.config, cfg).invariant_rows
         is not None,
