@@ -96,13 +96,15 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def make_tiny_gguf(tmp_path, model, arch: str = "llama") -> Path:
+def make_tiny_gguf(tmp_path, model, arch: str = "llama", quant: str = "") -> Path:
     """Writes a tiny HF Llama model (from `make_tiny_hf_model(arch="llama")`) as an F32 GGUF the
-    way llama.cpp converts it (renamed tensors, permuted q/k rows, no tokenizer metadata)."""
+    way llama.cpp converts it (renamed tensors, permuted q/k rows, no tokenizer metadata);
+    `quant` (e.g. "Q4_1"): the layers' projection matrices in that block type (gguf's own
+    quantizer), the rest F32."""
     import gguf
 
     c = model.config
-    path = Path(tmp_path) / f"tiny-{arch}.gguf"
+    path = Path(tmp_path) / f"tiny-{arch}{'-' + quant if quant else ''}.gguf"
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
@@ -141,6 +143,11 @@ def make_tiny_gguf(tmp_path, model, arch: str = "llama") -> Path:
                 w = _llama_cpp_permute(w, c.num_attention_heads)
             elif short == "attn_k":
                 w = _llama_cpp_permute(w, c.num_key_value_heads)
+            if quant and w.ndim == 2:
+                qtype = gguf.GGMLQuantizationType[quant]
+                w = gguf.quants.quantize(w, qtype)
+                writer.add_tensor(f"blk.{layer}.{short}.weight", w, raw_dtype=qtype)
+                continue
             writer.add_tensor(f"blk.{layer}.{short}.weight", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,0 +1,165 @@
+"""Quantized targets (ops/quant.py, models/quantized.py): the quantized model is the target.
+
+One tiny pair (tests/test_decoding.py's, drafter block 16) quantized once per scheme; its own AR
+decode is the reference of every DFlash decode here. int4 runs by default (the coarsest scheme,
+with both per-block and per-channel kernels at these shapes: down_proj contracts 64 values in
+two blocks, the others 32 or fewer); int8 and fp8 are slow.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tiny_models import make_tiny_gguf, make_tiny_hf_model
+from test_decoding import LENS, PROMPT, make_pair, two_token_tv
+
+from dflash_jax.config import ConfigError, DecodeConfig, TargetConfig
+from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
+from dflash_jax.io import load_target
+from dflash_jax.io.target_orbax import save_target
+from dflash_jax.models.quantized import quantize_params
+from dflash_jax.models.target import Transformer
+from dflash_jax.ops.quant import QWeight
+
+DECODES = {
+    "block16": DecodeConfig(max_new_tokens=24, block_size=16),
+    "adaptive": DecodeConfig(max_new_tokens=24, block_size=16, adaptive=True, probe_every=2),
+    "tree": DecodeConfig(max_new_tokens=24, block_size=16, tree_nodes=12),
+}
+STEP_COSTS = (1.0, 1.2, 1.4, 1.8)  # the adaptive decode's kinds 1, 4, 8, 16
+
+
+@functools.cache
+def quantized_pair(scheme: str, vocab: int = 64, seed: int = 0, zero_boost: float = 6.0):
+    """(target config, quantized params, drafter config, params) of the tiny pair."""
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, seed=seed, zero_boost=zero_boost, block_size=16)
+    return dataclasses.replace(tcfg, quantize=scheme), quantize_params(tp, tcfg, scheme), dcfg, dp
+
+
+@functools.cache
+def quantized_ar(scheme: str):
+    tcfg, tp, _, _ = quantized_pair(scheme)
+    out = autoregressive_decode(
+        tp, PROMPT, LENS, jax.random.key(0), target_config=tcfg, decode_config=DECODES["block16"]
+    )
+    return jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize(
+    "scheme,mode",
+    [("int4", "block16")]
+    + [pytest.param("int4", m, marks=pytest.mark.slow) for m in ("adaptive", "tree")]
+    + [pytest.param(s, "block16", marks=pytest.mark.slow) for s in ("int8", "fp8")],
+)
+def test_quantized_greedy_dflash_equals_quantized_ar(scheme, mode):
+    """Greedy DFlash on the quantized target gives its own greedy AR tokens, and accepts drafts:
+    int4 in a block-16 chain by default. Slow, each guarding only its own case (the quantized
+    kernels enter every pass through the same dot as in the chain): the adaptive kinds, a tree
+    verify, and the int8 and fp8 schemes."""
+    tcfg, tp, dcfg, dp = quantized_pair(scheme)
+    kernel = tp["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(kernel, QWeight) and kernel.q.qvalue.dtype.itemsize == 1
+    cfg = DECODES[mode]
+    extra = {"step_costs": STEP_COSTS} if cfg.adaptive else {}
+    sp = speculative_decode(
+        tp, dp, PROMPT, LENS, jax.random.key(0), target_config=tcfg, drafter_config=dcfg,
+        decode_config=cfg, **extra,
+    )  # fmt: skip
+    ar = quantized_ar(scheme)
+    np.testing.assert_array_equal(np.asarray(sp.tokens), ar.tokens)
+    np.testing.assert_array_equal(np.asarray(sp.lengths), ar.lengths)
+    assert np.asarray(sp.acceptance_lengths).max() > 1  # drafts were accepted
+
+
+@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_quantized_sampling_is_lossless(broken, monkeypatch):
+    """Sampled DFlash on the int4 target follows the int4 target's own law of the first two
+    tokens (exact, from its forwards); an acceptance rule that accepts every draft is caught
+    (slow: the control; test_decoding's TV test with the quantized target)."""
+    tcfg, tp, dcfg, dp = quantized_pair("int4", vocab=12, seed=4, zero_boost=1.0)
+    dp = {**dp, "norm": {"scale": jnp.full_like(dp["norm"]["scale"], 0.5)}}
+    if broken:
+
+        def accept_all(drafts, draft_logp, target_logits, key, cfg):
+            a, _ = sampling.accept_rejection(drafts, draft_logp, target_logits, key, cfg)
+            bonus = jnp.argmax(target_logits[:, -1], -1).astype(jnp.int32)[:, None]
+            return jnp.full_like(a, drafts.shape[1]), jnp.concatenate([drafts, bonus], 1)
+
+        monkeypatch.setattr(phases, "accept_rejection", accept_all)
+        jax.clear_caches()
+    prompt, n = np.array([3, 1, 4], np.int32), 6000
+    out = speculative_decode(
+        tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
+        target_config=tcfg, drafter_config=dcfg,
+        decode_config=DecodeConfig(max_new_tokens=2, block_size=4, temperature=1.0),
+    )  # fmt: skip
+    if broken:
+        jax.clear_caches()
+    tv = two_token_tv(tcfg, tp, prompt, 1.0, out.tokens)
+    # The float target's law is another one: the test would see it (quantization moves it).
+    float_tp = make_pair(vocab=12, seed=4, zero_boost=1.0, block_size=16)[1]
+    assert two_token_tv(tcfg, float_tp, prompt, 1.0, out.tokens) != tv
+    assert (tv > 0.15) if broken else (tv < 0.09), tv
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tmp_path_factory):
+    """A tiny Llama GGUF whose projections are Q4_1 (head dim 32: o_proj's blocks per head;
+    every contracted dim a multiple of the 32-value block)."""
+    model = make_tiny_hf_model("llama", hidden_size=128, head_dim=32)
+    return make_tiny_gguf(tmp_path_factory.mktemp("q4"), model, quant="Q4_1")
+
+
+def test_gguf_q4_1_loads_as_int4(q4_1_gguf):
+    """Q4_1 blocks load as int4 kernels as stored (qvalue, fp16 scale and offset per block of 32,
+    no float copy), and the int4 target's logits equal those of the GGUF dequantised to fp32
+    (within fp32 rounding: w = q*d + m is computed as (q-8)*d + (m+8d))."""
+    dequantized = load_target(str(q4_1_gguf), cache=False)
+    native = load_target(str(q4_1_gguf), cache=False, quantize="int4")
+    assert native.config.quantize == "int4"
+    for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        kernel = native.params["layers_1"]["self_attn"][module]["kernel"]
+        assert kernel.q.qvalue.dtype == jnp.int4 and kernel.q.scale.dtype == jnp.float16
+        assert kernel.offset is not None and kernel.offset.shape == kernel.q.scale.shape
+    tokens = jnp.array([[1, 5, 9, 2, 7, 3, 3, 8]], jnp.int32)
+    positions = jnp.arange(8)[None]
+    logits = [
+        Transformer(t.config).apply({"params": t.params}, tokens, positions)[0]
+        for t in (dequantized, native)
+    ]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_params_orbax_round_trip(q4_1_gguf, tmp_path):
+    """A quantized target saved with Orbax (int4 with fp16 scales and offsets from a GGUF; fp8
+    from PTQ) restores to the same kernels, bit for bit, and the same config."""
+    targets = {
+        "int4": load_target(str(q4_1_gguf), cache=False, quantize="int4"),
+        "fp8": load_target(str(q4_1_gguf), cache=False, quantize="fp8"),
+    }
+    for scheme, target in targets.items():
+        save_target(tmp_path / scheme, target)
+        back = load_target(str(tmp_path / scheme))
+        assert back.config == target.config and back.config.quantize == scheme
+        assert jax.tree.structure(back.params) == jax.tree.structure(target.params)
+        for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(target.params), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(
+                np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+            )
+
+
+def test_bad_quantize_is_refused(q4_1_gguf):
+    """An unknown scheme and a target without a quantized path are refused, naming the fix."""
+    with pytest.raises(ValueError, match="quantize='int3'.*int8, int4, fp8"):
+        load_target(str(q4_1_gguf), cache=False, quantize="int3")
+    with pytest.raises(ConfigError, match="int3"):
+        TargetConfig("llama", 64, 32, 64, 2, 4, 2, 8, quantize="int3")
+    moe = TargetConfig(
+        "qwen3_moe", 64, 32, 64, 2, 4, 2, 8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="qwen3_moe.*no quantized path"):
+        quantize_params({}, moe, "int8")
