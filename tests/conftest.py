@@ -47,7 +47,7 @@ def _whole_default_run(config) -> bool:
         config.args_source == pytest.Config.ArgsSource.TESTPATHS
         and config.option.markexpr == "not slow"
         and not config.option.keyword
-        and not config.option.lf
+        and not getattr(config.option, "lf", False)  # -p no:cacheprovider drops --lf
         and not config.option.deselect
     )
 
