@@ -71,8 +71,7 @@ def server_config(target, drafter) -> api.DecodeConfig:
     """The served decode: the flags' kinds (the measured defaults when unset), every row with
     its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
     --nobatch_invariant."""
-    block, adaptive = api.decode_mode(target, drafter, FLAGS.block_size or None, FLAGS.adaptive)
-    cfg = common.decode_config(block, api.stop_token_ids(target), adaptive)
+    cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
     return dataclasses.replace(
         cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True
@@ -115,11 +114,13 @@ def make_server(target, drafter, cfg, *, host, port, slots, max_prompt, chunk_st
         cfg.stop_token_ids,
         max_queue=max_queue,
         chunk_steps=chunk_steps,
+        on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
     )
     limits = Limits(max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings)
     web = make_app(engine, model=model_name, tokenizer=target.tokenizer, limits=limits)
     config = uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="on")
-    return DrainingServer(config, engine), engine
+    server = DrainingServer(config, engine)
+    return server, engine
 
 
 def main(argv):

@@ -28,7 +28,7 @@ import pytest
 from _chat_tokenizer import CHATML, char_tokenizer
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.decoding import autoregressive_decode, sampling
 from dflash_jax.io.drafter_io import LoadedDrafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
@@ -247,6 +247,28 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     assert m["requests"]["cancelled"] == before + 1 and m["active_slots"] == 0, m
     ok = served.client().completions.create(model=MODEL, prompt="a", max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_per_row_cuts_equal_the_sorted_cuts():
+    """Each row's top-k / top-p support (found among the largest values, or by bisection for
+    rows whose cut lies past them) is the one `process_logits` finds by sorting, per setting."""
+    rng = np.random.default_rng(0)
+    peaky = rng.normal(size=(4, 3, 600)) * 3
+    flat = rng.normal(size=(4, 3, 600)) * 0.01  # top-p 0.99 reaches far past the candidates
+    logits = jnp.asarray(np.concatenate([peaky, flat]), jnp.float32)
+    settings = [(0.7, 0, 0.95), (1.0, 40, 1.0), (0.5, 300, 0.8), (1.3, 1, 0.5)] * 2
+    rows = sampling.RowSettings(
+        temperature=jnp.asarray([t for t, _, _ in settings], jnp.float32),
+        top_k=jnp.asarray([k for _, k, _ in settings], jnp.int32),
+        top_p=jnp.asarray([p for _, _, p in settings], jnp.float32),
+        key_data=jnp.zeros((8, 2), jnp.uint32),
+        max_new=jnp.ones((8,), jnp.int32),
+    )
+    got = np.isinf(np.asarray(jax.jit(sampling.process_logits)(logits, rows)))
+    for r, (t, k, p) in enumerate(settings):
+        cfg = DecodeConfig(temperature=t, top_k=k, top_p=p)
+        want = np.isinf(np.asarray(sampling.process_logits(logits[r], cfg)))
+        assert (got[r] == want).all(), (r, t, k, p)
 
 
 def _greedy_reference(target, prompt: str, max_tokens: int) -> str:

@@ -84,27 +84,70 @@ def process_logits(logits: jax.Array, cfg: DecodeConfig | RowSettings) -> jax.Ar
     return jax.nn.log_softmax(x, axis=-1)
 
 
+# The largest values `_process_rows` looks at first: a top-k cut up to this k, and a top-p cut
+# whose crossing value is among them, come from one `lax.top_k` (~9 ms for 56 rows of a 49k
+# vocabulary on a 2-core CPU, where sorting the rows took ~1 s); other rows use `_cut_key`.
+CANDIDATES = 256
+
+
 def _process_rows(x: jax.Array, rows: RowSettings) -> jax.Array:
-    """`process_logits` of x [B, ..., V] with per-row settings; the sort that top-k and top-p
-    need runs only when a row asks for either."""
+    """`process_logits` of x [B, ..., V] with per-row settings, the same cuts found without a
+    sort: the k-th value and top-p's crossing value among the `CANDIDATES` largest, else by
+    bisection over the values' order (`_cut_key`); each cut runs only if some row asks."""
     per_row = lambda a: a.reshape((-1,) + (1,) * (x.ndim - 1))
     x = x / per_row(jnp.where(rows.temperature > 0, rows.temperature, 1.0))
     k, p = per_row(rows.top_k), per_row(rows.top_p)
+    c = min(CANDIDATES, x.shape[-1])
 
-    def truncate(x):
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        kth_idx = jnp.broadcast_to(jnp.clip(k - 1, 0, x.shape[-1] - 1), x.shape[:-1] + (1,))
-        kth = jnp.where(k > 0, jnp.take_along_axis(sorted_x, kth_idx, -1), -jnp.inf)
-        x = jnp.where(x < kth, -jnp.inf, x)
-        sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)  # x's top-k, still sorted
-        sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        keep = mass_before < p  # as `process_logits`: the crossing token included
-        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        return jnp.where((p < 1.0) & (x < threshold), -jnp.inf, x)
+    def top_k(x):  # keep x >= the k-th largest (ties kept, as `lax.top_k`'s cut)
+        top = jax.lax.top_k(x, c)[0]
+        kth = jnp.take_along_axis(top, jnp.broadcast_to(jnp.clip(k - 1, 0, c - 1), p.shape), -1)
+        found = k <= c
+        cut = jnp.where(found, _order_key(kth), _slow_cut(x, found, jnp.ones_like(x), k))
+        return jnp.where((k > 0) & (_order_key(x) < cut), -jnp.inf, x)
 
-    cut = jnp.any(rows.top_k > 0) | jnp.any(rows.top_p < 1.0)
-    return jax.nn.log_softmax(jax.lax.cond(cut, truncate, lambda x: x, x), axis=-1)
+    def top_p(x):  # keep the largest values up to the one whose mass crosses top_p
+        top = jax.lax.top_k(x, c)[0]
+        mass = jnp.exp(top - jax.nn.logsumexp(x, axis=-1, keepdims=True))
+        before = jnp.cumsum(mass, axis=-1) - mass
+        kept = jnp.min(jnp.where(before < p, top, jnp.inf), axis=-1, keepdims=True)
+        found = (before[..., -1:] + mass[..., -1:] >= p) | (p >= 1.0)
+        cut = jnp.where(found, _order_key(kept), _slow_cut(x, found, jax.nn.softmax(x), p))
+        return jnp.where((p < 1.0) & (_order_key(x) < cut), -jnp.inf, x)
+
+    x = jax.lax.cond(jnp.any(rows.top_k > 0), top_k, lambda x: x, x)
+    x = jax.lax.cond(jnp.any(rows.top_p < 1.0), top_p, lambda x: x, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def _slow_cut(x, found, weight, target):
+    """`_cut_key` for the rows whose cut lies past the candidates (run only if there are)."""
+    key = lambda: _cut_key(_order_key(x), weight, target.astype(weight.dtype))
+    none = lambda: jnp.zeros(x.shape[:-1] + (1,), jnp.int32)
+    return jax.lax.cond(jnp.any(~found), key, none)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys of float32 values in the same order (-0.0 just below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _cut_key(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """The smallest key c with sum(weight[key > c]) < target, per row (keys [..., V], target
+    [..., 1]) by bisection over the int32 range: the key of the value that `process_logits`'s
+    sorted cut stops at, so `key >= c` keeps what it keeps (weights 1: the k-th largest value;
+    probabilities: the value whose mass crosses top_p)."""
+    hi = jnp.max(key, axis=-1, keepdims=True)  # nothing above the largest
+    lo = jnp.full(hi.shape, jnp.iinfo(jnp.int32).min, jnp.int32)  # the sum there: all
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        below = jnp.sum(jnp.where(key > mid, weight, 0.0), axis=-1, keepdims=True) < target
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
 def row_keys(key: jax.Array, batch: int) -> jax.Array:

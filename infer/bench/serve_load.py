@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +44,9 @@ flags.DEFINE_float(
     "sampled_temperature", 0.7, "Temperature of the sampled requests.", lower_bound=0.0
 )
 flags.DEFINE_integer("port", 8011, "Loopback port for the server.")
+flags.DEFINE_integer(
+    "max_prompt_tokens", 256, "The server's --max_prompt_tokens (one insert compiled per bucket)."
+)
 flags.DEFINE_integer("deadline_s", 3600, "Give up (and stop the server) after this long.")
 flags.DEFINE_string("output", None, "Also write the JSON object here.")
 
@@ -80,14 +84,19 @@ def start_server(dtype: str, log_path: str) -> tuple[subprocess.Popen, float]:
         sys.executable, "-m", "infer.serve", f"--port={FLAGS.port}", f"--slots={FLAGS.slots}",
         f"--max_new_tokens={FLAGS.max_new_tokens}", f"--target={FLAGS.target}",
         f"--drafter={FLAGS.drafter}", f"--dtype={dtype}",
+        f"--max_prompt_tokens={FLAGS.max_prompt_tokens}",
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     while time.perf_counter() - t0 < FLAGS.deadline_s:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode}); see {log_path}")
-        if get_json("/health")[0] == 200:
+        status, body = get_json("/health")
+        if status == 200:
             return proc, time.perf_counter() - t0
+        if status == 500:
+            proc.kill()
+            raise RuntimeError(f"the server failed to start: {body}; see {log_path}")
         time.sleep(1)
     proc.kill()
     raise TimeoutError(f"the server was not ready within --deadline_s={FLAGS.deadline_s}")
@@ -159,7 +168,7 @@ def main(argv):
         if drafter is None:
             raise ValueError("--drafter=none: the server decodes with a drafter")
     reqs = requests_to_send()
-    log_path = (FLAGS.output or "serve_load") + ".server.log"
+    log_path = os.path.join(tempfile.gettempdir(), f"serve_load_{os.getpid()}.log")
     proc, startup_s = start_server(dtype, log_path)
     try:
         client = openai.OpenAI(

@@ -77,12 +77,16 @@ class Request:
 
 class Engine:
     """Builds its decoder on its own thread (`build()` -> a SlotDecoder ready to run: compiled,
-    warmed up, calibrated), then serves. submit() raises QueueFull past `max_queue` waiting
-    requests and NotServing before it is ready or once it drains; drain() lets the running and
-    queued requests finish and stops the thread."""
+    warmed up, calibrated; a failure is kept in `error` and passed to `on_error`), then
+    serves. submit() raises QueueFull past `max_queue` waiting requests and NotServing before
+    it is ready or once it drains; drain() lets the running and queued requests finish and
+    stops the thread."""
 
-    def __init__(self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int):
-        self._build = build
+    def __init__(
+        self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int,
+        on_error=None,
+    ):  # fmt: skip
+        self._build, self._on_error = build, on_error
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
         self.max_queue, self.chunk_steps = max_queue, chunk_steps
@@ -170,6 +174,8 @@ class Engine:
         except BaseException as e:  # reported by /health and the CLI
             self.error = e
             log.exception("the decoder failed to build")
+            if self._on_error is not None:
+                self._on_error(e)
             return
         self.started = time.time()
         self.ready.set()
