@@ -51,10 +51,11 @@ def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.n
 CPU_DEFAULT_BLOCK_SIZE = 16
 
 
-def default_block_size(target, drafter) -> int:
-    """The block size to decode with when the user gives none (see CPU_DEFAULT_BLOCK_SIZE)."""
+def default_block_size(target, drafter, platform: str | None = None) -> int:
+    """The block size to decode with when the user gives none (see CPU_DEFAULT_BLOCK_SIZE) on
+    `platform` (None: this process's backend)."""
     trained = drafter.config.block_size
-    if jax.default_backend() == "cpu":
+    if (platform or jax.default_backend()) == "cpu":
         return min(trained, CPU_DEFAULT_BLOCK_SIZE)
     return trained
 
@@ -70,21 +71,27 @@ def default_lookup_kinds(block_size: int) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
 
 
-def default_adaptive(target, drafter) -> bool:
-    """Whether to decode with the adaptive draft length when the user does not say: on CPU."""
-    return drafter is not None and jax.default_backend() == "cpu"
+def default_adaptive(target, drafter, platform: str | None = None) -> bool:
+    """Whether to decode with the adaptive draft length when the user does not say: on CPU
+    (`platform`; None: this process's backend)."""
+    return drafter is not None and (platform or jax.default_backend()) == "cpu"
 
 
 def decode_mode(
-    target, drafter, block_size: int | None = None, adaptive: bool | None = None
+    target,
+    drafter,
+    block_size: int | None = None,
+    adaptive: bool | None = None,
+    platform: str | None = None,
 ) -> tuple[int, bool]:
-    """(block size, adaptive) for a decode, each None replaced by its measured default
-    (`default_block_size`, `default_adaptive`): what `generate` and `infer.generate` run.
-    Without a drafter: block 1, never adaptive; a block of 1 is never adaptive either."""
+    """(block size, adaptive) for a decode on `platform` (None: this process's backend), each
+    None replaced by its measured default (`default_block_size`, `default_adaptive`): what
+    `generate` and `infer.generate` run. Without a drafter: block 1, never adaptive; a block
+    of 1 is never adaptive either."""
     if block_size is None:
-        block_size = default_block_size(target, drafter) if drafter is not None else 1
+        block_size = default_block_size(target, drafter, platform) if drafter is not None else 1
     if adaptive is None:
-        adaptive = default_adaptive(target, drafter)
+        adaptive = default_adaptive(target, drafter, platform)
     return block_size, bool(adaptive and drafter is not None and block_size > 1)
 
 
@@ -96,9 +103,11 @@ def baseline_config(cfg: DecodeConfig) -> DecodeConfig:
 
 
 def stop_token_ids(target) -> tuple[int, ...]:
-    """The target's end-of-sequence ids (config, generation config and tokenizer)."""
+    """The target's end-of-sequence ids (config, generation config and tokenizer; a target
+    without a `tokenizer` attribute, as `infer.aot` plans one: the config's)."""
     ids = list(target.config.eos_token_ids)
-    eos = getattr(target.tokenizer, "eos_token_id", None) if target.tokenizer else None
+    tokenizer = getattr(target, "tokenizer", None)
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
     if eos is not None:
         ids.append(int(eos))
     return tuple(dict.fromkeys(ids))
@@ -264,6 +273,41 @@ def check_text_prompts(prompts) -> list[str]:
     return list(prompts)
 
 
+def decode_config(
+    *,
+    block_size: int,
+    adaptive: bool,
+    stop_token_ids: tuple[int, ...] = (),
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    step_kinds: tuple[int, ...] = (),
+    lookup_kinds: tuple[int, ...] | None = None,
+    tree_nodes: int = 0,
+    batch_invariant: bool | None = None,
+) -> DecodeConfig:
+    """The DecodeConfig of a decode whose block size and mode are settled (`decode_mode`):
+    None lookup kinds are `DEFAULT_LOOKUP_KINDS` (those <= the block size); step and lookup
+    kinds only when adaptive; batch_invariant None: by dtype (`programs.run_target_config`).
+    `generate_config` and the CLIs' flags (`infer.common`) both build theirs here."""
+    if lookup_kinds is None:
+        lookup_kinds = default_lookup_kinds(block_size)
+    return DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        block_size=block_size,
+        stop_token_ids=tuple(stop_token_ids),
+        adaptive=adaptive,
+        step_kinds=tuple(step_kinds) if adaptive else (),
+        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
+        batch_invariant=batch_invariant,
+        tree_nodes=tree_nodes,
+    )
+
+
 def generate_config(
     target,
     drafter,
@@ -274,26 +318,25 @@ def generate_config(
     top_p: float = 1.0,
     block_size: int | None = None,
     adaptive: bool | None = None,
+    step_kinds: tuple[int, ...] = (),
     lookup_kinds: tuple[int, ...] | None = None,
     tree_nodes: int = 0,
+    batch_invariant: bool | None = None,
+    platform: str | None = None,
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
-    block size / adaptive are the measured defaults (`decode_mode`), None lookup kinds
-    `DEFAULT_LOOKUP_KINDS`; the target's stop tokens."""
-    block_size, adaptive = decode_mode(target, drafter, block_size, adaptive)
-    if lookup_kinds is None:
-        lookup_kinds = default_lookup_kinds(block_size)
-    return DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        block_size=block_size,
-        stop_token_ids=stop_token_ids(target),
-        adaptive=adaptive,
-        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
-        tree_nodes=tree_nodes,
-    )
+    block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
+    process's backend), None lookup kinds `DEFAULT_LOOKUP_KINDS`; the target's stop tokens
+    (`stop_token_ids`). The one builder of decode configs: `infer.generate`,
+    `infer.benchmark`, `infer.serve`, `infer.lower` and `infer.memory_plan` call it too.
+    `target` and `drafter` need only `.config` (and the target a `.tokenizer`, if any)."""
+    block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
+    return decode_config(
+        block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        step_kinds=step_kinds, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
 
 
 def generate(

@@ -5,8 +5,8 @@ jitted function the run itself calls, with those structures as its arguments. `i
 compiles them for their memory figures; `infer.lower` lowers them for a TPU or a GPU.
 
     mesh = fake_mesh("fsdp=4,tensor=2")          # before anything else starts a jax backend
-    dispatch.KERNEL_PLATFORM = "tpu"             # the kernels a TPU run picks (ops.dispatch)
-    for program in speculative_programs(cfg, mesh, DecodeShape(batch=8), "auto"):
+    platform.TARGET = "tpu"                      # traced as for a TPU (ops.platform: its kernels)
+    for program in speculative_programs(cfg, mesh, DecodeShape(batch=8), "auto", "tpu"):
         program.lower("tpu")
 
 The target's shapes come from a local HF directory's config.json, a GGUF file's metadata (and
@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
-from dflash_jax.config import QUANT_SCHEMES, DecodeConfig, TargetConfig
+from dflash_jax.config import QUANT_SCHEMES, TargetConfig
 from dflash_jax.io import assets
 from dflash_jax.io.gguf import read_gguf
+from dflash_jax.io.hf import generation_eos_ids
 
 # config.json fields of the targets configs/*.py name, for planning without the hub.
 KNOWN_TARGETS = {
@@ -79,13 +80,16 @@ KNOWN_TARGETS = {
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
     """What a decode is planned or lowered for: rows, prompt buffer width, new tokens per row,
-    block size (0: the drafter's trained one), the param and cache dtype, and the row rule of a
-    batch-invariant decode (`TargetConfig.invariant_rows`).
+    block size (0: the platform's default, `api.decode_mode`), the param and cache dtype, the
+    row rule of a batch-invariant decode (`TargetConfig.invariant_rows`), the target's
+    quantization, and the decode mode as `infer.generate`'s flags give it (--adaptive,
+    --tree_nodes, --batch_invariant; None: the platform's default). The decode config is built
+    from these by `api.generate_config`, as the runs build theirs.
 
-    The row rule is a fact of the machine that runs the decode, probed there at its first bf16
-    decode (`ops.invariance.machine_row_rule`); a machine cannot probe another's. So the
-    programs are lowered without one by default (the plain program, which is also what
-    `--batch_invariant=false` runs), and with the rule given here to lower the invariant one."""
+    The row rule is a fact of the machine that runs the decode, probed there at its first
+    invariant decode (`ops.invariance.machine_row_rule`); a machine cannot probe another's. A
+    CPU program's is probed here (this CPU runs it); a TPU or GPU one's must be given, and
+    there the default decode is the plain one (`programs.default_invariant`)."""
 
     batch: int = 32
     prompt_len: int = 1024
@@ -94,6 +98,9 @@ class DecodeShape:
     dtype: str = "bfloat16"
     invariant_rows: tuple[int, int] | None = None
     quantize: str | None = None  # the target's quantized kernels (`TargetConfig.quantize`)
+    adaptive: bool | None = None  # None: the platform's default (`api.decode_mode`)
+    tree_nodes: int = 0
+    batch_invariant: bool | None = None  # None: the platform's default (`default_invariant`)
 
 
 def define_shape_flags(flags) -> None:
@@ -109,8 +116,10 @@ def define_shape_flags(flags) -> None:
         "max_new_tokens", shape.max_new_tokens, "Decode: new tokens per row.", lower_bound=1
     )
     flags.DEFINE_integer(
-        "block_size", shape.block_size, "Decode: block size (0: the config's).", lower_bound=0
-    )
+        "block_size", shape.block_size,
+        "Decode: block size (0: the platform's default, as infer.generate: the config's, at most "
+        "16 on a CPU).", lower_bound=0,
+    )  # fmt: skip
     flags.DEFINE_enum(
         "dtype", shape.dtype, ["bfloat16", "float32"],
         "Decode: param and cache dtype (training uses the config's compute_dtype).",
@@ -121,28 +130,55 @@ def define_shape_flags(flags) -> None:
         "output channel, int4 per block of 32; docs/quantization.md), sharded by the same table "
         "as the float kernels; the drafter, embedding and head stay in --dtype. Unset: float.",
     )  # fmt: skip
+    flags.DEFINE_bool(
+        "adaptive", None,
+        "Decode: the adaptive draft length (infer.generate's --adaptive). Unset: the default "
+        "of the platform the program is for (on a CPU, off on GPU and TPU).",
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "tree_nodes", 0, "Decode: verify a token tree of this many tokens (0: a chain).",
+        lower_bound=0,
+    )  # fmt: skip
+    flags.DEFINE_bool(
+        "batch_invariant", None,
+        "Decode: the batch-invariant program (infer.generate's --batch_invariant). Unset: the "
+        "platform's default (bfloat16 on a CPU; off on GPU and TPU). For a TPU or GPU it needs "
+        "the row rule (--invariant_rows of infer.lower).",
+    )  # fmt: skip
 
 
 def shape_from_flags(values, invariant_rows: tuple[int, int] | None = None) -> DecodeShape:
     """The `DecodeShape` the `define_shape_flags` flags in `values` (absl's FLAGS) name."""
     return DecodeShape(
         values.batch, values.prompt_len, values.max_new_tokens, values.block_size, values.dtype,
-        invariant_rows, values.quantize,
+        invariant_rows, values.quantize, values.adaptive, values.tree_nodes,
+        values.batch_invariant,
     )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One jitted program and its abstract arguments (ShapeDtypeStructs with shardings)."""
+    """One jitted program, its abstract arguments (ShapeDtypeStructs, with shardings on a mesh),
+    the static keyword arguments it is called with and the compiler options a run compiles it
+    with (`programs.executable_options`)."""
 
     name: str
     fn: Any
     args: tuple
+    statics: dict = dataclasses.field(default_factory=dict)
+    options: dict = dataclasses.field(default_factory=dict)
 
     def lower(self, platform: str | None = None):
         """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend)."""
         platforms = None if platform is None else (platform,)
-        return self.fn.trace(*self.args).lower(lowering_platforms=platforms)
+        return self.fn.trace(*self.args, **self.statics).lower(lowering_platforms=platforms)
+
+    def fingerprint(self, lowered) -> str:
+        """`programs.fingerprint` of this program lowered (`lower`): what `infer.generate
+        --json` reports for the program it compiled."""
+        from dflash_jax.decoding import programs
+
+        return programs.fingerprint(lowered, self.options)
 
 
 def fake_mesh(spec: str) -> jax.sharding.Mesh:
@@ -166,7 +202,9 @@ def target_config(source: str, dtype: str) -> TargetConfig:
     if path.is_file() and path.suffix == ".gguf":
         return TargetConfig.from_hf(read_gguf(path)[0], dtype=dtype)
     if (path / "config.json").is_file():
-        return TargetConfig.from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
+        config = TargetConfig.from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
+        eos = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(path)))
+        return dataclasses.replace(config, eos_token_ids=eos)  # as the loader reads them
     if source in KNOWN_TARGETS:
         return TargetConfig.from_hf(KNOWN_TARGETS[source], dtype=dtype)
     raise ValueError(
@@ -175,12 +213,17 @@ def target_config(source: str, dtype: str) -> TargetConfig:
     )
 
 
+def _put(tree, shardings_of, mesh):
+    """`tree` placed by the table on `mesh` (`shardings_of(tree, mesh)`); mesh None: as it is."""
+    return tree if mesh is None else sharding.put(tree, shardings_of(tree, mesh))
+
+
 def abstract_params(init, config, dtype, mesh):
     """The params `init(config, rng)` makes, as `dtype` ShapeDtypeStructs placed on `mesh` by
-    the sharding table."""
+    the sharding table (mesh None: unplaced)."""
     out = jax.eval_shape(functools.partial(init, config), jax.random.key(0))
     out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), out)
-    return sharding.put(out, sharding.param_shardings(out, mesh))
+    return _put(out, sharding.param_shardings, mesh)
 
 
 def _configs(cfg, dtype: str, attention_impl: str):
@@ -200,8 +243,8 @@ def train_program(cfg, mesh, attention_impl: str) -> Program:
     when `cfg.taps` is "cached" (otherwise the step runs the target for them)."""
     from dflash_jax.models.target import init_params
     from dflash_jax.training import checkpoint
-    from dflash_jax.training.loss import default_gamma
     from dflash_jax.training.step import OptimizerConfig, train_step_on_mesh
+    from dflash_jax.training.trainer import step_settings
 
     tcfg, dcfg = _configs(cfg, cfg.compute_dtype, attention_impl)
     optimizer = OptimizerConfig.from_config(cfg, cfg.num_steps or 1000)
@@ -220,29 +263,38 @@ def train_program(cfg, mesh, attention_impl: str) -> Program:
         features = len(dcfg.target_layer_ids) * tcfg.hidden_size
         batch["taps"] = jax.ShapeDtypeStruct((b, s, features), jnp.dtype(cfg.tap_cache_dtype))
     batch = sharding.put(batch, sharding.batch_shardings(batch, mesh))
-    step = train_step_on_mesh(
-        mesh, state, target, batch,
-        target_config=tcfg, drafter_config=dcfg, optimizer=optimizer,
-        loss_gamma=float(cfg.loss_gamma or default_gamma(cfg.block_size)),
-        ce_chunk_rows=cfg.ce_chunk_rows, vocab_negatives=cfg.vocab_negatives,
-    )  # fmt: skip
+    settings = step_settings(cfg, tcfg, dcfg, optimizer)  # the trainer's, in full
+    step = train_step_on_mesh(mesh, state, target, batch, **settings)
     return Program("train_step", step, (state, target, batch))
 
 
+def _run_mesh(mesh):
+    """The mesh a run on `mesh` decodes on: None for one device (a run without --mesh calls
+    the jitted functions as they are, `runner.place_half`)."""
+    return None if mesh.devices.size == 1 else mesh
+
+
 def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, statics: dict):
-    """[start, advance] of a decode as `decoding.runner` runs them on `mesh`: start on
-    (*params, prompt, lengths, rng), advance on those, `inputs`, the step limit and the loop
-    state start returns (donated)."""
-    from dflash_jax.decoding import programs
+    """[start, advance] of a decode as `decoding.runner` compiles them on `mesh`
+    (`runner.place_half`): start on (*params, prompt, lengths, rng), advance on those,
+    `inputs`, the step limit and the loop state start returns (donated)."""
+    from dflash_jax.decoding import programs, runner
     from dflash_jax.decoding.state import carry_shardings
 
     start, advance = halves
-    start_fn, start_args, _ = programs.on_mesh(start, mesh, head, statics)
-    state = jax.eval_shape(start_fn, *start_args)
-    state = sharding.put(state, carry_shardings(state, mesh))
+    run_mesh = _run_mesh(mesh)
+    options = programs.executable_options(statics["target_config"])
+    start_fn, start_args, start_statics = runner.place_half(start, head, statics, run_mesh)
+    state = start_fn.eval_shape(*start_args, **start_statics)
+    if run_mesh is None:  # as `runner.compile_half` lowers it: types alone
+        state = jax.tree.map(programs.unplaced, state)
+    state = _put(state, carry_shardings, run_mesh)
     args = (*head, *inputs, jax.ShapeDtypeStruct((), jnp.int32), state)  # step limit, state
-    advance_fn, advance_args, _ = programs.on_mesh(advance, mesh, args, statics)
-    return [Program(names[0], start_fn, start_args), Program(names[1], advance_fn, advance_args)]
+    advance_fn, advance_args, advance_statics = runner.place_half(advance, args, statics, run_mesh)
+    return [
+        Program(names[0], start_fn, start_args, start_statics, options),
+        Program(names[1], advance_fn, advance_args, advance_statics, options),
+    ]
 
 
 def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:
@@ -250,12 +302,13 @@ def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:
     `shape.quantize` the layer kernels quantized (`models.quantized`), placed by the table."""
     from dflash_jax.models.target import init_params
 
+    mesh = _run_mesh(mesh)
     params = abstract_params(init_params, tcfg, shape.dtype, mesh)
     if shape.quantize:
         from dflash_jax.models.quantized import quantize_params
 
         params = jax.eval_shape(lambda p: quantize_params(p, tcfg, shape.quantize), params)
-        params = sharding.put(params, sharding.param_shardings(params, mesh))
+        params = _put(params, sharding.param_shardings, mesh)
     return (
         params,
         jax.ShapeDtypeStruct((shape.batch, shape.prompt_len), jnp.int32),
@@ -264,21 +317,49 @@ def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:
     )
 
 
-def speculative_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> list[Program]:
-    """[start, advance] of the speculative decode of config `cfg`'s target and drafter
-    (`decoding.speculative`), the programs `infer.generate` and `infer.benchmark` run."""
-    from dflash_jax.decoding import speculative
-    from dflash_jax.models.drafter import init_drafter_params
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """A target or drafter as `api.generate_config` reads it: its config (no tokenizer: the
+    target's stop tokens are its config's, generation_config.json's included)."""
+
+    config: Any
+    tokenizer: Any = None
+
+
+def decode_setup(cfg, shape: DecodeShape, attention_impl: str, platform: str | None):
+    """(target config, drafter config, DecodeConfig) of a decode of training config `cfg`'s
+    target and drafter in `shape` on `platform` (None: this process's backend), as a run
+    builds them: the decode config by `api.generate_config` (the platform's default block
+    size, adaptive and lookup kinds, the target's stop tokens, the tree, invariance by dtype
+    and platform), the target config by `programs.run_target_config` (the row rule given in
+    `shape`, or probed when the program is for this machine)."""
+    from dflash_jax import api
+    from dflash_jax.decoding import programs
 
     tcfg, dcfg = _configs(cfg, shape.dtype, attention_impl)
     tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows, quantize=shape.quantize)
-    decode = DecodeConfig(
-        max_new_tokens=shape.max_new_tokens,
-        block_size=shape.block_size or dcfg.block_size,
-        batch_invariant=shape.invariant_rows is not None,
-    )
+    decode = api.generate_config(
+        _Model(tcfg), _Model(dcfg), max_new_tokens=shape.max_new_tokens,
+        block_size=shape.block_size or None, adaptive=shape.adaptive,
+        tree_nodes=shape.tree_nodes, batch_invariant=shape.batch_invariant, platform=platform,
+    )  # fmt: skip
+    return programs.run_target_config(tcfg, decode), dcfg, decode
+
+
+def speculative_programs(
+    cfg, mesh, shape: DecodeShape, attention_impl: str, platform: str | None = None
+) -> list[Program]:
+    """[start, advance] of the speculative decode of config `cfg`'s target and drafter
+    (`decoding.speculative`) for `platform` (`decode_setup`), the programs `infer.generate`
+    and `infer.benchmark` compile."""
+    from dflash_jax.decoding import speculative
+    from dflash_jax.decoding.programs import check_decode_inputs
+    from dflash_jax.models.drafter import init_drafter_params
+
+    tcfg, dcfg, decode = decode_setup(cfg, shape, attention_impl, platform)
+    check_decode_inputs(tcfg, dcfg, decode)
     target, *rest = _decode_head(tcfg, shape, mesh)
-    drafter = abstract_params(init_drafter_params, dcfg, shape.dtype, mesh)
+    drafter = abstract_params(init_drafter_params, dcfg, shape.dtype, _run_mesh(mesh))
     inputs = (
         jax.eval_shape(lambda: speculative.step_cost_array(decode)),
         jax.ShapeDtypeStruct((), jnp.int32),  # forced kind
@@ -289,19 +370,16 @@ def speculative_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> 
     return _halves(names, halves, mesh, (target, drafter, *rest), inputs, statics)
 
 
-def autoregressive_programs(cfg, mesh, shape: DecodeShape, attention_impl: str) -> list[Program]:
-    """[start, advance] of the autoregressive decode of config `cfg`'s target (the baseline of
-    `infer.benchmark`, and `infer.generate --drafter=none`)."""
+def autoregressive_programs(
+    cfg, mesh, shape: DecodeShape, attention_impl: str, platform: str | None = None
+) -> list[Program]:
+    """[start, advance] of the autoregressive decode of config `cfg`'s target with the
+    speculative decode's settings (`decode_setup`; `autoregressive_config`): the baseline of
+    `infer.benchmark`, and what `infer.generate` compiles beside the speculative decode."""
     from dflash_jax.decoding import autoregressive
 
-    tcfg, _ = _configs(cfg, shape.dtype, attention_impl)
-    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows, quantize=shape.quantize)
-    decode = autoregressive.autoregressive_config(
-        DecodeConfig(
-            max_new_tokens=shape.max_new_tokens, batch_invariant=shape.invariant_rows is not None
-        )
-    )
-    statics = dict(target_config=tcfg, decode_config=decode)
+    tcfg, _, decode = decode_setup(cfg, shape, attention_impl, platform)
+    statics = dict(target_config=tcfg, decode_config=autoregressive.autoregressive_config(decode))
     halves = (autoregressive.start_autoregressive, autoregressive.advance_autoregressive)
     names = ("start_autoregressive", "advance_autoregressive")
     return _halves(names, halves, mesh, _decode_head(tcfg, shape, mesh), (), statics)

@@ -464,11 +464,8 @@ def main(argv):
         target, drafter, dtype, dtype_why = common.load_models()
         if drafter is None:
             raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
-        # The same defaults as infer.generate (`api.decode_mode`): no flags, the same decode.
-        block, is_adaptive = api.decode_mode(
-            target, drafter, FLAGS.block_size or None, FLAGS.adaptive
-        )
-        cfg = common.decode_config(block, api.stop_token_ids(target), is_adaptive)
+        # The same builder as infer.generate (`api.generate_config`): no flags, the same decode.
+        cfg = common.run_config(target, drafter)
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
     floors_before = gemm_floors(target, drafter, cfg) if FLAGS.breakdown else None

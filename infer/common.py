@@ -12,7 +12,7 @@ import sys
 from absl import app, flags, logging
 
 from dflash_jax import api
-from dflash_jax.api import DEFAULT_LOOKUP_KINDS, default_lookup_kinds
+from dflash_jax.api import DEFAULT_LOOKUP_KINDS
 from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
 from infer import distributed as distributed
 from infer.logs import quiet_library_logs as quiet_library_logs
@@ -122,7 +122,8 @@ flags.DEFINE_bool(
     "2-core AMD EPYC with avx512_bf16 (docs/results.md, 2026-12-04, 64 tokens, median of 5 "
     "runs in one process): the default decode 57 tok/s with, 71 without; block 16: 44 and 51; "
     "the target alone: 49 and 60. (A process's first decode also sets up XLA:CPU's bf16 "
-    "kernels, ~0.3 s more without.) Unset: on for bfloat16, off for float32 (whose rounding "
+    "kernels, ~0.3 s more without.) Unset: on for bfloat16 on a CPU (off on GPU and TPU, where no "
+    "test has checked the row rule yet; one log line says so), off for float32 (whose rounding "
     "differences have not flipped a token on any benchmark prompt).",
 )  # fmt: skip
 flags.DEFINE_string(
@@ -148,21 +149,36 @@ flags.register_validator(
 FLAGS = flags.FLAGS
 
 
+def _flag_settings() -> dict:
+    """The decode settings the flags give, as `api.decode_config` / `api.generate_config`
+    take them (block size and mode apart)."""
+    lookup = None if FLAGS.lookup_kinds is None else tuple(int(k) for k in FLAGS.lookup_kinds)
+    return dict(
+        max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p, step_kinds=tuple(int(k) for k in FLAGS.step_kinds),
+        lookup_kinds=lookup, tree_nodes=FLAGS.tree_nodes, batch_invariant=FLAGS.batch_invariant,
+    )  # fmt: skip
+
+
+def run_config(target, drafter, block_size: int | None = None) -> DecodeConfig:
+    """The DecodeConfig a run decodes with: the flags through `api.generate_config` (the one
+    builder, which infer.lower and infer.memory_plan use too), --block_size (or `block_size`)
+    and --adaptive defaulting as it says, the target's stop tokens."""
+    return api.generate_config(
+        target, drafter, block_size=block_size or FLAGS.block_size or None,
+        adaptive=FLAGS.adaptive, **_flag_settings(),
+    )  # fmt: skip
+
+
 def decode_config(
     block_size: int, stop_token_ids: tuple[int, ...], adaptive: bool | None = None
 ) -> DecodeConfig:
-    """The DecodeConfig the flags describe (`adaptive` overrides --adaptive)."""
+    """The DecodeConfig the flags describe at a given block size (`adaptive` overrides
+    --adaptive), for the scripts that time one mode (`api.decode_config`)."""
     adaptive = bool(FLAGS.adaptive) if adaptive is None else adaptive
-    if FLAGS.lookup_kinds is None:
-        lookup = default_lookup_kinds(block_size)
-    else:
-        lookup = tuple(int(k) for k in FLAGS.lookup_kinds)
-    return DecodeConfig(
-        max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-        top_p=FLAGS.top_p, block_size=block_size, stop_token_ids=stop_token_ids,
-        adaptive=adaptive, step_kinds=tuple(int(k) for k in FLAGS.step_kinds) if adaptive else (),
-        lookup_kinds=lookup if adaptive else (), batch_invariant=FLAGS.batch_invariant,
-        tree_nodes=FLAGS.tree_nodes,
+    return api.decode_config(
+        block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids,
+        **_flag_settings(),
     )  # fmt: skip
 
 

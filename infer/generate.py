@@ -21,7 +21,7 @@ from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.config import kind_label
-from dflash_jax.decoding import calibration, programs
+from dflash_jax.decoding import calibration, programs, runner
 from infer import cli, common, report
 
 FLAGS = flags.FLAGS
@@ -49,10 +49,7 @@ def main(argv):
     t0 = time.perf_counter()
     with common.usage_errors():
         target, drafter, dtype, dtype_why = common.load_models()
-        block, is_adaptive = api.decode_mode(
-            target, drafter, FLAGS.block_size or None, FLAGS.adaptive
-        )
-        cfg = common.decode_config(block, api.stop_token_ids(target), is_adaptive)
+        cfg = common.run_config(target, drafter)
         prompt, lengths = api.pad_prompts(
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
         )
@@ -97,12 +94,14 @@ def main(argv):
         "compile_s": compile_s + run.compile_s,
         "load_s": load_s,
         "mode": mode_name(cfg, drafter),
-        "block_size": block,
+        "block_size": cfg.block_size,
         "dtype": dtype,
         "quantize": FLAGS.quantize,
         "dtype_choice": dtype_why or "--dtype",
         "batch_invariant": programs.run_target_config(target.config, cfg).invariant_rows
         is not None,
+        # what `python -m infer.lower --platform=cpu` prints for the same config and shapes
+        "program_fingerprints": dict(sorted(runner.FINGERPRINTS.items())),
     }
     if cfg.adaptive:
         kinds = np.asarray(run.output.block_sizes[0, :steps])

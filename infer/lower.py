@@ -4,19 +4,27 @@ r"""Lowers a config's real programs for a TPU or a GPU on this machine, before r
       --what=decode
   python -m infer.lower --platform=tpu,cuda --what=decode,train --config=... --mesh=...
 
-The programs are the ones the runs call (`infer.aot`): for --what=decode the speculative and
-the autoregressive decodes' two halves (start: prefill -> loop state; advance: the loop), for
---what=train the training step, all with shape-only params, caches and batches placed on a mesh
-of fake CPU devices by the sharding table. Each is lowered to StableHLO for the platform, with
-the kernels `ops.dispatch` picks there (`dispatch.KERNEL_PLATFORM`), and one JSON line per
-program goes to stdout:
+The programs are the ones the runs compile (`infer.aot`): for --what=decode the speculative
+and the autoregressive decodes' two halves (start: prefill -> loop state; advance: the loop),
+their decode config built by the runs' own builder (`api.generate_config`: the platform's
+default block size and adaptive mode, lookup kinds, the target's stop tokens, --tree_nodes,
+batch invariance by dtype and platform), for --what=train the training step with the training
+config's full settings (`trainer.step_settings`), all with shape-only params, caches and
+batches placed on a mesh of fake CPU devices by the sharding table (one device: unplaced, as a
+run without --mesh). Each is traced for the platform (`ops.platform.TARGET`: the kernels
+`ops.dispatch` picks there, the CPU-only barriers left out elsewhere), lowered to StableHLO,
+and one JSON line per program goes to stdout:
 
   {"program": "advance_speculative", "what": "decode", "platform": "cuda", "ok": true,
    "error": null, "custom_calls": {"__gpu$xla.gpu.triton": 41},
    "kernels": [{"name": "dflash_attention_fwd", "target": "__gpu$xla.gpu.triton", "count": 41,
-                "outside_shard_map": 0}], "seconds": 1.2, ...}
+                "outside_shard_map": 0}], "fingerprint": "3f0c...", "seconds": 1.2, ...}
 
 (a call site counts once per layer: 41 = Qwen3-8B's 36 target layers + the drafter's 5).
+`fingerprint` (`programs.fingerprint`: the StableHLO and the compiler options) is what
+`infer.generate --json` prints in `program_fingerprints` for the programs it compiled: with
+--platform=cpu and the same config and shapes (--batch=1, --prompt_len= the prompt's bucket,
+--dtype= the one it ran) the two are equal.
 
 A program fails (ok false, its error in the line, and the command exits 1) when lowering raises
 (jax refuses to partition a Mosaic kernel, a kernel refuses a shape) or, on a mesh of more than
@@ -41,10 +49,10 @@ from jax.interpreters.mlir import ir
 from ml_collections import config_flags
 
 from dflash_jax.config import ATTENTION_IMPLS
-from dflash_jax.ops import dispatch
+from dflash_jax.ops import platform as ops_platform
 from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
 
-PLATFORMS = ("tpu", "cuda")
+PLATFORMS = ("tpu", "cuda", "cpu")
 WHATS = ("decode", "train")
 # custom-call targets of Pallas kernels (Mosaic TPU, Triton, Mosaic GPU): calls GSPMD cannot
 # partition.
@@ -58,7 +66,8 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_list(
     "platform", ["tpu", "cuda"],
-    f"Platforms to lower for, comma-separated, of {', '.join(PLATFORMS)} ('cuda': NVIDIA GPUs).",
+    f"Platforms to lower for, comma-separated, of {', '.join(PLATFORMS)} ('cuda': NVIDIA GPUs; "
+    "'cpu': this machine, whose program fingerprints infer.generate --json also prints).",
 )  # fmt: skip
 flags.DEFINE_list(
     "what", ["decode", "train"],
@@ -171,27 +180,30 @@ def report(found: Counter, mesh) -> dict:
 
 
 def lower_one(program: aot.Program, platform: str, mesh) -> dict:
-    """Lowers `program` for `platform`. -> {ok, error, custom_calls, kernels, seconds}."""
+    """Lowers `program` for `platform`. -> {ok, error, custom_calls, kernels, fingerprint,
+    seconds}."""
     t0 = time.perf_counter()
     try:
-        module = program.lower(platform).compiler_ir("stablehlo")
-        out = report(custom_calls(module), mesh)
+        lowered = program.lower(platform)
+        out = report(custom_calls(lowered.compiler_ir("stablehlo")), mesh)
+        out["fingerprint"] = program.fingerprint(lowered)
     except Exception as e:  # noqa: BLE001  (any failure is the finding, reported in the line)
         out = {"custom_calls": None, "kernels": None, "error": f"{type(e).__name__}: {e}"}
     seconds = round(time.perf_counter() - t0, 2)
     return {"ok": out["error"] is None, "error": out.pop("error"), **out, "seconds": seconds}
 
 
-def programs(what: str, mesh) -> list[aot.Program]:
-    """The programs --what=`what` names for the flags' config, shapes and attention."""
+def programs(what: str, mesh, platform: str) -> list[aot.Program]:
+    """The programs --what=`what` names for the flags' config, shapes and attention, as a run
+    on `platform` builds them (`aot.decode_setup`)."""
     cfg, impl = FLAGS.config, FLAGS.attention_impl
     if what == "train":
         return [aot.train_program(cfg, mesh, impl)]
     rows = tuple(int(x) for x in FLAGS.invariant_rows) or None
     shape = aot.shape_from_flags(FLAGS, rows)
     return [
-        *aot.speculative_programs(cfg, mesh, shape, impl),
-        *aot.autoregressive_programs(cfg, mesh, shape, impl),
+        *aot.speculative_programs(cfg, mesh, shape, impl, platform),
+        *aot.autoregressive_programs(cfg, mesh, shape, impl, platform),
     ]
 
 
@@ -205,7 +217,7 @@ def main(argv):
     spec = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     failed = 0
     for platform in FLAGS.platform:
-        dispatch.KERNEL_PLATFORM = platform
+        ops_platform.TARGET = platform  # what traced code decides by (kernels, barriers)
         jax.clear_caches()  # traces made for another platform hold its kernels
         for what in FLAGS.what:
             head = {"what": what, "platform": platform, "mesh": spec}
@@ -213,7 +225,7 @@ def main(argv):
             try:
                 lines = [
                     {"program": program.name, **head, **lower_one(program, platform, mesh)}
-                    for program in programs(what, mesh)
+                    for program in programs(what, mesh, platform)
                 ]
             except Exception as e:  # noqa: BLE001  (a refusal while tracing is a finding too)
                 lines = [

@@ -6,9 +6,11 @@ r"""Per-device memory of a training step or a decode on a device mesh, planned o
 
 Nothing is allocated: the mesh is made of fake CPU devices, and the programs are the ones the
 runs call (`infer.aot`) on shape-only params, optimizer state, caches and batches placed by the
-same sharding table, compiled ahead of time: the training step (`train_step_on_mesh`), or the
-decode's two halves as `infer.generate` runs them (start: prefill -> loop state; advance: the
-loop, the state donated).
+same sharding table, compiled ahead of time: the training step (`train_step_on_mesh`, the
+training config's settings in full), or the decode's two halves as `infer.generate` runs them
+on --platform (start: prefill -> loop state; advance: the loop, the state donated; the decode
+config from `api.generate_config`, that platform's defaults: on cuda and tpu the trained block,
+fixed, not batch-invariant).
 Per device it prints params, optimizer state, caches (the decode loop's carry: KV caches, drafter
 context caches and token buffers), the batch and activations (the compiled programs'
 temporaries, from XLA's memory_analysis; for a decode the larger of the two halves'). The loop
@@ -48,6 +50,13 @@ flags.DEFINE_enum(
     "attention_impl", "xla", ["xla", "pallas"],
     "Attention lowered for the plan ('pallas' runs the kernels' interpret mode: slow).",
 )  # fmt: skip
+flags.DEFINE_enum(
+    "platform", "cuda", ["cuda", "tpu", "cpu"],
+    "--mode=decode: the platform whose run is planned: its decode (api.generate_config's "
+    "defaults there: block size, adaptive, batch invariance) traced as for it "
+    "(ops.platform.TARGET), then compiled by XLA:CPU for the figures. With "
+    "--attention_impl=pallas only cpu (the kernels' interpret mode).",
+)  # fmt: skip
 flags.DEFINE_bool("compile", True, "Compile for the activations line (slow for big models).")
 flags.DEFINE_float("device_gb", 141.0, "Memory of one device in GB (1e9 bytes); H200: 141.")
 flags.DEFINE_string(
@@ -58,13 +67,19 @@ flags.DEFINE_string(
 flags.mark_flag_as_required("config")
 
 
+def shard_shape(sharding, shape: tuple) -> tuple:
+    """The largest shard's shape of an array of `shape` placed by `sharding` (None: unplaced,
+    as on one device: the whole)."""
+    return shape if sharding is None else sharding.shard_shape(shape)
+
+
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
     import jax
     import numpy as np
 
     return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        math.prod(shard_shape(x.sharding, x.shape)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
     )
 
@@ -89,7 +104,7 @@ def dequantized_bytes(tree, dtype: str) -> int:
 
     itemsize = jnp.dtype(dtype).itemsize
     return sum(
-        math.prod(w.q.qvalue.sharding.shard_shape(w.shape)) * itemsize
+        math.prod(shard_shape(w.q.qvalue.sharding, w.shape)) * itemsize
         for w in _quantized_leaves(tree)
     )
 
@@ -101,7 +116,7 @@ def _analyses(programs: list[aot.Program]) -> dict | None:
         return None
     out = {}
     for program in programs:
-        a = program.lower().compile().memory_analysis()
+        a = program.lower().compile(compiler_options=program.options).memory_analysis()
         out[program.name] = {
             "argument": int(a.argument_size_in_bytes),
             "output": int(a.output_size_in_bytes),
@@ -134,8 +149,18 @@ def plan_train(cfg, mesh) -> tuple[dict, dict | None]:
 
 def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
     """-> (rows in bytes per device, with "shape"; XLA's figures for start and advance)."""
+    from dflash_jax.ops import platform as ops_platform
+
+    if FLAGS.attention_impl == "pallas" and FLAGS.platform != "cpu":
+        raise ValueError(
+            f"--attention_impl=pallas with --platform={FLAGS.platform}: that platform's kernels "
+            "do not compile on this CPU; plan with xla or --platform=cpu (interpret mode)"
+        )
     shape = aot.shape_from_flags(FLAGS)
-    start, advance = aot.speculative_programs(cfg, mesh, shape, FLAGS.attention_impl)
+    ops_platform.TARGET = FLAGS.platform  # traced as for that run (its kernels, its barriers)
+    start, advance = aot.speculative_programs(
+        cfg, mesh, shape, FLAGS.attention_impl, FLAGS.platform
+    )
     target, drafter, prompt, lengths = advance.args[:4]
     state = advance.args[-1]  # start's output: the loop carry
     analyses = _analyses([start, advance])

@@ -17,11 +17,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
 from dflash_jax.models.drafter import check_fits
+from dflash_jax.ops import platform as ops_platform
 from dflash_jax.ops.invariance import machine_row_rule
 
 # XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
@@ -66,12 +68,34 @@ def enable_persistent_cache(root: str) -> str:
 
 def executable_options(tcfg: TargetConfig) -> dict:
     """The compiler options of a decode executable for `tcfg` as it runs
-    (`run_target_config`): `LOOP_COMPILER_OPTIONS`, and on a CPU, for a float32 target without
-    a row rule, `NO_YNN_FUSIONS`, so that JAX's persistent cache loads it in seconds."""
+    (`run_target_config`): `LOOP_COMPILER_OPTIONS`, and on a CPU (`ops.platform`: the platform
+    compiled for), for a float32 target without a row rule, `NO_YNN_FUSIONS`, so that JAX's
+    persistent cache loads it in seconds."""
     plain_fp32 = tcfg.invariant_rows is None and jnp.dtype(tcfg.dtype) == jnp.float32
-    if plain_fp32 and jax.default_backend() == "cpu":
+    if plain_fp32 and ops_platform.is_cpu():
         return {**LOOP_COMPILER_OPTIONS, **NO_YNN_FUSIONS}
     return dict(LOOP_COMPILER_OPTIONS)
+
+
+def fingerprint(lowered, options: dict) -> str:
+    """A program's identity: sha256 (first 16 hex digits) of its lowered StableHLO (no debug
+    locations) and the compiler options it is compiled with. `infer.lower` prints it for the
+    programs it lowers, `infer.generate --json` for those it compiled: equal fingerprints, the
+    same program."""
+    import hashlib
+
+    text = lowered.as_text() + repr(sorted(options.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def unplaced(x) -> jax.ShapeDtypeStruct:
+    """An array's (or ShapeDtypeStruct's) type without its placement: shape, dtype, weak type."""
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def program_name(jitted) -> str:
+    """A `jit_decoder` function's name, e.g. "advance_speculative"."""
+    return _DECODERS[jitted][0].__name__.lstrip("_")
 
 
 # jitted decoder -> (its function, how many param trees lead its arguments, whether its last
@@ -145,24 +169,57 @@ def run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
 
 
 def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
-    """The target config a decode compiles with: under `cfg.batch_invariant` (None: for every
-    dtype but float32), with the row rule of this machine, dtype and shapes
+    """The target config a decode compiles with: under `cfg.batch_invariant` (None:
+    `default_invariant`), with the row rule of this machine, dtype and shapes
     (`ops.invariance.machine_row_rule`, probed once per machine) unless it already names one;
-    without, with none.
-
-    Why not in float32 by default: the invariant AR step pads its one row to the verify's
-    kernel, and on a CPU (an AMD EPYC without AVX-512 measured) that and the fixed-shape
-    attention cost ~1.5x a plain AR step, which the adaptive decode runs often; fp32's rounding
-    differences (~1e-6) have not flipped a token on any benchmark prompt. bf16's do."""
+    without, with none. A program traced for another platform than this process's
+    (`ops.platform.TARGET`, infer.lower) cannot probe it there: ConfigError unless given."""
     invariant = cfg.batch_invariant
     if invariant is None:
-        invariant = jnp.dtype(tcfg.dtype) != jnp.float32
+        invariant = default_invariant(tcfg)
     if not invariant:
         return dataclasses.replace(tcfg, invariant_rows=None)
     if tcfg.invariant_rows is not None:
         return tcfg
+    compiled_for = ops_platform.current()
+    if compiled_for != jax.default_backend():
+        raise ConfigError(
+            f"a batch-invariant {tcfg.dtype} decode for {compiled_for} needs that machine's "
+            "row rule, probed there (ops.invariance.machine_row_rule): give it "
+            "(infer.lower --invariant_rows=MIN,MAX) or lower the plain decode "
+            "(--nobatch_invariant)"
+        )
     rule = machine_row_rule(tcfg)
     return dataclasses.replace(tcfg, invariant_rows=(rule.min_rows, rule.max_rows))
+
+
+_OFF_LOGGED: set[str] = set()  # the platforms whose invariance-off line was logged
+
+
+def default_invariant(tcfg: TargetConfig) -> bool:
+    """Whether a decode is batch-invariant when the user does not say: in every dtype but
+    float32, on a CPU (the platform compiled for, `ops.platform`), where the tests prove the
+    row rule (tests/test_batch_invariance.py); on a GPU or TPU off, with one log line, since
+    nothing has checked it on one yet (`--batch_invariant` turns it on).
+
+    Why not in float32: the invariant AR step pads its one row to the verify's kernel, and on
+    a CPU (an AMD EPYC without AVX-512 measured) that and the fixed-shape attention cost ~1.5x
+    a plain AR step, which the adaptive decode runs often; fp32's rounding differences (~1e-6)
+    have not flipped a token on any benchmark prompt. bf16's do."""
+    if jnp.dtype(tcfg.dtype) == jnp.float32:
+        return False
+    compiled_for = ops_platform.current()
+    if compiled_for == "cpu":
+        return True
+    if compiled_for not in _OFF_LOGGED:
+        _OFF_LOGGED.add(compiled_for)
+        logging.warning(
+            "batch invariance off by default on %s (no test has checked the row rule there): "
+            "%s greedy DFlash output may differ from AR; --batch_invariant turns it on",
+            compiled_for,
+            tcfg.dtype,
+        )
+    return False
 
 
 def step_limit_array(cfg: DecodeConfig, step_limit: int | None) -> jax.Array:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,22 +40,46 @@ class TimedRun:
 
 
 _COMPILED: dict = {}
+# Lowering one program at a time (`api.compile_decodes` compiles in threads): two threads
+# tracing the same nested jit (a target layer) at once each got their own trace of it, and
+# the program lowered it as two identical private functions, a different StableHLO (and
+# persistent-cache key) from run to run. XLA's compiles, the slow part, still overlap.
+_LOWERING = threading.Lock()
+# program name ("advance_speculative", ...) -> the `programs.fingerprint` of the last one of
+# that name compiled in this process (`infer.generate --json` prints them)
+FINGERPRINTS: dict[str, str] = {}
+
+
+def place_half(jitted, args: tuple, statics: dict, mesh):
+    """(the function a run compiles for `jitted`, a `jit_decoder` function, args placed for it,
+    the statics to call it with): on `mesh`, `programs.on_mesh`; without one, as it is.
+    `infer.aot` builds the programs it lowers here too."""
+    if mesh is None:
+        return jitted, args, statics
+    return programs.on_mesh(jitted, mesh, args, statics)
 
 
 def compile_half(jitted, args: tuple, statics: dict, mesh):
     """(executable, args placed for it, compile seconds); compiled once per function, shapes
-    and statics in this process (and, through JAX's persistent cache, across processes)."""
-    if mesh is not None:
-        jitted, args, statics = programs.on_mesh(jitted, mesh, args, statics)
+    and statics in this process (and, through JAX's persistent cache, across processes), with
+    `programs.executable_options`; its `programs.fingerprint` kept in FINGERPRINTS."""
+    name = programs.program_name(jitted)
+    fn, args, run_statics = place_half(jitted, args, statics, mesh)
     shapes = tuple(
         (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
     )
-    key = (jitted, shapes, tuple(sorted(statics.items())))
+    key = (fn, shapes, tuple(sorted(run_statics.items())))
     if key in _COMPILED:
         return _COMPILED[key], args, 0.0
     t0 = time.perf_counter()
     options = programs.executable_options(statics["target_config"])
-    _COMPILED[key] = jitted.lower(*args, **statics).compile(compiler_options=options)
+    # One device: lowered from the arguments' types alone, so that the program does not
+    # depend on which loader committed its arrays to the device (infer.aot lowers the same).
+    avals = args if mesh is not None else jax.tree.map(programs.unplaced, args)
+    with _LOWERING:
+        lowered = fn.lower(*avals, **run_statics)
+    FINGERPRINTS[name] = programs.fingerprint(lowered, options)
+    _COMPILED[key] = lowered.compile(compiler_options=options)
     return _COMPILED[key], args, time.perf_counter() - t0
 
 

@@ -21,7 +21,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models import hybrid
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.linear_attention import commit_state, init_state
-from dflash_jax.ops import dots, invariance
+from dflash_jax.ops import dots, invariance, platform
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention
 from dflash_jax.ops.reductions import argmax_last, head_argmax, head_argmax_applies
@@ -301,7 +301,7 @@ def unembedding_matrix(params, config: TargetConfig) -> jax.Array:
     if not config.tie_word_embeddings:
         return params["lm_head"]["kernel"]
     head_dv = params["embed_tokens"]["embedding"].T
-    if jax.default_backend() == "cpu":
+    if platform.is_cpu():  # the platform compiled for (`ops.platform`), not this process's
         head_dv = jax.lax.optimization_barrier(head_dv)
     return head_dv
 

@@ -37,20 +37,18 @@ from absl import logging
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, check_attention_impl
 from dflash_jax.ops import attention as xla
-from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
+from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode, platform
 from dflash_jax.ops.invariance import RowRule
 
 _LOGGED: set[str] = set()
 # The `interpret` argument of the TPU decode kernels: False on a TPU. Tests that fake the "tpu"
 # backend on CPU set it to pallas_tpu_decode.INTERPRET.
 TPU_INTERPRET = False
-# The platform whose kernels are picked ("tpu", "cuda", ...); None: jax.default_backend().
-# `infer.lower` sets it to lower a TPU or GPU program from a process on another backend.
-KERNEL_PLATFORM: str | None = None
 
 
 def _backend() -> str:
-    return KERNEL_PLATFORM or jax.default_backend()
+    """The platform whose kernels are picked (`ops.platform`: what infer.lower lowers for)."""
+    return platform.current()
 
 
 def _log_once(message: str) -> None:

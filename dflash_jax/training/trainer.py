@@ -349,6 +349,26 @@ def initial_state(cfg, drafter_config: DrafterConfig, target, optimizer, mesh) -
     return state if mesh is None else sharding.put(state, sharding.state_shardings(state, mesh))
 
 
+def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
+    """The keyword arguments of `train_step` for training config `cfg` (loss decay, CE chunks,
+    vocabulary negatives, distillation, DFlash2's selector term): what `train` runs and
+    `infer.aot.train_program` lowers."""
+    settings = {
+        "target_config": target_config,
+        "drafter_config": drafter_config,
+        "optimizer": optimizer,
+        "loss_gamma": float(cfg.loss_gamma or default_gamma(cfg.block_size)),
+        "ce_chunk_rows": cfg.ce_chunk_rows,
+        "vocab_negatives": cfg.vocab_negatives,
+    }
+    if cfg.distill_top_k:
+        settings["distill_top_k"] = int(cfg.distill_top_k)
+        settings["distill_weight"] = float(cfg.distill_weight)
+    if drafter_config.is_dflash2:
+        settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
+    return settings
+
+
 def _process_shard(mesh, batch_size: int) -> dict:
     """batched_dataset's shard_index/shard_count: the rows of each global batch that this
     process's devices hold (all of them without a mesh)."""
@@ -480,20 +500,8 @@ def train(
     checkpoint.save_run_config(workdir, signature, cfg)
     start = int(state["step"])
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
-    step_settings = {
-        "target_config": target.config,
-        "drafter_config": drafter_config,
-        "optimizer": optimizer,
-        "loss_gamma": float(loss_gamma),
-        "ce_chunk_rows": cfg.ce_chunk_rows,
-        "vocab_negatives": cfg.vocab_negatives,
-    }
-    if cfg.distill_top_k:
-        step_settings["distill_top_k"] = int(cfg.distill_top_k)
-        step_settings["distill_weight"] = float(cfg.distill_weight)
-    if drafter_config.is_dflash2:
-        step_settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
-    run_step = _stepper(mesh, cfg.batch_size, step_settings)
+    settings = step_settings(cfg, target.config, drafter_config, optimizer)
+    run_step = _stepper(mesh, cfg.batch_size, settings)
     prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
     heldout = None
     if cfg.eval_every and cfg.heldout_metrics and held_out:

@@ -1,0 +1,150 @@
+"""The program lowered is the program run (issue 40): for one config and shape, the decode
+programs `python -m infer.lower --platform=cpu` prints are, fingerprint for fingerprint
+(`programs.fingerprint`: StableHLO and compiler options), the ones `python -m infer.generate`
+compiles in its default mode (adaptive with lookup kinds on a CPU, the target's stop tokens,
+invariance by dtype), and `--tree_nodes` reaches both alike.
+
+A tiny Qwen3 target (random weights, a character ChatML tokenizer) and a random drafter of the
+tiny training config (`_tiny_configs`), so the config infer.lower reads names the files
+infer.generate loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _chat_tokenizer import CHATML, char_tokenizer
+from _tiny_configs import TINY_TARGET, write_tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Reverse a string."
+NEW_TOKENS = 8
+
+
+def _env(cache: Path) -> dict:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "DFLASH_JAX_CACHE": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    """{config, target, drafter, bucket}: the tiny training config over a tiny HF target with
+    weights and a tokenizer, its drafter saved (Orbax), and the prompt buffer width
+    infer.generate pads PROMPT to."""
+    import jax
+    from _tiny_models import make_tiny_hf_target
+    from ml_collections import config_flags  # noqa: F401  (the config file's loader)
+
+    from dflash_jax import api
+    from dflash_jax.io.drafter_io import save_drafter
+    from dflash_jax.models.drafter import init_drafter_params
+    from dflash_jax.training.trainer import drafter_config_for
+    from infer import aot
+
+    root = tmp_path_factory.mktemp("lowered_is_run")
+    config = write_tiny_config(root)
+    dims = {k: v for k, v in TINY_TARGET.items() if k not in ("model_type", "tie_word_embeddings")}
+    target = make_tiny_hf_target(root, "qwen3", **{**dims, "eos_token_id": 2})
+    tok = char_tokenizer(CHATML)
+    tok.save_pretrained(target)
+    text = config.read_text().replace(repr(str(root / "tiny_hf")), repr(str(target)))
+    config.write_text(text)
+    namespace: dict = {}
+    exec(compile(text, str(config), "exec"), namespace)
+    cfg = namespace["get_config"]()
+    dcfg = drafter_config_for(cfg, aot.target_config(str(target), "float32"))
+    save_drafter(root / "drafter", dcfg, init_drafter_params(dcfg, jax.random.key(1)))
+    prompt = api.render_prompt(tok, PROMPT, True)
+    bucket = api.bucket_length(len(prompt))
+    return {"config": config, "target": target, "drafter": root / "drafter", "bucket": bucket,
+            "cache": root / "cache"}  # fmt: skip
+
+
+def _run(pair, module: str, *flags: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", module, *flags], env=_env(pair["cache"]), cwd=ROOT,
+        capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def generated(pair, *flags: str) -> dict:
+    """infer.generate --json's program fingerprints."""
+    out = _run(
+        pair, "infer.generate", f"--target={pair['target']}", f"--drafter={pair['drafter']}",
+        f"--prompt={PROMPT}", "--json", "--dtype=float32", f"--max_new_tokens={NEW_TOKENS}",
+        "--compilation_cache=", "--notarget_cache", *flags,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])["program_fingerprints"]
+
+
+def lowered(pair, *flags: str) -> dict:
+    """infer.lower --platform=cpu's fingerprints, by program."""
+    out = _run(
+        pair, "infer.lower", f"--config={pair['config']}", "--platform=cpu", "--what=decode",
+        "--batch=1", f"--prompt_len={pair['bucket']}", f"--max_new_tokens={NEW_TOKENS}",
+        "--dtype=float32", *flags,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert all(line["ok"] for line in lines), lines
+    return {line["program"]: line["fingerprint"] for line in lines}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [(), ("--tree_nodes=6",)], ids=["default", "tree"])
+def test_infer_lower_prints_the_programs_infer_generate_compiles(pair, flags):
+    """Guards "the program lowered is the program run" alone (it compiles a real adaptive
+    decode, ~1 min on 2 cores): every program infer.generate compiled (the speculative halves
+    and, for the adaptive decode's plain steps' calibration, the target alone's) has the
+    fingerprint infer.lower prints for it."""
+    run = generated(pair, *flags)
+    lower = lowered(pair, *flags)
+    assert {"start_speculative", "advance_speculative"} <= set(run), run
+    for name, fingerprint in run.items():
+        assert lower[name] == fingerprint, (name, run, lower)
+
+
+def test_decisions_follow_the_platform_compiled_for(monkeypatch):
+    """What infer.lower relies on to lower another platform's program from this CPU: the
+    decode config's defaults (`api.generate_config(platform=)`), invariance by dtype and
+    platform, and the tied head's CPU-only barrier follow the platform a program is traced
+    for (`ops.platform.TARGET`), not this process's backend."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import api
+    from dflash_jax.config import ConfigError, TargetConfig
+    from dflash_jax.decoding import programs
+    from dflash_jax.models.target import unembedding_matrix
+    from dflash_jax.ops import platform
+
+    tcfg = TargetConfig("qwen3", 64, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True,
+                        eos_token_ids=(2,), dtype="bfloat16")  # fmt: skip
+    target = types.SimpleNamespace(config=tcfg)
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=32))
+    cpu = api.generate_config(target, drafter, platform="cpu")
+    tpu = api.generate_config(target, drafter, platform="tpu", tree_nodes=8)
+    assert (cpu.block_size, cpu.adaptive, cpu.lookup_kinds) == (16, True, (8, 16))
+    assert (tpu.block_size, tpu.adaptive, tpu.lookup_kinds, tpu.tree_nodes) == (32, False, (), 8)
+    assert cpu.stop_token_ids == tpu.stop_token_ids == (2,)
+
+    params = {"embed_tokens": {"embedding": jnp.zeros((64, 32), jnp.bfloat16)}}
+    barriers = {}
+    for name in ("cpu", "tpu", "cuda"):
+        monkeypatch.setattr(platform, "TARGET", name)
+        jaxpr = str(jax.make_jaxpr(lambda p: unembedding_matrix(p, tcfg))(params))
+        barriers[name] = "optimization_barrier" in jaxpr
+        assert programs.default_invariant(tcfg) == (name == "cpu")
+    assert barriers == {"cpu": True, "tpu": False, "cuda": False}
+    # (TARGET is "cuda" here) a foreign platform's row rule cannot be probed on this machine
+    with pytest.raises(ConfigError, match="needs that machine's row rule"):
+        programs.run_target_config(tcfg, dataclasses.replace(tpu, batch_invariant=True))
