@@ -5,8 +5,8 @@ matrix per value head (state [Hv, Dk, Dv], kept in fp32), updated by the gated d
     S_t = a_t S_{t-1} + k_t beta_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,   a_t = exp(g_t)
 
 A pass over T tokens runs the rule as a chunked scan (`gated_delta_rule`: C-token chunks, a
-unit-triangular inverse by log2(C) matmuls inside each chunk, `lax.scan` over chunks), the
-same code for a prefill, a verify block and a single AR token.
+unit-triangular solve by blocked forward substitution in fp32 inside each chunk, `lax.scan`
+over chunks), the same code for a prefill, a verify block and a single AR token.
 
 Rollback. A KV cache rolls back by lowering a length; this state does not. A token with
 beta = 0 and g = 0 leaves the state exactly as it was, so the state after the first L of T
@@ -52,21 +52,46 @@ def _repeat_heads(x_bthk, num_v_heads):
     return jnp.repeat(x_bthk, num_v_heads // x_bthk.shape[2], axis=2)
 
 
-def _unit_lower_inverse(a_cc):
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (nilpotent: A^C = 0), as the
-    product (I - A)(I + A^2)(I + A^4)... of log2(C) matmuls: no triangular-solve call, which
-    XLA:CPU runs as a LAPACK custom call (and batched decodes of a few hundred rows stalled in
-    it) and accelerators run slower than matmuls."""
+# Rows of the diagonal blocks `_unit_lower_solve` inverts one row at a time.
+SOLVE_BLOCK = 16
+
+
+def _unit_lower_solve(a_cc, b_cw, block=SOLVE_BLOCK):
+    """X = (I + A)^-1 B for strictly lower-triangular A [..., C, C] and B [..., C, W], in fp32,
+    by blocked forward substitution: each diagonal block's unit-triangular inverse row by row
+    (row i = e_i - A_i T, from the rows before it; one small product per row, all blocks at
+    once), then the blocks in order, X_p = T_pp (B_p - A_p,<p X_<p), as matmuls.
+
+    Every step sums exact terms of the solution, which stays O(1) where the delta rule's
+    inverse does (it is the rule's own WY factor): repeated keys with write strengths near 1
+    and no decay included. The product form (I - A)(I + A^2)(I + A^4)... built A^32 on the way,
+    whose entries reach C^31 / 31! there, and lost every digit to cancellation past one
+    64-token chunk (NaN at 520 tokens). No triangular-solve call either: XLA:CPU runs one as a
+    LAPACK custom call (batched decodes of a few hundred rows stalled in it), and accelerators
+    run it slower than matmuls."""
     c = a_cc.shape[-1]
-    eye = jnp.eye(c, dtype=a_cc.dtype)
-    inv, power, covered = eye - a_cc, a_cc, 2  # inv = sum_{j < covered} (-A)^j
-    while covered < c:
-        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=jax.lax.Precision.HIGHEST)
-        inv = jnp.einsum(
-            "...ij,...jk->...ik", inv, eye + power, precision=jax.lax.Precision.HIGHEST
-        )
-        covered *= 2
-    return inv
+    s = min(block, c)
+    n = -(-c // s)
+    pad = n * s - c  # zero rows and columns: their X rows are B's, zero
+    a_cc = jnp.pad(a_cc, [(0, 0)] * (a_cc.ndim - 2) + [(0, pad), (0, pad)])
+    b_cw = jnp.pad(b_cw, [(0, 0)] * (b_cw.ndim - 2) + [(0, pad), (0, 0)])
+    hi = jax.lax.Precision.HIGHEST
+    # The diagonal blocks [..., N, S, S] and their inverses T, built one row at a time.
+    diag = jnp.stack([a_cc[..., p * s : (p + 1) * s, p * s : (p + 1) * s] for p in range(n)], -3)
+    inv = jnp.broadcast_to(jnp.eye(s, dtype=a_cc.dtype), diag.shape)
+    for i in range(1, s):
+        row = jnp.einsum("...j,...jk->...k", diag[..., i, :], inv, precision=hi)  # A_i T
+        inv = inv.at[..., i, :].add(-row)  # row i of T was e_i; rows >= i of T @ A_i are 0
+    xs = []
+    for p in range(n):
+        rhs = b_cw[..., p * s : (p + 1) * s, :]
+        if p:
+            done = jnp.concatenate(xs, -2)  # X_<p [..., p*S, W]
+            rhs = rhs - jnp.einsum(
+                "...ij,...jw->...iw", a_cc[..., p * s : (p + 1) * s, : p * s], done, precision=hi
+            )
+        xs.append(jnp.einsum("...ij,...jw->...iw", inv[..., p, :, :], rhs, precision=hi))
+    return jnp.concatenate(xs, -2)[..., :c, :]
 
 
 def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, s_bhkv, chunk=CHUNK):
@@ -94,9 +119,9 @@ def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, s_bhkv, chunk=CHUN
             incl, jnp.exp(jnp.where(incl, gam[..., :, None] - gam[..., None, :], 0)), 0
         )
         kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=hi)
-        inv = _unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk * decay_cc, 0))
-        u = jnp.einsum("bhij,bhjv->bhiv", inv, beta[..., None] * v, precision=hi)  # [B,H,C,Dv]
-        w = jnp.einsum("bhij,bhjk->bhik", inv, (beta * jnp.exp(gam))[..., None] * k, precision=hi)
+        a_cc = jnp.where(strict, beta[..., :, None] * kk * decay_cc, 0)
+        rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], -1)
+        u, w = jnp.split(_unit_lower_solve(a_cc, rhs), [v.shape[-1]], -1)  # [B,H,C,Dv|Dk]
         v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=hi)
         qk = jnp.einsum("bhik,bhjk->bhij", q, k, precision=hi) * decay_cc
         o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gam)[..., None], s, precision=hi)
