@@ -159,8 +159,17 @@ class Engine:
             "tau": self.stats["step_tokens"] / row_steps if row_steps else None,
             "loop_steps": self.stats["steps"],
             "steps_by_kind": dict(self.kinds),
+            "step_costs": self._step_costs(),
             "uptime_s": round(time.time() - self.started, 1),
         }
+
+    def _step_costs(self) -> dict:
+        """The adaptive controller's cost of each step kind (in plain steps), as calibrated."""
+        dec = self.decoder
+        if dec is None or not dec.cfg.adaptive:
+            return {}
+        costs = np.asarray(dec.step_costs).tolist()
+        return {kind_label(k): c for k, c in zip(dec.cfg.all_kinds, costs, strict=True)}
 
     def _retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the mean request time so far."""
@@ -186,10 +195,16 @@ class Engine:
                     self._cond.wait()
                 if self._draining and not self._queue and not self._active:
                     return
+                gone = [r for r in self._queue if r.cancelled]  # left while they waited
+                for req in gone:
+                    self._queue.remove(req)
                 free = [s for s in range(dec.slots) if s not in self._active]
                 admit = [(s, self._queue.popleft()) for s in free[: len(self._queue)]]
                 for slot, req in admit:
                     self._active[slot] = req
+            for req in gone:
+                req.finish_reason = "cancelled"
+                self._finish(req)
             for slot, req in admit:
                 dec.insert(
                     slot, req.prompt_ids, max_new=req.max_tokens, temperature=req.temperature,
