@@ -2,10 +2,11 @@
 `shard_map` whose specs come from the sharding table, and gives the one-device XLA results.
 
 On 8 fake CPU devices (a fresh process each, the kernels in Pallas' GPU interpret mode): greedy
-speculative decoding on data=2,tensor=4 and fsdp=2,tensor=4 gives the one-device XLA tokens, and
-training steps on fsdp=4,tensor=2 the XLA losses. Without devices (an abstract mesh): query heads
-split while their KV heads are not is refused under "pallas" and done by xla under "auto"; heads
-the mesh does not divide are replicated with one warning. In one process: the kernel decode step
+speculative decoding on data=2,tensor=4, fsdp=2,tensor=4 and tensor=8 (more devices than KV
+heads) gives the one-device XLA tokens, and training steps on fsdp=4,tensor=2 the XLA losses.
+Without devices (an abstract mesh): tensor a multiple of the KV heads keeps the kernels on;
+query heads split so that a device's span KV heads it lacks is refused under "pallas" and done by
+xla under "auto"; heads the mesh does not divide are replicated with one warning. In one process: the kernel decode step
 writes each cache buffer once and copies none (compiled HLO, the kernels as opaque calls), and
 the kernels that read the cache with a step's rows apart (`appended_attention`) give bitwise
 what they give on the written cache, so a position's result is the same in a verify and in an
@@ -35,7 +36,8 @@ from dflash_jax.ops import dispatch, pallas_gpu, pallas_tpu_decode
 from dflash_jax.ops.caches import write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-DECODE_MESHES = ("data=2,tensor=4", "fsdp=2,tensor=4")
+# tensor=8 exceeds the 4 KV heads: replicated, each device reads its query head's one
+DECODE_MESHES = ("data=2,tensor=4", "fsdp=2,tensor=4", "tensor=8")
 TRAIN_MESH = "fsdp=4,tensor=2"
 PROMPT = np.array(
     [[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0], [7, 0, 0, 0, 0, 0, 0]],
@@ -224,12 +226,12 @@ def fake_gpu(monkeypatch):
 
 
 def test_query_heads_split_without_their_kv_heads_refused_or_done_by_xla(fake_gpu, caplog):
-    """tensor=2 splits 2 query heads but not their one KV head: a kernel would need the other
-    device's KV head. "pallas" refuses; "auto" logs one line and traces no kernel."""
-    inputs = _causal_inputs(batch=2, heads=2, kv_heads=1)
+    """tensor=2 splits 6 query heads but not their 3 KV heads, and a device's 3 query heads
+    span two KV heads. "pallas" refuses; "auto" logs one line and traces no kernel."""
+    inputs = _causal_inputs(batch=2, heads=6, kv_heads=3)
     attend = lambda impl: lambda *a: dispatch.causal_attention(*a, impl=impl)
     with jax.sharding.use_abstract_mesh(_abstract_mesh(tensor=2)):
-        with pytest.raises(ConfigError, match="2 query heads split over tensor=2 but 1 KV heads"):
+        with pytest.raises(ConfigError, match="6 query heads split over tensor=2 but 3 KV heads"):
             jax.make_jaxpr(attend("pallas"))(*inputs)
         with caplog.at_level(logging.WARNING):
             for _ in range(2):
@@ -237,10 +239,38 @@ def test_query_heads_split_without_their_kv_heads_refused_or_done_by_xla(fake_gp
     assert kernel_calls(jaxpr.jaxpr) == {"in_shard_map": 0, "outside": 0}
     logged = [r.getMessage() for r in caplog.records if "query heads split" in r.getMessage()]
     assert logged == [
-        "attention_impl=auto: target attention uses xla (2 query heads split over tensor=2 but 1 "
-        "KV heads not (tensor must divide the KV heads: a kernel keeps a query head's KV head "
-        "on its device))"
+        "attention_impl=auto: target attention uses xla (6 query heads split over tensor=2 but 3 "
+        "KV heads not, and a device's 3 query heads span several KV heads (a kernel keeps a "
+        "query head's KV head on its device: tensor must divide the KV heads or be a multiple "
+        "of them))"
     ]
+
+
+def test_kv_heads_fewer_than_tensor_keep_the_kernels_on(fake_gpu, caplog):
+    """tensor=8 over 8 query and 4 KV heads (Qwen3-Coder-30B-A3B's 32 and 4 at tensor=8 alike):
+    "auto" keeps the kernels, inside the shard_map, q split and the KV heads whole in its specs,
+    and logs no fallback; each device's kernel reads one KV head of [B,1,S,H]."""
+    P = jax.sharding.PartitionSpec
+    attend = lambda *a: dispatch.causal_attention(*a, impl="auto")
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(tensor=8)):
+        with caplog.at_level(logging.WARNING):
+            jaxpr = jax.make_jaxpr(attend)(*_causal_inputs(batch=2, heads=8, kv_heads=4))
+    assert kernel_calls(jaxpr.jaxpr) == {"in_shard_map": 1, "outside": 0}
+    assert not [r for r in caplog.records if "uses xla" in r.getMessage()]
+    q, whole = P(None, None, ("tensor",), None), P(None, None, None, None)
+    assert _shard_map_specs(jaxpr.jaxpr) == [((q, whole, whole, P(None, None)), (q,))]
+    (call,) = _pallas_calls(jaxpr.jaxpr)
+    # q folded to [B,K,rows,H] for its one KV head; k and v that head of 24 slots
+    assert [v.aval.shape[1:3] for v in call.invars[1:3]] == [(1, 24), (1, 24)]
+    assert call.invars[0].aval.shape[1] == 1
+
+
+def _pallas_calls(jaxpr) -> list:
+    found = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    for eqn in jaxpr.eqns:
+        for sub in _subjaxprs(eqn.params):
+            found += _pallas_calls(sub)
+    return found
 
 
 def _shard_map_specs(jaxpr) -> list:

@@ -1,5 +1,6 @@
 """`python -m infer.lower` on a tiny target and drafter: the real decode and training programs
-lowered for TPU and CUDA on this CPU, on one device and on a mesh of 8 fake devices.
+lowered for TPU and CUDA on this CPU, on one device and on a mesh of 8 fake devices whose
+tensor axis (4) exceeds the target's KV heads (2): every kernel stays on, inside shard_map.
 
 Each CLI run is one fresh process (the fake devices must be set before jax starts); the tests
 below read its JSON lines. The tiny config (`_tiny_configs`) takes every kernel the dispatch
@@ -13,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _tiny_configs import write_tiny_config
+from _tiny_configs import TINY_TARGET, write_tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-MESH = "fsdp=4,tensor=2"
+# tensor=4 exceeds the tiny target's 2 KV heads: the kernels stay on, the KV heads replicated
+MESH = "fsdp=2,tensor=4"
 DECODE = ("start_speculative", "advance_speculative", "start_autoregressive", "advance_autoregressive")  # fmt: skip
 KERNEL_TARGET = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
@@ -89,15 +91,19 @@ def test_mesh_programs_lower_with_xla_attention(tiny_config):
     assert all(line["ok"] and line["kernels"] == [] for line in lines.values()), lines
 
 
-def test_mesh_failures_are_reported_with_their_cause(tiny_config):
+def test_mesh_failures_are_reported_with_their_cause(tmp_path):
     """A split no kernel can take fails in every line with its cause, and the command exits 1:
-    tensor=4 splits the tiny target's 4 query heads but not its 2 KV heads, which
-    --attention_impl=pallas refuses (rather than gathering the KV heads). (A kernel call left
-    outside a shard_map is the other cause: test_shard_map_regions_are_recognised.)"""
+    tensor=2 splits a target's 6 query heads but not its 3 KV heads, so a device's 3 query heads
+    span two KV heads, which --attention_impl=pallas refuses (rather than gathering the KV
+    heads). (A kernel call left outside a shard_map is the other cause:
+    test_shard_map_regions_are_recognised.)"""
+    config = write_tiny_config(tmp_path)
+    hf = {**TINY_TARGET, "num_attention_heads": 6, "num_key_value_heads": 3}
+    (tmp_path / "tiny_hf" / "config.json").write_text(json.dumps(hf))
     out = subprocess.run(
-        [sys.executable, "-m", "infer.lower", f"--config={tiny_config}", "--platform=tpu,cuda",
+        [sys.executable, "-m", "infer.lower", f"--config={config}", "--platform=tpu,cuda",
          "--what=decode,train", "--batch=8", "--prompt_len=16", "--max_new_tokens=16",
-         "--mesh=tensor=4", "--attention_impl=pallas"],
+         "--mesh=tensor=2", "--attention_impl=pallas"],
         env=_env(), cwd=ROOT, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines()]
@@ -106,7 +112,7 @@ def test_mesh_failures_are_reported_with_their_cause(tiny_config):
     assert runs == {(p, w) for p in ("tpu", "cuda") for w in ("decode", "train")}, lines
     for line in lines:
         assert not line["ok"], line
-        assert "4 query heads split over tensor=4 but 2 KV heads not" in line["error"], line
+        assert "6 query heads split over tensor=2 but 3 KV heads not" in line["error"], line
 
 
 def test_shard_map_regions_are_recognised():

@@ -21,14 +21,17 @@ kernel runs in `shard_map`, since GSPMD cannot partition a Mosaic or Triton call
 `data`/`fsdp` and heads over `tensor`, with the specs `sharding.logical_to_spec` gives q
 (QUERY_AXES), the keys (KV_CACHE_AXES) and the per-row bounds and masks (batch-major). A dim the
 table leaves whole (a batch the batch axes do not divide, heads `tensor` does not divide) is
-replicated there as everywhere else (and warned once, `sharding`). The one split a kernel cannot
-follow, query heads split over `tensor` while their KV heads are not (a kernel keeps a query
-head's KV head on its own device), refuses like a missing case.
+replicated there as everywhere else (and warned once, `sharding`). When `tensor` exceeds the KV
+heads (a multiple of them: Qwen3-Coder-30B-A3B's 4 at tensor=8) the KV heads are replicated and
+each device's query heads share one of them, which the device picks by its `tensor` index. The
+one split a kernel cannot follow, a device's query heads spanning KV heads it lacks, refuses
+like a missing case.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +128,9 @@ def _mesh() -> jax.sharding.AbstractMesh | None:
 
 def _unsplittable(q: jax.Array, k: jax.Array) -> str | None:
     """Why the kernels cannot run on the traced program's mesh with these q [B,T,N,H] and
-    keys [B,K,S,H], or None when they can (or there is no mesh)."""
+    keys [B,K,S,H], or None when they can (or there is no mesh). Query heads split over
+    `tensor` while their K KV heads are not (tensor exceeds them) are fine when each device's
+    query heads share one KV head (`_kv_head_choice`)."""
     mesh = _mesh()
     if mesh is None:
         return None
@@ -133,27 +138,76 @@ def _unsplittable(q: jax.Array, k: jax.Array) -> str | None:
         return f"a mesh with axes {mesh.axis_names} (the kernels split over {sharding.MESH_AXES})"
     heads = sharding.logical_to_spec(sharding.QUERY_AXES, q.shape, mesh)[2]
     kv_heads = sharding.logical_to_spec(sharding.KV_CACHE_AXES, k.shape, mesh)[1]
-    if heads != kv_heads:
+    if heads != kv_heads and _kv_head_choice(q, k, mesh) is None:
+        ways = _ways(mesh, heads)
         return (
-            f"{q.shape[2]} query heads split over tensor={mesh.shape['tensor']} but "
-            f"{k.shape[1]} KV heads not (tensor must divide the KV heads: a kernel keeps a query "
-            "head's KV head on its device)"
+            f"{q.shape[2]} query heads split over tensor={ways} but {k.shape[1]} KV heads not, "
+            f"and a device's {q.shape[2] // ways} query heads span several KV heads (a kernel "
+            "keeps a query head's KV head on its device: tensor must divide the KV heads or be "
+            "a multiple of them)"
         )
     return None
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of a PartitionSpec entry (None, an axis name or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _ways(mesh, entry) -> int:
+    """How many ways a PartitionSpec entry splits a dim."""
+    return math.prod(mesh.shape[a] for a in _spec_axes(entry))
+
+
+def _kv_head_choice(q: jax.Array, k: jax.Array, mesh) -> tuple[tuple, int, int] | None:
+    """When q's heads are split over the mesh and the KV heads [B,K,S,H] are whole on every
+    device (tensor exceeds K: the table replicates them), and each device's query heads
+    belong to one KV head: (the split mesh axes, query heads per device, query heads per KV
+    head); None otherwise. Each device then reads KV head (its index along those axes) x (its
+    query heads) // (heads per KV head) of the replicated cache."""
+    heads = sharding.logical_to_spec(sharding.QUERY_AXES, q.shape, mesh)[2]
+    kv_heads = sharding.logical_to_spec(sharding.KV_CACHE_AXES, k.shape, mesh)[1]
+    if heads is None or kv_heads is not None:
+        return None
+    local, group = q.shape[2] // _ways(mesh, heads), q.shape[2] // k.shape[1]
+    return (_spec_axes(heads), local, group) if group % local == 0 else None
 
 
 def _per_device(fn, *operands: tuple[jax.Array, tuple]) -> jax.Array:
     """fn(*arrays) -> [B,T,N,H] like the first array (q), on each device's part of the
     operands, given as (array, logical axes) pairs, under the traced program's mesh
-    (`shard_map`); called as is without one."""
+    (`shard_map`); called as is without one. KV heads the table leaves whole while q's heads
+    are split (`_kv_head_choice`) stay whole in the specs, and each device hands the kernel
+    the one KV head its query heads read, picked by its index along the split axes."""
     arrays = tuple(x for x, _ in operands)
     mesh = _mesh()
     if mesh is None:
         return fn(*arrays)
     specs = tuple(sharding.logical_to_spec(axes, x.shape, mesh) for x, axes in operands)
+    keys = [axes == sharding.KV_CACHE_AXES for _, axes in operands]
+    choice = next(
+        (_kv_head_choice(arrays[0], x, mesh) for x, k in zip(arrays, keys, strict=True) if k),
+        None,
+    )
+    if choice is not None:
+        axes, local, group = choice
+        sizes = tuple(mesh.shape[a] for a in axes)
+        fn = functools.partial(_on_own_kv_head, fn, keys, axes, sizes, local, group)
     # check_vma off: pallas_call does not declare how its outputs vary over the mesh axes.
     split = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
     return split(*arrays)
+
+
+def _on_own_kv_head(fn, keys, axes: tuple, sizes: tuple, local: int, group: int, *arrays):
+    """fn on one device's operands with each KV-head-major one ([B,K,S,H], `keys`) cut to the
+    KV head of this device's `local` query heads (`group` query heads per KV head): a dynamic
+    slice of the replicated cache, the one head the kernel reads."""
+    index = 0
+    for axis, size in zip(axes, sizes, strict=True):  # the device's index along them, row-major
+        index = index * size + jax.lax.axis_index(axis)
+    kv = index * local // group
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, kv, 1, axis=1)
+    return fn(*(cut(x) if key else x for x, key in zip(arrays, keys, strict=True)))
 
 
 def _rows(x: jax.Array) -> tuple[jax.Array, tuple]:
