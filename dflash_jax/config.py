@@ -542,7 +542,10 @@ class DrafterConfig:
         archs = hf.get("architectures") or ["DFlashDraftModel"]
         dflash2 = "DFlash2DraftModel" in archs
         if not dflash2 and "DFlashDraftModel" not in archs:
-            raise ConfigError(f"not a DFlash drafter config: architectures={archs}")
+            raise ConfigError(
+                f"not a DFlash drafter config: architectures={archs}; pass a DFlash drafter "
+                "(z-lab, speculators or Orbax)"
+            )
         dcfg = hf.get("dflash_config") or {}
 
         def lookup(name, default=None):

@@ -1,9 +1,13 @@
-"""Converts a DFlash drafter between the z-lab HF format and our Orbax format.
+"""Converts a DFlash drafter between the z-lab HF format, the `speculators` format and our Orbax
+format (any of them in; `load_drafter` reads all three).
 
   python -m infer.convert --source=z-lab/Qwen3-8B-DFlash-b16 --output=/ckpt/q3-8b --format=orbax
   python -m infer.convert --source=/ckpt/mine --output=/export/mine --format=zlab --dtype=bfloat16
+  python -m infer.convert --source=default --output=/export/spec --format=speculators \
+      --verifier=HuggingFaceTB/SmolLM2-135M-Instruct
 
-The z-lab export loads with `dflash.DFlashDraftModel.from_pretrained`, vLLM and SGLang.
+The z-lab export loads with `dflash.DFlashDraftModel.from_pretrained`, vLLM and SGLang; the
+speculators export with `speculators`' `SpeculatorModel.from_pretrained` (docs/models.md).
 Library logs (Orbax) show from warnings up; --verbosity=0 shows their INFO lines too.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 from absl import flags
 
 from dflash_jax.io.drafter_io import read_drafter, save_drafter
+from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
 from infer import cli
 from infer.logs import quiet_library_logs
@@ -19,7 +24,7 @@ from infer.logs import quiet_library_logs
 _SOURCE = flags.DEFINE_string(
     "source",
     None,
-    "Drafter to read: our Orbax directory, a z-lab HF directory "
+    "Drafter to read: our Orbax directory, a z-lab HF or speculators directory "
     "(config.json + model.safetensors), a hub id such as z-lab/Qwen3-8B-DFlash-b16 (needs "
     "network), or 'default' (the drafter shipped in this repository).",
     required=True,
@@ -33,11 +38,18 @@ _OUTPUT = flags.DEFINE_string(
 _FORMAT = flags.DEFINE_enum(
     "format",
     None,
-    ["orbax", "zlab"],
+    ["orbax", "zlab", "speculators"],
     "orbax: our checkpoint (drafter_config.json + params/), "
     "for load_drafter/restore_drafter. zlab: config.json + model.safetensors for the reference "
-    "dflash package, vLLM and SGLang.",
+    "dflash package, vLLM and SGLang. speculators: config.json + model.safetensors for "
+    "vllm-project/speculators (DFlash and DFlash2 with the target's vocabulary).",
     required=True,
+)
+_VERIFIER = flags.DEFINE_string(
+    "verifier",
+    None,
+    "--format=speculators: the target's hub id or path, written as the checkpoint's verifier "
+    "(speculators and vLLM load the embedding and lm_head from it); unset: null.",
 )
 _DTYPE = flags.DEFINE_enum(
     "dtype",
@@ -53,6 +65,10 @@ def main(argv):
     drafter = read_drafter(_SOURCE.value, _DTYPE.value)
     if _FORMAT.value == "zlab":
         write_zlab(_OUTPUT.value, drafter.config, drafter.params, _DTYPE.value)
+    elif _FORMAT.value == "speculators":
+        write_speculators(
+            _OUTPUT.value, drafter.config, drafter.params, _DTYPE.value, _VERIFIER.value
+        )
     else:
         save_drafter(_OUTPUT.value, drafter.config, drafter.params)
     print(f"wrote {_FORMAT.value} drafter ({drafter.config.num_layers} layers) to {_OUTPUT.value}")

@@ -1,4 +1,5 @@
-"""Drafter checkpoints: our Orbax format, z-lab HF directories, hub ids and the shipped default.
+"""Drafter checkpoints: our Orbax format, z-lab HF and `speculators` directories (told apart by
+their config.json), hub ids and the shipped default.
 
 Orbax layout: `<dir>/drafter_config.json` (the z-lab config dict, so the same reader serves
 both) + `<dir>/params/` (an `ocp.StandardCheckpointer` pytree). In a notebook:
@@ -25,12 +26,14 @@ from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
 from dflash_jax.io import paths
 from dflash_jax.io.hf import CheckpointError
+from dflash_jax.io.speculators import is_speculators, read_config_json, read_speculators
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
 from dflash_jax.models.drafter import check_fits, init_drafter_params
 
 ORBAX_CONFIG_FILE = "drafter_config.json"
 ORBAX_PARAMS_DIR = "params"
-ZLAB_PATTERNS = (CONFIG_FILE, "*.safetensors")  # the files of a z-lab drafter (hub or URL)
+# the files of a z-lab or speculators drafter (hub or URL)
+ZLAB_PATTERNS = (CONFIG_FILE, "*.safetensors")
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "assets/drafters/smollm2-135m-instruct-b16"
 
 
@@ -136,9 +139,9 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -> LoadedDrafter:
     """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
-    HF dir (either local or a URL such as `gs://bucket/drafter`), a hub id (`owner/name`) or
-    "default" (the drafter shipped in the repository). With a `mesh`, params are placed on
-    their table shardings."""
+    HF or `speculators` dir (local or a URL such as `gs://bucket/drafter`), a hub id
+    (`owner/name`) or "default" (the drafter shipped in the repository). With a `mesh`, params
+    are placed on their table shardings."""
     source = str(source)
     if source == "default":
         if not DEFAULT_DRAFTER.is_dir():
@@ -157,7 +160,9 @@ def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -
         loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
     if (path / CONFIG_FILE).is_file():
-        config, params = read_zlab(paths.localize(path, ZLAB_PATTERNS), dtype)
+        local = paths.localize(path, ZLAB_PATTERNS)
+        read = read_speculators if is_speculators(read_config_json(local)) else read_zlab
+        config, params = read(local, dtype)
         if mesh is None:
             params = jax.tree.map(jnp.asarray, params)
         else:
@@ -165,7 +170,8 @@ def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -
         return LoadedDrafter(config=config, params=params, source=source)
     raise CheckpointError(
         f"{path} is neither an Orbax drafter ({ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/) nor a "
-        f"z-lab drafter ({CONFIG_FILE} + model.safetensors)"
+        f"z-lab or speculators drafter ({CONFIG_FILE} + model.safetensors); pass a drafter "
+        "directory"
     )
 
 

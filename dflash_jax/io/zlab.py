@@ -138,7 +138,7 @@ def read_zlab_config(directory: str | Path, dtype: str = "float32") -> DrafterCo
     return DrafterConfig.from_zlab(hf, dtype=dtype)
 
 
-def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
+def read_tensors(directory: Path) -> dict[str, np.ndarray]:
     """All tensors of the directory (sharded or not), `model.` stripped, duplicates refused."""
     try:
         stored = read_safetensors_dir(directory)
@@ -164,7 +164,15 @@ def read_zlab(directory: str | Path, dtype: str = "float32") -> tuple[DrafterCon
     Refuses unmapped, missing or duplicate tensors and wrong shapes, naming the key."""
     directory = Path(directory)
     config = read_zlab_config(directory, dtype)
-    tensors = _read_tensors(directory)
+    return config, params_from_tensors(directory, config, read_tensors(directory), dtype)
+
+
+def params_from_tensors(
+    directory: Path, config: DrafterConfig, tensors: dict[str, np.ndarray], dtype: str
+) -> dict:
+    """The drafter's params (numpy, `dtype`) from its z-lab tensors (`read_tensors`), which the
+    `speculators` format shares; refuses unmapped, missing and misshapen ones, naming the key
+    (and `directory`)."""
     if config.is_dflash2:
         tensors = _bare_codebooks(tensors)
     table = _table(config)
@@ -191,17 +199,12 @@ def read_zlab(directory: str | Path, dtype: str = "float32") -> tuple[DrafterCon
                 f"from config.json"
             )
         _set(params, path, np.ascontiguousarray(_to_ours(w, kind, config)).astype(np_dtype))
-    return config, params
+    return params
 
 
-def write_zlab(
-    directory: str | os.PathLike, config: DrafterConfig, params: dict, dtype: str = "bfloat16"
-) -> None:
-    """Writes `config.json` + `model.safetensors` that `dflash.DFlashDraftModel.from_pretrained`
-    (and vLLM/SGLang) load; `directory` may be a URL."""
+def tensors_from_params(config: DrafterConfig, params: dict, dtype: str) -> dict[str, np.ndarray]:
+    """The z-lab tensors (torch layout, `dtype`) of a drafter's params; `read_zlab`'s inverse."""
     np_dtype = _np_dtype(dtype)
-    directory = paths.path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for key, (path, shape, kind) in _table(config).items():
         try:
@@ -220,7 +223,22 @@ def write_zlab(
                 f"expected {list(shape)}"
             )
         tensors[key] = np.ascontiguousarray(hf).astype(np_dtype)
+    return tensors
+
+
+def write_checkpoint(directory, config_json: dict, tensors: dict[str, np.ndarray]) -> None:
+    """`config.json` + `model.safetensors` into `directory` (local or a URL)."""
+    directory = paths.path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     with paths.written_locally(directory / WEIGHTS_FILE) as file:
         save_file(tensors, str(file), metadata={"format": "pt"})
-    zlab = dataclasses.replace(config, dtype=dtype).to_zlab()
-    (directory / CONFIG_FILE).write_text(json.dumps(zlab, indent=2, sort_keys=True) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+
+
+def write_zlab(
+    directory: str | os.PathLike, config: DrafterConfig, params: dict, dtype: str = "bfloat16"
+) -> None:
+    """Writes `config.json` + `model.safetensors` that `dflash.DFlashDraftModel.from_pretrained`
+    (and vLLM/SGLang) load; `directory` may be a URL."""
+    tensors = tensors_from_params(config, params, dtype)
+    write_checkpoint(directory, dataclasses.replace(config, dtype=dtype).to_zlab(), tensors)

@@ -1,0 +1,212 @@
+"""The `speculators` drafter format (vllm-project/speculators, PyPI `speculators` 0.9.0).
+
+A directory of `config.json` + `model.safetensors`, as `SpeculatorModel.save_pretrained` writes:
+the config carries `speculators_model_type` ("dflash", "dflash2"; "dspark" and EAGLE-3 are other
+models), the draft layers' Qwen3 config under `transformer_layer_config`, and beside it
+`block_size`, `mask_token_id`, `aux_hidden_state_layer_ids`, `draft_vocab_size`,
+`sample_from_anchor`, `sliding_window_non_causal`, DFlash2's four sizes and `speculators_config`
+(algorithm, proposal method, verifier). The tensors are the z-lab ones (`io/zlab.py`'s table:
+the reference's converter copies them as they are) plus, with a draft vocabulary smaller than
+the target's, `lm_head.weight` [draft_vocab, D], `d2t` [draft_vocab] (target id = draft id +
+d2t[draft id]) and `t2d` [V] bool.
+
+What differs from z-lab, and how it maps:
+  * `aux_hidden_state_layer_ids` index the target's hidden states with the embedding as 0
+    (vLLM's auxiliary states: the input of layer i), ours (z-lab's) the layer whose output is
+    tapped: ours = aux - 1. Aux id 0 (the embedding) is refused.
+  * Full-attention layers are always bidirectional in the block; sliding layers are causal
+    unless `sliding_window_non_causal`. Ours: `causal` None (sliding layers causal) or False.
+  * The embedding and lm_head are the verifier's (not stored, or stored and ignored, as the
+    reference does on load); `verifier_norm` serves training only.
+
+Refused, each with what to do: a draft vocabulary (d2t/t2d: our decoding drafts over the
+target's vocabulary), `sample_from_anchor` (the anchor slot drafting too: DSpark's way, not our
+DFlash decode), sliding-window layers (the reference windows from the block's anchor, ours from
+each query), and DSpark or any other model type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from dflash_jax.config import DFLASH2_FIELDS, ConfigError, DrafterConfig
+from dflash_jax.io.hf import CheckpointError
+from dflash_jax.io.zlab import (
+    CONFIG_FILE,
+    params_from_tensors,
+    read_tensors,
+    tensors_from_params,
+    write_checkpoint,
+)
+
+VERSION = "0.9.0"  # the release whose format this module reads and writes
+MODEL_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel"}
+# Verifier-owned tensors a checkpoint may hold; the reference reloads them from the verifier
+# (full vocabulary), so they are not the drafter's.
+VERIFIER_TENSORS = frozenset(
+    {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+)
+VOCAB_MAPS = frozenset({"d2t", "t2d"})
+_FIX = "convert it from a z-lab or Orbax drafter instead, or pass another drafter"
+
+
+def read_config_json(directory: str | Path) -> dict:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the drafter config {path}: {e}") from e
+
+
+def is_speculators(config_json: dict) -> bool:
+    """Whether a `config.json` dict is a `speculators` checkpoint's."""
+    return "speculators_model_type" in config_json
+
+
+def zlab_config(spec: dict, where: str) -> dict:
+    """A `speculators` config.json dict -> the z-lab dict `DrafterConfig.from_zlab` reads;
+    refuses what our decode cannot run, naming the field and what to do."""
+    kind = spec.get("speculators_model_type")
+    if kind not in MODEL_TYPES:
+        raise ConfigError(
+            f"{where}: a speculators {kind!r} model, not a DFlash or DFlash2 drafter "
+            f"(speculators_model_type must be one of {sorted(MODEL_TYPES)}); {_FIX}"
+        )
+    layer = spec.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{where}: no transformer_layer_config dict; {_FIX}")
+    vocab = layer.get("vocab_size")
+    draft_vocab = spec.get("draft_vocab_size", 32000)  # the reference's default
+    if draft_vocab != vocab:
+        raise ConfigError(
+            f"{where}: a draft vocabulary of {draft_vocab} tokens mapped by d2t/t2d onto the "
+            f"target's {vocab}, which our decoding does not support yet (it drafts over the "
+            "target's vocabulary); use a drafter trained with the full vocabulary "
+            "(draft_vocab_size equal to transformer_layer_config.vocab_size)"
+        )
+    if spec.get("sample_from_anchor", False):
+        raise ConfigError(
+            f"{where}: sample_from_anchor=true (the anchor slot drafts too), which our DFlash "
+            "decoding does not do; use a drafter trained with sample_from_anchor=false"
+        )
+    if "sliding_attention" in (layer.get("layer_types") or ()):
+        raise ConfigError(
+            f"{where}: sliding-window draft layers, whose window the reference measures from "
+            "the block's anchor and ours from each query; use a drafter with full-attention "
+            "layers only"
+        )
+    for name in ("attention_bias", "mlp_bias"):
+        if layer.get(name):
+            raise ConfigError(f"{where}: transformer_layer_config.{name}=true; {_FIX}")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={layer['hidden_act']!r}, not silu; {_FIX}")
+    aux = spec.get("aux_hidden_state_layer_ids")
+    if not aux or min(aux) < 1:
+        raise ConfigError(
+            f"{where}: aux_hidden_state_layer_ids={aux}: our targets tap the output of layers "
+            "(aux ids from 1; 0 is the embedding); use a drafter trained on layer outputs"
+        )
+    if spec.get("mask_token_id") is None:
+        raise ConfigError(f"{where}: no mask_token_id; set it in config.json")
+    dflash = {
+        "mask_token_id": int(spec["mask_token_id"]),
+        "target_layer_ids": [int(a) - 1 for a in aux],
+        "block_size": int(spec.get("block_size", 8)),
+    }
+    if kind == "dflash2":
+        defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                    "selector_top_k": 16}  # fmt: skip
+        dflash |= {name: int(spec.get(name, defaults[name])) for name in DFLASH2_FIELDS}
+    # full-attention layers are bidirectional whatever the layer config says
+    dropped = ("architectures", "auto_map", "is_causal", "causal")
+    out = {k: v for k, v in layer.items() if k not in dropped}
+    return out | {
+        "architectures": ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"],
+        "dflash_config": dflash,
+        "block_size": dflash["block_size"],
+    }
+
+
+def speculators_config(config: DrafterConfig, verifier: str | None = None) -> dict:
+    """The `speculators` config.json of our drafter; refuses what the format cannot say.
+    verifier: the target's hub id or path (the reference loads its embedding and head from it)."""
+    z = config.to_zlab()
+    if "sliding_attention" in config.layer_types:
+        raise ConfigError(
+            "this drafter has sliding-window layers, which the speculators format windows "
+            "differently; export it with --format=zlab"
+        )
+    if config.causal:
+        raise ConfigError(
+            "this drafter's layers are causal in the block (is_causal=true), which the "
+            "speculators format cannot say; export it with --format=zlab"
+        )
+    extra = [n for n in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+             if getattr(config, n) is not None]  # fmt: skip
+    if extra:
+        raise ConfigError(
+            f"this drafter sets {extra}, which the speculators format has no field for; "
+            "export it with --format=zlab"
+        )
+    kind = "dflash2" if config.is_dflash2 else "dflash"
+    # num_target_layers stays in the layer config (the reference ignores it), so it round-trips
+    not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "rope_theta",
+                 "rope_scaling", "torch_dtype")  # fmt: skip
+    layer = {k: v for k, v in z.items() if k not in not_layer}
+    layer["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta} | (
+        dict(z["rope_scaling"]) if "rope_scaling" in z else {}
+    )
+    out = {
+        "architectures": [MODEL_TYPES[kind]],
+        "speculators_model_type": kind,
+        "speculators_version": VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        # DFlash2's default is true; it matters for sliding layers only, which are refused
+        "sliding_window_non_causal": config.is_dflash2,
+        "sample_from_anchor": False,
+        "torch_dtype": z["torch_dtype"],
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}
+            ],  # fmt: skip
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+    }
+    if config.is_dflash2:
+        out |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+    return out
+
+
+def read_speculators(directory: str | Path, dtype: str = "float32") -> tuple[DrafterConfig, dict]:
+    """Reads a `speculators` DFlash or DFlash2 directory -> (DrafterConfig, numpy params in
+    `dtype`), refusing what `zlab_config` refuses and, like `read_zlab`, unmapped, missing or
+    misshapen tensors."""
+    directory = Path(directory)
+    spec = read_config_json(directory)
+    config = DrafterConfig.from_zlab(zlab_config(spec, str(directory / CONFIG_FILE)), dtype=dtype)
+    tensors = read_tensors(directory)
+    ours = {k: v for k, v in tensors.items() if k not in VERIFIER_TENSORS | VOCAB_MAPS}
+    return config, params_from_tensors(directory, config, ours, dtype)
+
+
+def write_speculators(
+    directory: str | os.PathLike,
+    config: DrafterConfig,
+    params: dict,
+    dtype: str = "bfloat16",
+    verifier: str | None = None,
+) -> None:
+    """Writes `config.json` + `model.safetensors` that `speculators`' `from_pretrained` loads
+    (its embedding and lm_head then come from `verifier`); `directory` may be a URL."""
+    spec = speculators_config(dataclasses.replace(config, dtype=dtype), verifier)
+    write_checkpoint(directory, spec, tensors_from_params(config, params, dtype))

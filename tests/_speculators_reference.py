@@ -1,0 +1,41 @@
+"""Run by `tests/test_speculators.py` under the python of a venv with `speculators` 0.9.0 (never
+imported by the suite): one block drafted teacher-forced by the reference `DFlashDraftModel`.
+
+    python tests/_speculators_reference.py EXPORT_DIR INPUTS.npz OUT.npy
+
+INPUTS.npz: taps [T, F] (the target's taps, in the drafter's aux order), tokens [T], anchor.
+OUT.npy: the reference's draft logits [block_size, V] of the block at `anchor` (its token, then
+mask tokens), which sees the context rows before the anchor; slot 0 is the anchor's own.
+"""
+
+import sys
+
+import numpy as np
+import torch
+from speculators import SpeculatorModelConfig
+from speculators.models.dflash import DFlashDraftModel
+
+
+def main(export_dir: str, inputs: str, out: str) -> None:
+    data = np.load(inputs)
+    taps, tokens, anchor = data["taps"], data["tokens"], int(data["anchor"])
+    config = SpeculatorModelConfig.from_pretrained(export_dir)
+    config.transformer_layer_config._attn_implementation = "eager"  # a dense mask on CPU
+    model = DFlashDraftModel.from_pretrained(export_dir, config=config).float().eval()
+    t = len(tokens)
+    loss_mask = torch.zeros(1, t, dtype=torch.long)
+    loss_mask[0, anchor] = 1  # the one valid anchor, so the reference picks it
+    with torch.no_grad():
+        _, logits, *_ = model._backbone_forward(
+            hidden_states=torch.as_tensor(taps, dtype=torch.float32)[None],
+            input_ids=torch.as_tensor(tokens, dtype=torch.long)[None],
+            loss_mask=loss_mask,
+            verifier_last_hidden_states=torch.zeros(1, t, model.hidden_size),
+            document_ids=torch.zeros(1, t, dtype=torch.long),
+            max_anchors=1,
+        )
+    np.save(out, logits[0].numpy())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,227 @@
+"""The `speculators` drafter format (issue 41): export and import keep every param, a checkpoint
+laid out as the reference writes it decodes as the same weights in z-lab format, what the format
+holds that our decode cannot run is refused in two lines, and (with `speculators` installed in a
+separate venv) the reference module drafts our export's logits.
+
+The reference parity test needs `speculators` 0.9.0, which pins transformers<=5.19 (ours is
+newer), so it runs in its own venv, named by DFLASH_JAX_SPECULATORS_PYTHON (skipped without):
+
+    python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 speculators==0.9.0
+    /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio   # builds for another torch
+    DFLASH_JAX_SPECULATORS_PYTHON=/tmp/specvenv/bin/python python -m pytest tests/test_speculators.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import make_reference_pair
+from absl import flags
+from safetensors.numpy import load_file, save_file
+
+import dflash_jax as dj
+from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.io.drafter_io import DEFAULT_DRAFTER, read_drafter, restore_drafter
+from dflash_jax.io.speculators import read_speculators, write_speculators
+from dflash_jax.io.zlab import read_zlab
+from dflash_jax.models.drafter import Drafter, draft_logits, init_drafter_params
+from dflash_jax.models.target import Transformer
+from infer import convert
+
+REPO = Path(__file__).resolve().parents[1]
+SPECULATORS_PYTHON = os.environ.get("DFLASH_JAX_SPECULATORS_PYTHON")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A random Qwen3 target (6 layers) and a z-lab drafter tapping layers 1 and 3, block 4."""
+    return make_reference_pair(tmp_path_factory.mktemp("pair"), block_size=4)
+
+
+def _as_speculators_writes(zlab_dir: Path, out: Path) -> Path:
+    """The z-lab drafter laid out as `speculators` 0.9.0 saves a DFlash model, written by hand
+    from the format (not by our writer): aux ids one past the z-lab tap ids (the embedding is
+    hidden state 0), the draft layers' config nested, and a verifier tensor older checkpoints
+    carry beside the drafter's."""
+    z = json.loads((zlab_dir / "config.json").read_text())
+    layer = {k: v for k, v in z.items() if k not in ("architectures", "auto_map", "dflash_config",
+                                                     "block_size", "num_target_layers")}  # fmt: skip
+    spec = {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": z["vocab_size"],
+        "block_size": 4,
+        "aux_hidden_state_layer_ids": [2, 4],
+        "mask_token_id": z["dflash_config"]["mask_token_id"],
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy",
+                                                     "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": None, "architectures": []}},
+    }  # fmt: skip
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(spec))
+    tensors = load_file(str(zlab_dir / "model.safetensors"))
+    tensors["verifier_norm.weight"] = np.ones(z["hidden_size"], np.float32)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _assert_same_params(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _convert(*argv):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["convert", *argv])
+    try:
+        convert.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+def test_round_trips_keep_config_and_params(pair, tmp_path):
+    """ours -> speculators -> ours, for a z-lab drafter, a DFlash2 drafter and (through
+    `infer.convert`) the shipped default: the same config and bit-identical params."""
+    _, zlab_dir = pair
+    config, params = read_zlab(zlab_dir)
+    write_speculators(tmp_path / "spec", config, params, dtype="float32", verifier="some/target")
+    hf = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert hf["speculators_model_type"] == "dflash" and hf["aux_hidden_state_layer_ids"] == [2, 4]
+    assert hf["speculators_config"]["verifier"]["name_or_path"] == "some/target"
+    back_config, back = read_speculators(tmp_path / "spec")
+    assert back_config == config
+    _assert_same_params(back, params)
+
+    v2 = dataclasses.replace(config, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                             selector_top_k=4)  # fmt: skip
+    v2_params = jax.tree.map(np.asarray, init_drafter_params(v2, jax.random.key(3)))
+    write_speculators(tmp_path / "spec2", v2, v2_params, dtype="float32")
+    assert json.loads((tmp_path / "spec2" / "config.json").read_text())["selector_rank"] == 8
+    v2_back = read_drafter(tmp_path / "spec2")
+    assert v2_back.config == v2
+    _assert_same_params(v2_back.params, v2_params)
+
+    _convert("--source=default", f"--output={tmp_path / 'default'}", "--format=speculators",
+             "--dtype=bfloat16")  # fmt: skip
+    shipped = restore_drafter(DEFAULT_DRAFTER)
+    again = read_drafter(tmp_path / "default", dtype="bfloat16")
+    assert again.config == shipped.config
+    _assert_same_params(again.params, shipped.params)
+
+
+def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pair, tmp_path):
+    target_dir, zlab_dir = pair
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    target = dj.load_target(str(target_dir), cache=False)
+    zlab, spec = dj.load_drafter(zlab_dir, target), dj.load_drafter(spec_dir, target)
+    # the format has no num_target_layers of its own (ours keep it in the layer config)
+    unknown = dict(num_target_layers=zlab.config.num_target_layers)
+    assert dataclasses.replace(spec.config, **unknown) == zlab.config
+    assert spec.config.target_layer_ids == (1, 3)
+    prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.array([8, 3], jnp.int32)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=4)
+    outs = [
+        dj.speculative_decode(target.params, d.params, prompt, lengths, jax.random.key(0),
+                              target_config=target.config, drafter_config=d.config,
+                              decode_config=cfg)
+        for d in (zlab, spec)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].acceptance_lengths, outs[1].acceptance_lengths)
+
+
+REFUSED = {
+    "draft vocabulary": ({"draft_vocab_size": 256}, "a draft vocabulary of 256 tokens"),
+    "anchor drafts": ({"sample_from_anchor": True}, "sample_from_anchor=true"),
+    "dspark": ({"speculators_model_type": "dspark"}, "a speculators 'dspark' model"),
+    "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
+    "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
+                "sliding-window draft layers"),
+}  # fmt: skip
+
+
+def test_what_our_decode_cannot_run_is_refused_naming_it(pair, tmp_path):
+    _, zlab_dir = pair
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    hf = json.loads((spec_dir / "config.json").read_text())
+    for i, (change, message) in enumerate(REFUSED.values()):
+        variant = tmp_path / f"v{i}"
+        shutil.copytree(spec_dir, variant)
+        layer = hf["transformer_layer_config"] | change.get("transformer_layer_config", {})
+        (variant / "config.json").write_text(
+            json.dumps(hf | change | {"transformer_layer_config": layer})
+        )
+        with pytest.raises(ConfigError, match=message):
+            read_drafter(variant)
+    config = read_zlab(zlab_dir)[0]
+    for bad in ({"causal": True}, {"output_multiplier": 2.0}):
+        with pytest.raises(ConfigError, match="export it with --format=zlab"):
+            write_speculators(tmp_path / "no", dataclasses.replace(config, **bad), {})
+
+    # on the command line: two lines, the problem and the fix, no traceback
+    out = subprocess.run(
+        [sys.executable, "-m", "infer.convert", f"--source={tmp_path / 'v0'}",
+         f"--output={tmp_path / 'out'}", "--format=orbax"],
+        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    err = out.stderr.strip()
+    assert out.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 2, err
+    assert "draft vocabulary of 256 tokens" in err and "use a drafter trained with" in err
+
+
+@pytest.mark.skipif(
+    not SPECULATORS_PYTHON,
+    reason="speculators needs its own venv (it pins transformers<=5.19): set "
+    "DFLASH_JAX_SPECULATORS_PYTHON to its python (see this module's docstring)",
+)
+def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
+    """Our drafter exported with --format=speculators, loaded by `speculators`'
+    `DFlashDraftModel.from_pretrained` (embedding and head from the target as its verifier):
+    teacher-forced draft logits of one block equal ours within fp32 tolerance."""
+    target_dir, zlab_dir = pair
+    target = dj.load_target(str(target_dir), cache=False)
+    drafter = dj.load_drafter(zlab_dir, target)
+    write_speculators(tmp_path / "spec", drafter.config, drafter.params, "float32",
+                      verifier=str(target_dir))  # fmt: skip
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 500, size=16).astype(np.int64)
+    anchor, bs = 9, drafter.config.block_size
+    _, taps_btf, _ = Transformer(target.config).apply(
+        {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
+        jnp.arange(16, dtype=jnp.int32)[None], None, None, drafter.config.target_layer_ids,
+        method="__call__",
+    )  # fmt: skip
+    taps = np.asarray(taps_btf[0], np.float32)
+    ctx_k, ctx_v = Drafter(drafter.config).apply(
+        {"params": drafter.params}, jnp.asarray(taps[None]), jnp.arange(16)[None],
+        method="context_kv",
+    )  # fmt: skip
+    block = jnp.asarray([[tokens[anchor]] + [drafter.config.mask_token_id] * (bs - 1)], jnp.int32)
+    ours = draft_logits(drafter.params, target.params, target.config, drafter.config, block,
+                        ctx_k, ctx_v, jnp.array([anchor]), jnp.array([[anchor]]), bs)[0, 0]  # fmt: skip
+    np.savez(tmp_path / "inputs.npz", taps=taps, tokens=tokens, anchor=anchor)
+    subprocess.run(
+        [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
+         str(tmp_path / "spec"), str(tmp_path / "inputs.npz"), str(tmp_path / "ref.npy")],
+        check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    reference = np.load(tmp_path / "ref.npy")  # [bs, V]: slot 0 (the anchor) drafts nothing
+    np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
