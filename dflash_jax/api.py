@@ -180,7 +180,7 @@ def fastest_dtype(
     if drafter is None:
         return "float32", {}
     from dflash_jax.decoding import floors as floors_lib
-    from dflash_jax.ops.invariance import machine_name
+    from dflash_jax.ops.invariance import machine_name, software_name
     from dflash_jax.ops.quant import QWeight
 
     settings = {
@@ -189,7 +189,7 @@ def fastest_dtype(
     }
     path = cache_root() / "dtype_floors.json"
     key = "|".join(
-        [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), jax.__version__,
+        [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), software_name(),
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
          repr(drafter.config.num_layers), str(block_size),

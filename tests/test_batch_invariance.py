@@ -367,3 +367,24 @@ def test_bf16_tree_decoding_equals_bf16_ar():
         "bfloat16", rows=8, max_new_tokens=128, branching=True,
         modes=[{"tree_nodes": 16}, {"adaptive": True, "tree_nodes": 16}],
     )  # fmt: skip
+
+
+def test_row_rule_cache_is_keyed_by_jaxlib_and_the_plugin(monkeypatch, tmp_path):
+    """A rule kept on disk is reused by the same software and probed again under another
+    jaxlib or backend plugin (`software_name`), which may pick other GEMM kernels (issue 40)."""
+    import jaxlib
+
+    from dflash_jax.ops import invariance
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(invariance, "probe_row_rule", lambda *a: probes.append(a) or RowRule(2, 32))
+    cfg = _config("bfloat16")
+    for _ in range(2):
+        assert machine_row_rule(cfg) == RowRule(2, 32)
+    assert len(probes) == 1  # kept on disk and reused
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.0")
+    machine_row_rule(cfg)
+    assert len(probes) == 2  # another jaxlib: probed again
+    assert "jaxlib 0.0.0" in invariance.software_name()
+    assert jax.devices()[0].client.platform_version in invariance.software_name()

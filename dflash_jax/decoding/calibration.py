@@ -19,7 +19,7 @@ import numpy as np
 from dflash_jax.config import DecodeConfig, cache_root
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.runner import timed_decode
-from dflash_jax.ops.invariance import machine_name
+from dflash_jax.ops.invariance import machine_name, software_name
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
 # enough that all kinds together take seconds.
@@ -52,7 +52,7 @@ def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
         str(cfg.greedy),
         device.platform,
         device.device_kind,
-        jax.__version__,
+        software_name(),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 

@@ -277,10 +277,23 @@ def machine_name() -> str:
     return f"cpu:{model} [{features}]" if features else f"cpu:{model}"
 
 
+def software_name() -> str:
+    """The software that compiles and runs the GEMMs, for the keys of what is measured per
+    machine: jax, jaxlib and the backend's plugin (its platform version: the CUDA or libtpu
+    build the PJRT plugin reports; "cpu" for XLA:CPU, which ships in jaxlib), e.g.
+    "jax 0.10.2 jaxlib 0.10.2 cpu". A new jaxlib or plugin may pick other kernels."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    plugin = getattr(device.client, "platform_version", device.platform)
+    return f"jax {jax.__version__} jaxlib {jaxlib.__version__} {device.platform} {plugin}"
+
+
 def machine_row_rule(config) -> RowRule:
     """`probe_row_rule` for this target's matmul shapes and dtype on this machine, kept in
-    <cache_root>/row_rules.json (keyed by machine, jax version, XLA_FLAGS, dtype and shapes)
-    so that a machine probes each target once."""
+    <cache_root>/row_rules.json (keyed by machine and its GEMM ISA features, `software_name`
+    (jax, jaxlib, plugin), XLA_FLAGS, dtype and shapes) so that a machine probes each target
+    once."""
     import json
     import os
 
@@ -290,7 +303,7 @@ def machine_row_rule(config) -> RowRule:
     parts = [
         f"probe{PROBE_VERSION}",
         machine_name(),
-        jax.__version__,
+        software_name(),
         os.environ.get("XLA_FLAGS", ""),
         config.dtype,
     ]
