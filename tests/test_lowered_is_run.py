@@ -148,3 +148,5 @@ def test_decisions_follow_the_platform_compiled_for(monkeypatch):
     # (TARGET is "cuda" here) a foreign platform's row rule cannot be probed on this machine
     with pytest.raises(ConfigError, match="needs that machine's row rule"):
         programs.run_target_config(tcfg, dataclasses.replace(tpu, batch_invariant=True))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU process lowering cuda
+    assert platform.is_this_process()

@@ -181,11 +181,10 @@ def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
         return dataclasses.replace(tcfg, invariant_rows=None)
     if tcfg.invariant_rows is not None:
         return tcfg
-    compiled_for = ops_platform.current()
-    if compiled_for != jax.default_backend():
+    if not ops_platform.is_this_process():
         raise ConfigError(
-            f"a batch-invariant {tcfg.dtype} decode for {compiled_for} needs that machine's "
-            "row rule, probed there (ops.invariance.machine_row_rule): give it "
+            f"a batch-invariant {tcfg.dtype} decode for {ops_platform.current()} needs that "
+            "machine's row rule, probed there (ops.invariance.machine_row_rule): give it "
             "(infer.lower --invariant_rows=MIN,MAX) or lower the plain decode "
             "(--nobatch_invariant)"
         )

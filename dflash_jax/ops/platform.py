@@ -23,3 +23,10 @@ def current() -> str:
 
 def is_cpu() -> bool:
     return current() == "cpu"
+
+
+def is_this_process() -> bool:
+    """Whether the platform traced for is this process's backend ("cuda" and "rocm" are the
+    "gpu" backend): what this process measures (a row rule) holds for it."""
+    family = lambda name: "gpu" if name in ("cuda", "rocm") else name
+    return family(current()) == family(jax.default_backend())
