@@ -98,12 +98,16 @@ def lowered(pair, *flags: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--tree_nodes=6",)], ids=["default", "tree"])
+@pytest.mark.parametrize(
+    "flags", [(), ("--tree_nodes=6",), ("--dtype=bfloat16",)], ids=["default", "tree", "bf16"]
+)
 def test_infer_lower_prints_the_programs_infer_generate_compiles(pair, flags):
     """Guards "the program lowered is the program run" alone (it compiles a real adaptive
-    decode, ~1 min on 2 cores): every program infer.generate compiled (the speculative halves
-    and, for the adaptive decode's plain steps' calibration, the target alone's) has the
-    fingerprint infer.lower prints for it."""
+    decode, ~1-2 min each on 2 cores): every program infer.generate compiled (the speculative
+    halves and, for the adaptive decode's plain steps' calibration, the target alone's) has the
+    fingerprint infer.lower prints for it; in fp32, with a tree, and in bf16, batch-invariant
+    by dtype (the row rule infer.generate probed, which infer.lower finds in the machine's
+    cache, as a later run would)."""
     run = generated(pair, *flags)
     lower = lowered(pair, *flags)
     assert {"start_speculative", "advance_speculative"} <= set(run), run
