@@ -154,3 +154,25 @@ def test_decisions_follow_the_platform_compiled_for(monkeypatch):
         programs.run_target_config(tcfg, dataclasses.replace(tpu, batch_invariant=True))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU process lowering cuda
     assert platform.is_this_process()
+
+
+def test_train_program_takes_the_training_configs_distillation(tmp_path):
+    """`infer.lower --what=train` lowers the step `train` runs (`trainer.step_settings`): a
+    config with distillation (the target's top-k as soft labels) is another program than the
+    same config without."""
+    import jax
+
+    from dflash_jax import sharding
+    from infer import aot
+
+    namespace: dict = {}
+    config = write_tiny_config(tmp_path)
+    exec(compile(config.read_text(), str(config), "exec"), namespace)
+    cfg = namespace["get_config"]()
+    cfg.batch_size, cfg.seq_len, cfg.num_anchors = 1, 32, 2
+    mesh = sharding.make_mesh(1, 1, 1)
+    texts = []
+    for top_k in (0, 4):
+        cfg.distill_top_k = top_k
+        texts.append(aot.train_program(cfg, mesh, "xla").lower(jax.default_backend()).as_text())
+    assert texts[0] != texts[1]
