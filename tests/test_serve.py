@@ -271,6 +271,21 @@ def test_per_row_cuts_equal_the_sorted_cuts():
         assert (got[r] == want).all(), (r, t, k, p)
 
 
+def test_inverse_cdf_draws_follow_the_distribution():
+    """The server's sampler (`sampling.sample_inverse_cdf`): 60k draws follow the probabilities
+    (total variation under 0.03, a vocabulary that is not a multiple of its chunk), and an id of
+    probability 0 is never drawn (Gumbel-max: TV 0.016 on the same keys; ids shifted by one: 0.87)."""
+    logits = np.random.default_rng(1).normal(size=300) * 2
+    logits[::7] = -np.inf
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
+    n = 60000
+    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+    draws = jax.jit(sampling.sample_inverse_cdf)(keys, jnp.broadcast_to(logp, (n, 300)))
+    freq = np.bincount(np.asarray(draws), minlength=300) / n
+    assert freq[::7].sum() == 0
+    assert 0.5 * np.abs(freq - np.exp(np.asarray(logp))).sum() < 0.03
+
+
 def _greedy_reference(target, prompt: str, max_tokens: int) -> str:
     """The target's own greedy decode of the raw prompt, alone (batch 1), as text: the first
     max_tokens of one MAX_NEW-token decode (one program for every request)."""

@@ -23,7 +23,7 @@ from dflash_jax.decoding.sampling import (
     sample,
 )
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
-from dflash_jax.models.drafter import Drafter, embed_block, finish_logits
+from dflash_jax.models.drafter import Drafter, draft_vocab_argmax, drafter_logits, embed_block
 from dflash_jax.models.target import Head, Transformer, init_cache
 from dflash_jax.ops.attention import KEY_TILE
 from dflash_jax.ops.caches import write_rows
@@ -124,8 +124,9 @@ def draft_hidden(
 
 
 def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=None, anchor_b1=None):
-    """The target's frozen head on the draft slots, then argmax or a sample per slot; a DFlash2
-    drafter (its params and the anchors [B,1] needed) walks its candidates (`selector.py`).
+    """The target's frozen head on the draft slots (a draft vocabulary's drafter: its own, its
+    params needed), then argmax or a sample per slot; a DFlash2 drafter (its params and the
+    anchors [B,1] needed) walks its candidates (`selector.py`).
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
     if dcfg.is_dflash2:
         selector_params = drafter_params["candidate_selector"]
@@ -133,17 +134,20 @@ def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=No
             head, tcfg, dcfg, cfg, selector_params, hidden_bgd, anchor_b1[:, 0], key
         )
     hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
-    logits = lambda: finish_logits(dcfg, head.logits(hidden_bgd))
+    logits = lambda: drafter_logits(head, tcfg, dcfg, drafter_params, hidden_bgd)
+    greedy = lambda: _greedy_drafts(head, dcfg, drafter_params, hidden_bgd, logits)
     if isinstance(cfg, RowSettings):  # greedy rows' drafts as greedy; logp read only if sampled
         no_logp_bgv = jnp.zeros((*hidden_bgd.shape[:2], tcfg.vocab_size), jnp.float32)
-        greedy = (_greedy_drafts(head, dcfg, hidden_bgd, logits), no_logp_bgv)
-        return cfg.where_sampled(lambda: _sampled_drafts(logits(), key, cfg), greedy)
+        sampled = lambda: _sampled_drafts(logits(), key, cfg)
+        return cfg.where_sampled(sampled, (greedy(), no_logp_bgv))
     if cfg.greedy:
-        return _greedy_drafts(head, dcfg, hidden_bgd, logits), None
+        return greedy(), None
     return _sampled_drafts(logits(), key, cfg)
 
 
-def _greedy_drafts(head: Head, dcfg, hidden_bgd, logits) -> jax.Array:
+def _greedy_drafts(head: Head, dcfg, drafter_params, hidden_bgd, logits) -> jax.Array:
+    if dcfg.draft_vocab_size:
+        return draft_vocab_argmax(dcfg, drafter_params, hidden_bgd)
     if dcfg.final_logit_softcapping:
         return argmax_last(logits())
     return head.argmax(hidden_bgd)  # a positive multiplier keeps the argmax
@@ -151,7 +155,7 @@ def _greedy_drafts(head: Head, dcfg, hidden_bgd, logits) -> jax.Array:
 
 def _sampled_drafts(logits_bgv, key, cfg):
     draft_logp_bgv = process_logits(logits_bgv, cfg)
-    return sample(row_keys(key, logits_bgv.shape[0]), draft_logp_bgv), draft_logp_bgv
+    return sample(row_keys(key, logits_bgv.shape[0]), draft_logp_bgv, cfg), draft_logp_bgv
 
 
 def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_write=False):
