@@ -448,7 +448,12 @@ class DrafterConfig:
     DFlash2 (`DFlash2DraftModel`) when the four `dflash_config` fields below are set (all or
     none): a grouped dynamic causal convolution (`conv_kernel_size` taps, dynamic kernels shared
     by `conv_group_size` channels) around each layer's attention and MLP, and a candidate
-    selector over each slot's `selector_top_k` candidates with rank-`selector_rank` codebooks."""
+    selector over each slot's `selector_top_k` candidates with rank-`selector_rank` codebooks.
+
+    `draft_vocab_size` > 0: the drafter drafts over a vocabulary of its own, a subset of the
+    target's (`speculators`' d2t/t2d maps): its params gain `lm_head` (kernel [D, draft vocab])
+    and `draft_to_target` (int32 [draft vocab], each draft id's target id, ascending); 0: it
+    drafts through the target's lm_head over the target's vocabulary."""
 
     hidden_size: int
     intermediate_size: int
@@ -475,6 +480,7 @@ class DrafterConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    draft_vocab_size: int = 0
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
 
@@ -502,6 +508,16 @@ class DrafterConfig:
         if self.block_size < 2:
             raise ConfigError(f"drafter block_size={self.block_size} must be at least 2")
         self._check_dflash2()
+        if self.draft_vocab_size and not 0 < self.draft_vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"drafter draft_vocab_size={self.draft_vocab_size} must lie in (0, "
+                f"vocab_size={self.vocab_size}); 0 drafts over the target's vocabulary"
+            )
+        if self.draft_vocab_size and self.is_dflash2:
+            raise ConfigError(
+                "a DFlash2 drafter drafts over the target's vocabulary (its selector's "
+                "codebooks cover it); set draft_vocab_size=0"
+            )
 
     def _check_dflash2(self) -> None:
         sizes = {name: getattr(self, name) for name in DFLASH2_FIELDS}
@@ -597,6 +613,7 @@ class DrafterConfig:
             output_multiplier=lookup("output_multiplier"),
             final_logit_softcapping=lookup("final_logit_softcapping"),
             **v2,
+            draft_vocab_size=int(lookup("draft_vocab_size", 0) or 0),
             dtype=dtype,
         )
 
@@ -609,6 +626,8 @@ class DrafterConfig:
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
             if getattr(self, name) is not None:
                 dflash_config[name] = getattr(self, name)
+        if self.draft_vocab_size:  # ours (Orbax) only: write_zlab refuses it
+            dflash_config["draft_vocab_size"] = self.draft_vocab_size
         arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
         if self.is_dflash2:
             dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}

@@ -63,6 +63,8 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/kernel_projection/kernel$", ("embed", None)),
     (r"(^|/)(predecessor|successor)_codebook/embedding$", ("vocab", None)),
     (r"(^|/)hidden_projection/kernel$", ("embed", None)),
+    # A draft vocabulary's target ids (int32 [draft vocab]): every device maps every draft id.
+    (r"^draft_to_target$", (None,)),
     (r"(^|/)[a-z_]*norm/scale$", ("norm",)),
 )
 

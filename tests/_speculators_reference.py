@@ -1,11 +1,12 @@
 """Run by `tests/test_speculators.py` under the python of a venv with `speculators` 0.9.0 (never
-imported by the suite): one block drafted teacher-forced by the reference `DFlashDraftModel`.
+imported by the suite): one block drafted teacher-forced by the reference `DFlashDraftModel`, for each export.
 
-    python tests/_speculators_reference.py EXPORT_DIR INPUTS.npz OUT.npy
+    python tests/_speculators_reference.py INPUTS.npz OUT_PREFIX EXPORT_DIR...
 
 INPUTS.npz: taps [T, F] (the target's taps, in the drafter's aux order), tokens [T], anchor.
-OUT.npy: the reference's draft logits [block_size, V] of the block at `anchor` (its token, then
-mask tokens), which sees the context rows before the anchor; slot 0 is the anchor's own.
+OUT_PREFIX{i}.npy: export i's draft logits [block_size, V or draft vocab] of the block at
+`anchor` (its token, then mask tokens), which sees the context rows before the anchor; slot 0
+is the anchor's own.
 """
 
 import sys
@@ -16,7 +17,12 @@ from speculators import SpeculatorModelConfig
 from speculators.models.dflash import DFlashDraftModel
 
 
-def main(export_dir: str, inputs: str, out: str) -> None:
+def main(inputs: str, out_prefix: str, *export_dirs: str) -> None:
+    for i, export_dir in enumerate(export_dirs):
+        np.save(f"{out_prefix}{i}.npy", draft_logits(export_dir, inputs))
+
+
+def draft_logits(export_dir: str, inputs: str) -> np.ndarray:
     data = np.load(inputs)
     taps, tokens, anchor = data["taps"], data["tokens"], int(data["anchor"])
     config = SpeculatorModelConfig.from_pretrained(export_dir)
@@ -34,7 +40,7 @@ def main(export_dir: str, inputs: str, out: str) -> None:
             document_ids=torch.zeros(1, t, dtype=torch.long),
             max_anchors=1,
         )
-    np.save(out, logits[0].numpy())
+    return logits[0].numpy()
 
 
 if __name__ == "__main__":

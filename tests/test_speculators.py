@@ -1,7 +1,8 @@
 """The `speculators` drafter format (issue 41): export and import keep every param, a checkpoint
-laid out as the reference writes it decodes as the same weights in z-lab format, what the format
-holds that our decode cannot run is refused in two lines, and (with `speculators` installed in a
-separate venv) the reference module drafts our export's logits.
+laid out as the reference writes it decodes as the same weights in z-lab format, a draft
+vocabulary (d2t/t2d) drafts its own ids as target ids, what the format holds that our decode
+cannot run is refused in two lines, and (with `speculators` installed in a separate venv) the
+reference module drafts our export's logits.
 
 The reference parity test needs `speculators` 0.9.0, which pins transformers<=5.19 (ours is
 newer), so it runs in its own venv, named by DFLASH_JAX_SPECULATORS_PYTHON (skipped without):
@@ -31,11 +32,13 @@ from safetensors.numpy import load_file, save_file
 
 import dflash_jax as dj
 from dflash_jax.config import ConfigError, DecodeConfig
-from dflash_jax.io.drafter_io import DEFAULT_DRAFTER, read_drafter, restore_drafter
+from dflash_jax.decoding.phases import draft_tokens
+from dflash_jax.io import CheckpointError
+from dflash_jax.io.drafter_io import DEFAULT_DRAFTER, read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.speculators import read_speculators, write_speculators
-from dflash_jax.io.zlab import read_zlab
-from dflash_jax.models.drafter import Drafter, draft_logits, init_drafter_params
-from dflash_jax.models.target import Transformer
+from dflash_jax.io.zlab import read_zlab, write_zlab
+from dflash_jax.models.drafter import Drafter, draft_logits, drafter_logits, init_drafter_params
+from dflash_jax.models.target import Transformer, decoding_head
 from infer import convert
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,21 +137,22 @@ def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pai
     unknown = dict(num_target_layers=zlab.config.num_target_layers)
     assert dataclasses.replace(spec.config, **unknown) == zlab.config
     assert spec.config.target_layer_ids == (1, 3)
-    prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
-    lengths = jnp.array([8, 3], jnp.int32)
-    cfg = DecodeConfig(max_new_tokens=24, block_size=4)
-    outs = [
-        dj.speculative_decode(target.params, d.params, prompt, lengths, jax.random.key(0),
-                              target_config=target.config, drafter_config=d.config,
-                              decode_config=cfg)
-        for d in (zlab, spec)
-    ]  # fmt: skip
+    outs = [_decode(target, d) for d in (zlab, spec)]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].acceptance_lengths, outs[1].acceptance_lengths)
 
 
+def _decode(target, drafter):
+    """A greedy speculative decode of two prompts (one compile per drafter config)."""
+    prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
+    return dj.speculative_decode(
+        target.params, drafter.params, prompt, jnp.array([8, 3], jnp.int32), jax.random.key(0),
+        target_config=target.config, drafter_config=drafter.config,
+        decode_config=DecodeConfig(max_new_tokens=24, block_size=4),
+    )  # fmt: skip
+
+
 REFUSED = {
-    "draft vocabulary": ({"draft_vocab_size": 256}, "a draft vocabulary of 256 tokens"),
     "anchor drafts": ({"sample_from_anchor": True}, "sample_from_anchor=true"),
     "dspark": ({"speculators_model_type": "dspark"}, "a speculators 'dspark' model"),
     "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
@@ -184,7 +188,98 @@ def test_what_our_decode_cannot_run_is_refused_naming_it(pair, tmp_path):
     )  # fmt: skip
     err = out.stderr.strip()
     assert out.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 2, err
-    assert "draft vocabulary of 256 tokens" in err and "use a drafter trained with" in err
+    assert "sample_from_anchor=true" in err and "use a drafter trained with" in err
+
+
+def _with_draft_vocab(spec_dir: Path, target_dir: Path, ids: np.ndarray, out: Path) -> Path:
+    """`spec_dir` with a draft vocabulary of the target ids `ids` (ascending), as `speculators`
+    builds one: its lm_head the target's head rows at those ids, d2t offsets, t2d a mask."""
+    shutil.copytree(spec_dir, out)
+    hf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(hf | {"draft_vocab_size": len(ids)}))
+    tensors = load_file(str(out / "model.safetensors"))
+    target_head = load_file(str(target_dir / "model.safetensors"))["lm_head.weight"]
+    t2d = np.zeros(hf["transformer_layer_config"]["vocab_size"], np.bool_)
+    t2d[ids] = True
+    tensors |= {"lm_head.weight": target_head[ids], "d2t": ids - np.arange(len(ids)), "t2d": t2d}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_a_draft_vocabulary_drafts_over_its_ids_mapped_to_the_targets(pair, tmp_path):
+    """A speculators drafter with a 64-id draft vocabulary (d2t/t2d): teacher-forced logits are
+    the full-vocabulary drafter's at those ids and -inf elsewhere; greedy drafts and samples
+    come out as target ids of the vocabulary, the sampled proposal's log-probs are the draft
+    vocabulary's; greedy decoding equals AR; the maps survive speculators and Orbax round
+    trips, and maps that disagree are refused."""
+    target_dir, zlab_dir = pair
+    ids = np.sort(np.random.default_rng(1).choice(512, size=64, replace=False)).astype(np.int64)
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    vocab_dir = _with_draft_vocab(spec_dir, target_dir, ids, tmp_path / "vocab")
+    target = dj.load_target(str(target_dir), cache=False)
+    full, small = dj.load_drafter(zlab_dir, target), dj.load_drafter(vocab_dir, target)
+    assert small.config.draft_vocab_size == 64
+    np.testing.assert_array_equal(small.params["draft_to_target"], ids)
+
+    # teacher-forced: one block over 9 context rows (each step jitted: eager costs seconds)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 500, size=(1, 9)), jnp.int32)
+    tcfg, positions = target.config, jnp.arange(9)[None]
+    taps_fn = lambda tp: Transformer(tcfg).apply(
+        {"params": tp}, tokens, positions, None, None, (1, 3)
+    )
+    taps = jax.jit(taps_fn)(target.params)[1]
+    block = jnp.asarray([[7, 511, 511, 511]], jnp.int32)
+
+    def logits(d):
+        def fn(dp, tp):
+            ctx_k, ctx_v = Drafter(d.config).apply(
+                {"params": dp}, taps, positions, method="context_kv"
+            )
+            nine = jnp.array([9])
+            return draft_logits(dp, tp, tcfg, d.config, block, ctx_k, ctx_v, nine, nine[None], 4)
+
+        return np.asarray(jax.jit(fn)(d.params, target.params))
+
+    want, got = logits(full), logits(small)
+    outside = np.setdiff1d(np.arange(512), ids)
+    np.testing.assert_allclose(got[..., ids], want[..., ids], rtol=1e-5, atol=1e-5)
+    assert np.all(got[..., outside] == -np.inf)
+
+    def drafted(cfg, hidden, dp, tp):  # greedy or sampled drafts, and the full-vocab logits
+        head = decoding_head(tp, tcfg)
+        drafts, logp = draft_tokens(head, tcfg, small.config, cfg, hidden, jax.random.key(1), dp)
+        return drafts, logp, drafter_logits(head, tcfg, small.config, dp, hidden)
+
+    hidden = jax.random.normal(jax.random.key(0), (2, 3, 64))
+    run = lambda cfg: jax.jit(drafted, static_argnums=0)(cfg, hidden, small.params, target.params)
+    greedy, _, full_logits = run(DecodeConfig(block_size=4))
+    np.testing.assert_array_equal(greedy, np.argmax(full_logits, -1))
+    assert np.isin(np.asarray(greedy), ids).all()
+    drafts, logp, _ = run(DecodeConfig(block_size=4, temperature=1.0))
+    assert np.isin(np.asarray(drafts), ids).all()
+    assert np.all(np.asarray(logp)[..., outside] == -np.inf)
+    draft_logp = jax.nn.log_softmax(full_logits[..., ids], -1)
+    np.testing.assert_allclose(np.asarray(logp)[..., ids], draft_logp, rtol=1e-5, atol=1e-6)
+
+    # greedy: the target's tokens, as the full-vocabulary drafter's decode gives them
+    np.testing.assert_array_equal(_decode(target, small).tokens, _decode(target, full).tokens)
+
+    write_speculators(tmp_path / "again", small.config, small.params, dtype="float32")
+    written, original = (
+        load_file(str(d / "model.safetensors")) for d in (tmp_path / "again", vocab_dir)
+    )
+    for key in ("lm_head.weight", "d2t", "t2d"):
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+    save_drafter(tmp_path / "orbax", small.config, small.params)
+    restored = restore_drafter(tmp_path / "orbax")
+    assert restored.config == small.config and restored.params["draft_to_target"].dtype == np.int32
+    _assert_same_params(restored.params, small.params)
+    with pytest.raises(ConfigError, match="export it with --format=speculators"):
+        write_zlab(tmp_path / "zlab", small.config, small.params)
+    original["d2t"] = original["d2t"][::-1].copy()
+    save_file(original, str(vocab_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="d2t and t2d disagree"):
+        read_drafter(vocab_dir)
 
 
 @pytest.mark.skipif(
@@ -193,35 +288,41 @@ def test_what_our_decode_cannot_run_is_refused_naming_it(pair, tmp_path):
     "DFLASH_JAX_SPECULATORS_PYTHON to its python (see this module's docstring)",
 )
 def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
-    """Our drafter exported with --format=speculators, loaded by `speculators`'
-    `DFlashDraftModel.from_pretrained` (embedding and head from the target as its verifier):
-    teacher-forced draft logits of one block equal ours within fp32 tolerance."""
+    """Our drafter exported with --format=speculators, with the target's vocabulary and with a
+    64-id draft vocabulary (d2t/t2d), loaded by `speculators`' `DFlashDraftModel.from_pretrained`
+    (embedding and full head from the target as its verifier): teacher-forced draft logits of
+    one block equal ours within fp32 tolerance (ours at the draft ids for the second)."""
     target_dir, zlab_dir = pair
     target = dj.load_target(str(target_dir), cache=False)
     drafter = dj.load_drafter(zlab_dir, target)
-    write_speculators(tmp_path / "spec", drafter.config, drafter.params, "float32",
-                      verifier=str(target_dir))  # fmt: skip
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 500, size=16).astype(np.int64)
+    ids = np.sort(np.random.default_rng(1).choice(512, size=64, replace=False)).astype(np.int32)
+    small = dataclasses.replace(drafter.config, draft_vocab_size=64)
+    small_params = {**drafter.params, "draft_to_target": jnp.asarray(ids),
+                    "lm_head": {"kernel": target.params["lm_head"]["kernel"][:, ids]}}  # fmt: skip
+    exports = {"full": (drafter.config, drafter.params), "small": (small, small_params)}
+    for name, (config, params) in exports.items():
+        write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
+    tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
     anchor, bs = 9, drafter.config.block_size
     _, taps_btf, _ = Transformer(target.config).apply(
         {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
         jnp.arange(16, dtype=jnp.int32)[None], None, None, drafter.config.target_layer_ids,
-        method="__call__",
     )  # fmt: skip
     taps = np.asarray(taps_btf[0], np.float32)
-    ctx_k, ctx_v = Drafter(drafter.config).apply(
-        {"params": drafter.params}, jnp.asarray(taps[None]), jnp.arange(16)[None],
-        method="context_kv",
-    )  # fmt: skip
     block = jnp.asarray([[tokens[anchor]] + [drafter.config.mask_token_id] * (bs - 1)], jnp.int32)
-    ours = draft_logits(drafter.params, target.params, target.config, drafter.config, block,
-                        ctx_k, ctx_v, jnp.array([anchor]), jnp.array([[anchor]]), bs)[0, 0]  # fmt: skip
     np.savez(tmp_path / "inputs.npz", taps=taps, tokens=tokens, anchor=anchor)
     subprocess.run(
         [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
-         str(tmp_path / "spec"), str(tmp_path / "inputs.npz"), str(tmp_path / "ref.npy")],
+         str(tmp_path / "inputs.npz"), str(tmp_path / "ref"), *(str(tmp_path / n) for n in exports)],
         check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
-    reference = np.load(tmp_path / "ref.npy")  # [bs, V]: slot 0 (the anchor) drafts nothing
-    np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
+    for i, (config, params) in enumerate(exports.values()):
+        ctx_k, ctx_v = Drafter(config).apply(
+            {"params": params}, jnp.asarray(taps[None]), jnp.arange(16)[None], method="context_kv"
+        )
+        ours = draft_logits(params, target.params, target.config, config, block, ctx_k, ctx_v,
+                            jnp.array([anchor]), jnp.array([[anchor]]), bs)[0, 0]  # fmt: skip
+        if config.draft_vocab_size:
+            ours = ours[..., ids]
+        reference = np.load(f"{tmp_path / 'ref'}{i}.npy")  # [bs, V or 64]: slot 0 is the anchor's
+        np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)

@@ -151,7 +151,7 @@ def phase_fns(
         h, sink = c
         if dcfg.is_dflash2:  # the head and the candidates; the walk is `drafter_select`
             return tie(h, selector.candidates(head, tcfg, dcfg, h)), sink
-        d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key)
+        d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key, dp)
         return tie(h, d), sink
 
     def drafter_select(c, tp, dp, head):
@@ -209,7 +209,9 @@ def _tree_phase_fns(state, hidden_bgd, head, start_b, key, tcfg, dcfg, cfg, weig
     from the drafter's hidden states `hidden_bgd` of the chain's phases."""
     b = hidden_bgd.shape[0]
     anchor_b = jnp.ones((b,), jnp.int32)
-    t = jax.jit(lambda h, x: tree.build(h, tcfg, dcfg, cfg, x, anchor_b))(head, hidden_bgd)
+    t = jax.jit(lambda h, dp, x: tree.build(h, tcfg, dcfg, cfg, dp, x, anchor_b))(
+        head, weights[1], hidden_bgd
+    )
     tp = weights[0]
     vh, taps, kv_rows, anc = jax.jit(lambda tp, c: tree.verify(tp, tcfg, dcfg, t, start_b, c))(
         tp, state.cache
@@ -217,7 +219,7 @@ def _tree_phase_fns(state, hidden_bgd, head, start_b, key, tcfg, dcfg, cfg, weig
 
     def tree_build(c, tp, dp, head):
         h, sink = c
-        return tie(h, tree.build(head, tcfg, dcfg, cfg, h, anchor_b)), sink
+        return tie(h, tree.build(head, tcfg, dcfg, cfg, dp, h, anchor_b)), sink
 
     def tree_verify(c, tp, dp, head):
         cache, tokens_bn, sink = c

@@ -233,7 +233,7 @@ def floors_by_dtype(
     (`api.fastest_dtype`)."""
     out = {}
     for dtype in dtypes:
-        cast = lambda tree, dt=dtype: jax.tree.map(lambda w: w.astype(dt), tree)
+        cast = lambda tree, dt=dtype: jax.tree.map(lambda w: _float_to(w, dt), tree)
         tp, dp = cast(target_params), cast(drafter_params)
         for batch_invariant in invariance:
             cfg = run_config(tcfg, dtype, batch_invariant)
@@ -267,3 +267,8 @@ def bracket_floors(before: dict, after: dict) -> dict:
     }
     out["break_even_tau"] = out["gemm_floor_step_s"] / out["gemm_floor_ar_s"]
     return out
+
+
+def _float_to(w, dtype):
+    """A weight cast to `dtype`; integer leaves (a draft vocabulary's target ids) kept."""
+    return w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w

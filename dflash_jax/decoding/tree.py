@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from dflash_jax.decoding.phases import context_rows, draft_hidden
 from dflash_jax.decoding.sampling import process_logits, row_keys, sample
 from dflash_jax.decoding.state import step_key
-from dflash_jax.models.drafter import finish_logits
+from dflash_jax.models.drafter import drafter_logits
 from dflash_jax.models.target import Transformer
 from dflash_jax.ops.attention import tree_attention_mask
 
@@ -161,11 +161,13 @@ def path_nodes(anc_bnn: jax.Array, depth_bn: jax.Array, best_b: jax.Array, width
     return jnp.argmax(at_depth_bwn, axis=-1).astype(jnp.int32)
 
 
-def build(head, tcfg, dcfg, cfg, hidden_bgd: jax.Array, anchor_b: jax.Array) -> Tree:
+def build(
+    head, tcfg, dcfg, cfg, drafter_params, hidden_bgd: jax.Array, anchor_b: jax.Array
+) -> Tree:
     """Tree build: the drafter's hidden states at its G drafted positions [B,G,D] -> their
-    distributions (the head; log-softmax when greedy, else the sampling transform) -> the
-    `cfg.tree_nodes`-token tree rooted at `anchor` [B] (`grow_tree`)."""
-    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
+    distributions (the head, `drafter_logits`; log-softmax when greedy, else the sampling
+    transform) -> the `cfg.tree_nodes`-token tree rooted at `anchor` [B] (`grow_tree`)."""
+    logits_bgv = drafter_logits(head, tcfg, dcfg, drafter_params, hidden_bgd)
     draft_logp_bgv = (
         jax.nn.log_softmax(logits_bgv, -1) if cfg.greedy else process_logits(logits_bgv, cfg)
     )
@@ -241,7 +243,7 @@ def propose(s, ctx, width: int) -> dict:
         start_b,
         cfg.block_size,
     )
-    t = build(head, tcfg, dcfg, cfg, hidden_bgd, anchor_b1[:, 0])
+    t = build(head, tcfg, dcfg, cfg, ctx.drafter_params, hidden_bgd, anchor_b1[:, 0])
     hidden_bnd, taps_bnf, kv_rows, anc_bnn = verify(
         ctx.target_params, tcfg, dcfg, t, start_b, s.cache
     )

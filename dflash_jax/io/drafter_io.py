@@ -103,8 +103,9 @@ def restore_drafter(
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read the drafter config {config_path}: {e}") from e
     config = DrafterConfig.from_zlab(hf, dtype=dtype or hf.get("torch_dtype", "float32"))
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.dtype)),
+    floats = lambda x: jnp.dtype(config.dtype) if jnp.issubdtype(x, jnp.floating) else x
+    shapes = jax.tree.map(  # the weights in `dtype`; a draft vocabulary's ids stay int32
+        lambda x: jax.ShapeDtypeStruct(x.shape, floats(x.dtype)),
         jax.eval_shape(functools.partial(init_drafter_params, config), jax.random.key(0)),
     )
     if mesh is None:

@@ -18,11 +18,15 @@ What differs from z-lab, and how it maps:
     unless `sliding_window_non_causal`. Ours: `causal` None (sliding layers causal) or False.
   * The embedding and lm_head are the verifier's (not stored, or stored and ignored, as the
     reference does on load); `verifier_norm` serves training only.
+  * A draft vocabulary (`draft_vocab_size` < the target's): our params `lm_head` (kernel
+    [D, draft vocab], the stored head transposed) and `draft_to_target` (int32 target ids,
+    d2t + arange, which t2d must mark); decoding drafts over it and maps the drafts to target
+    ids (`models.drafter.drafter_logits`).
 
-Refused, each with what to do: a draft vocabulary (d2t/t2d: our decoding drafts over the
-target's vocabulary), `sample_from_anchor` (the anchor slot drafting too: DSpark's way, not our
-DFlash decode), sliding-window layers (the reference windows from the block's anchor, ours from
-each query), and DSpark or any other model type.
+Refused, each with what to do: `sample_from_anchor` (the anchor slot drafting too: DSpark's way,
+not our DFlash decode), sliding-window layers (the reference windows from the block's anchor,
+ours from each query), a DFlash2 drafter with a draft vocabulary (the reference refuses it too),
+and DSpark or any other model type.
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ import json
 import os
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from dflash_jax.config import DFLASH2_FIELDS, ConfigError, DrafterConfig
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.zlab import (
     CONFIG_FILE,
+    np_dtype,
     params_from_tensors,
     read_tensors,
     tensors_from_params,
@@ -80,13 +88,6 @@ def zlab_config(spec: dict, where: str) -> dict:
         raise ConfigError(f"{where}: no transformer_layer_config dict; {_FIX}")
     vocab = layer.get("vocab_size")
     draft_vocab = spec.get("draft_vocab_size", 32000)  # the reference's default
-    if draft_vocab != vocab:
-        raise ConfigError(
-            f"{where}: a draft vocabulary of {draft_vocab} tokens mapped by d2t/t2d onto the "
-            f"target's {vocab}, which our decoding does not support yet (it drafts over the "
-            "target's vocabulary); use a drafter trained with the full vocabulary "
-            "(draft_vocab_size equal to transformer_layer_config.vocab_size)"
-        )
     if spec.get("sample_from_anchor", False):
         raise ConfigError(
             f"{where}: sample_from_anchor=true (the anchor slot drafts too), which our DFlash "
@@ -116,6 +117,8 @@ def zlab_config(spec: dict, where: str) -> dict:
         "target_layer_ids": [int(a) - 1 for a in aux],
         "block_size": int(spec.get("block_size", 8)),
     }
+    if draft_vocab != vocab:
+        dflash["draft_vocab_size"] = int(draft_vocab)
     if kind == "dflash2":
         defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
                     "selector_top_k": 16}  # fmt: skip
@@ -164,7 +167,7 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
         "speculators_model_type": kind,
         "speculators_version": VERSION,
         "transformer_layer_config": layer,
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         "block_size": config.block_size,
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
@@ -196,7 +199,51 @@ def read_speculators(directory: str | Path, dtype: str = "float32") -> tuple[Dra
     config = DrafterConfig.from_zlab(zlab_config(spec, str(directory / CONFIG_FILE)), dtype=dtype)
     tensors = read_tensors(directory)
     ours = {k: v for k, v in tensors.items() if k not in VERIFIER_TENSORS | VOCAB_MAPS}
-    return config, params_from_tensors(directory, config, ours, dtype)
+    params = params_from_tensors(directory, config, ours, dtype)
+    if config.draft_vocab_size:
+        params |= _draft_vocab_params(directory, config, tensors, dtype)
+    return config, params
+
+
+def _draft_vocab_params(directory: Path, config: DrafterConfig, tensors: dict, dtype: str):
+    """A draft vocabulary's head and map from `lm_head.weight` [U, D], `d2t` [U] (offsets:
+    target id = draft id + d2t) and `t2d` [V] (the target ids drafted), which must agree.
+    -> {"lm_head": {"kernel": [D, U]}, "draft_to_target": int32 [U]}."""
+    u, d, v = config.draft_vocab_size, config.hidden_size, config.vocab_size
+    expected = {"lm_head.weight": (u, d), "d2t": (u,), "t2d": (v,)}
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise CheckpointError(
+                f"{directory}: a draft vocabulary of {u} ids without its {key!r} tensor; "
+                "export the drafter again with its vocabulary maps"
+            )
+        if tuple(tensors[key].shape) != shape:
+            raise CheckpointError(
+                f"{directory}: tensor {key!r} has shape {list(tensors[key].shape)}; expected "
+                f"{list(shape)} from config.json"
+            )
+    ids = np.arange(u, dtype=np.int64) + tensors["d2t"].astype(np.int64)
+    drafted = np.flatnonzero(tensors["t2d"])
+    if not np.array_equal(ids, drafted):
+        raise CheckpointError(
+            f"{directory}: d2t and t2d disagree (d2t maps the draft ids onto other target ids "
+            "than t2d marks, or not in ascending order); export the drafter again"
+        )
+    kernel = np.ascontiguousarray(tensors["lm_head.weight"].T).astype(np_dtype(dtype))
+    return {"lm_head": {"kernel": kernel}, "draft_to_target": ids.astype(np.int32)}
+
+
+def _vocab_tensors(config: DrafterConfig, params: dict, dtype: str) -> dict[str, np.ndarray]:
+    """`_draft_vocab_params`' inverse: lm_head.weight, d2t (int64 offsets), t2d (bool)."""
+    ids = np.asarray(jax.device_get(params["draft_to_target"]), np.int64)
+    kernel = np.asarray(jax.device_get(params["lm_head"]["kernel"]), np.float32)
+    t2d = np.zeros(config.vocab_size, np.bool_)
+    t2d[ids] = True
+    return {
+        "lm_head.weight": np.ascontiguousarray(kernel.T).astype(np_dtype(dtype)),
+        "d2t": ids - np.arange(len(ids), dtype=np.int64),
+        "t2d": t2d,
+    }
 
 
 def write_speculators(
@@ -209,4 +256,7 @@ def write_speculators(
     """Writes `config.json` + `model.safetensors` that `speculators`' `from_pretrained` loads
     (its embedding and lm_head then come from `verifier`); `directory` may be a URL."""
     spec = speculators_config(dataclasses.replace(config, dtype=dtype), verifier)
-    write_checkpoint(directory, spec, tensors_from_params(config, params, dtype))
+    tensors = tensors_from_params(config, params, dtype)
+    if config.draft_vocab_size:
+        tensors |= _vocab_tensors(config, params, dtype)
+    write_checkpoint(directory, spec, tensors)

@@ -35,7 +35,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _np_dtype(dtype: str) -> np.dtype:
+def np_dtype(dtype: str) -> np.dtype:
     if dtype == "bfloat16":
         return np.dtype(ml_dtypes.bfloat16)
     if dtype == "float32":
@@ -189,7 +189,7 @@ def params_from_tensors(
             f"{' ...' if len(missing) > 8 else ''}; config.json expects "
             f"{config.num_layers} layers"
         )
-    np_dtype = _np_dtype(dtype)
+    cast_to = np_dtype(dtype)
     params: dict = {}
     for key, (path, shape, kind) in table.items():
         w = tensors[key]
@@ -198,13 +198,13 @@ def params_from_tensors(
                 f"{directory}: tensor {key!r} has shape {list(w.shape)}; expected {list(shape)} "
                 f"from config.json"
             )
-        _set(params, path, np.ascontiguousarray(_to_ours(w, kind, config)).astype(np_dtype))
+        _set(params, path, np.ascontiguousarray(_to_ours(w, kind, config)).astype(cast_to))
     return params
 
 
 def tensors_from_params(config: DrafterConfig, params: dict, dtype: str) -> dict[str, np.ndarray]:
     """The z-lab tensors (torch layout, `dtype`) of a drafter's params; `read_zlab`'s inverse."""
-    np_dtype = _np_dtype(dtype)
+    cast_to = np_dtype(dtype)
     tensors = {}
     for key, (path, shape, kind) in _table(config).items():
         try:
@@ -222,7 +222,7 @@ def tensors_from_params(config: DrafterConfig, params: dict, dtype: str) -> dict
                 f"drafter param {'/'.join(path)} gives {key} of shape {list(hf.shape)}; "
                 f"expected {list(shape)}"
             )
-        tensors[key] = np.ascontiguousarray(hf).astype(np_dtype)
+        tensors[key] = np.ascontiguousarray(hf).astype(cast_to)
     return tensors
 
 
@@ -240,5 +240,10 @@ def write_zlab(
 ) -> None:
     """Writes `config.json` + `model.safetensors` that `dflash.DFlashDraftModel.from_pretrained`
     (and vLLM/SGLang) load; `directory` may be a URL."""
+    if config.draft_vocab_size:
+        raise ConfigError(
+            f"this drafter drafts over a vocabulary of its own ({config.draft_vocab_size} "
+            "ids), which the z-lab format cannot hold; export it with --format=speculators"
+        )
     tensors = tensors_from_params(config, params, dtype)
     write_checkpoint(directory, dataclasses.replace(config, dtype=dtype).to_zlab(), tensors)

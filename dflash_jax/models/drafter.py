@@ -23,13 +23,15 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.models.dflash2 import GroupedDynamicCausalConv, init_selector_params
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
-from dflash_jax.models.target import Transformer
+from dflash_jax.models.target import Head, Transformer
 from dflash_jax.ops import dots
 from dflash_jax.ops.dispatch import block_attention
+from dflash_jax.ops.reductions import argmax_last
 
 
 class DrafterLayer(nn.Module):
@@ -185,6 +187,14 @@ def init_drafter_params(config: DrafterConfig, rng: jax.Array) -> dict:
         )["params"]
         if config.is_dflash2:
             params = {**params, "candidate_selector": init_selector_params(config, rng_selector)}
+        if config.draft_vocab_size:
+            shape = (config.hidden_size, config.draft_vocab_size)
+            kernel = 0.02 * jax.random.normal(jax.random.fold_in(rng, 1), shape)
+            params = {
+                **params,
+                "lm_head": {"kernel": kernel.astype(dtype)},
+                "draft_to_target": jnp.arange(config.draft_vocab_size, dtype=jnp.int32),
+            }
         return params
 
     return init(rng)
@@ -226,6 +236,39 @@ def finish_logits(drafter_config: DrafterConfig, logits: jax.Array) -> jax.Array
     return logits
 
 
+def drafter_logits(head: Head, target_config, drafter_config, drafter_params, hidden_bgd):
+    """The draft distribution's fp32 logits over the target's vocabulary [..., V] from
+    final-normed drafter hidden states [..., D]: the target's frozen head, or, with a draft
+    vocabulary, the drafter's own head over its draft ids (`on_target_vocab`)."""
+    hidden_bgd = hidden_bgd.astype(jnp.dtype(target_config.dtype))
+    if not drafter_config.draft_vocab_size:
+        return finish_logits(drafter_config, head.logits(hidden_bgd))
+    logits_bgu = draft_vocab_logits(drafter_config, drafter_params, hidden_bgd)
+    return on_target_vocab(drafter_params, logits_bgu, target_config.vocab_size)
+
+
+def draft_vocab_logits(drafter_config, drafter_params, hidden_bgd) -> jax.Array:
+    """A draft-vocabulary drafter's fp32 logits over its draft ids [..., draft vocab]."""
+    kernel_du = drafter_params["lm_head"]["kernel"]
+    logits = dots.einsum("...d,du->...u", hidden_bgd.astype(kernel_du.dtype), kernel_du)
+    return finish_logits(drafter_config, logits)
+
+
+def on_target_vocab(drafter_params, logits_bgu: jax.Array, vocab_size: int) -> jax.Array:
+    """Draft-id logits [..., U] placed at their target ids -> [..., V], -inf at every other id:
+    the proposal never drafts a token outside the draft vocabulary, and rejection sampling
+    reads its probability there as 0."""
+    full_bgv = jnp.full((*logits_bgu.shape[:-1], vocab_size), -jnp.inf, logits_bgu.dtype)
+    return full_bgv.at[..., drafter_params["draft_to_target"]].set(logits_bgu)
+
+
+def draft_vocab_argmax(drafter_config, drafter_params, hidden_bgd) -> jax.Array:
+    """The greedy drafts of a draft-vocabulary drafter as target ids, int32 [...]: the argmax
+    over its draft ids, mapped (the full logits' argmax: ascending target ids keep ties)."""
+    best = argmax_last(draft_vocab_logits(drafter_config, drafter_params, hidden_bgd))
+    return jnp.take(drafter_params["draft_to_target"], best).astype(jnp.int32)
+
+
 def unembedding_rows(target_params, target_config: TargetConfig, ids_u: jax.Array) -> jax.Array:
     """The frozen lm_head's rows for vocabulary ids [U] -> [U, D] (the tied embedding, or the
     transposed lm_head kernel)."""
@@ -260,14 +303,18 @@ def draft_logits(
     anchors_bn: jax.Array,
     block_size: int,
 ) -> jax.Array:
-    """Embed the blocks, run the drafter, drop each block's anchor slot, apply the lm_head.
-    block_tokens [B, N*block_size] -> logits [B, N, block_size-1, V] (slot j predicts anchor+j)."""
+    """Embed the blocks, run the drafter, drop each block's anchor slot, apply the lm_head (the
+    drafter's own over a draft vocabulary, `on_target_vocab`). block_tokens [B, N*block_size]
+    -> logits [B, N, block_size-1, V] (slot j predicts anchor+j)."""
     x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
     hidden_bqd = Drafter(drafter_config).apply(
         {"params": drafter_params}, x_bqd, ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size
     )
     b, n = anchors_bn.shape
     hidden_bnjd = hidden_bqd.reshape(b, n, block_size, -1)[:, :, 1:]
+    if drafter_config.draft_vocab_size:
+        logits_bnju = draft_vocab_logits(drafter_config, drafter_params, hidden_bnjd)
+        return on_target_vocab(drafter_params, logits_bnju, target_config.vocab_size)
     return hidden_to_logits(target_params, target_config, drafter_config, hidden_bnjd)
 
 
@@ -298,6 +345,14 @@ def check_fits(
             f"drafter target_layer_ids {list(d.target_layer_ids)} include {bad}, outside "
             f"[0, {t.num_layers - 1}] for a {t.num_layers}-layer target"
         )
+    if drafter_params is not None and d.draft_vocab_size:
+        ids = np.asarray(jax.device_get(drafter_params["draft_to_target"]))
+        if ids.min() < 0 or ids.max() >= t.vocab_size or np.any(np.diff(ids) <= 0):
+            raise ConfigError(
+                f"drafter draft_to_target maps its {d.draft_vocab_size} draft ids onto "
+                f"[{ids.min()}, {ids.max()}], not distinct ascending ids of the target's "
+                f"vocabulary [0, {t.vocab_size}); re-export the drafter"
+            )
     if drafter_params is not None:
         width = drafter_params["fc"]["kernel"].shape[0]
         if width != d.num_taps * t.hidden_size:
