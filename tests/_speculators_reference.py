@@ -1,5 +1,6 @@
 """Run by `tests/test_speculators.py` under the python of a venv with `speculators` 0.9.0 (never
-imported by the suite): one block drafted teacher-forced by the reference `DFlashDraftModel`, for each export.
+imported by the suite): one block drafted teacher-forced by the reference model (DFlash or DFlash2: its unary logits), for
+each export.
 
     python tests/_speculators_reference.py INPUTS.npz OUT_PREFIX EXPORT_DIR...
 
@@ -13,8 +14,7 @@ import sys
 
 import numpy as np
 import torch
-from speculators import SpeculatorModelConfig
-from speculators.models.dflash import DFlashDraftModel
+from speculators import SpeculatorModel, SpeculatorModelConfig
 
 
 def main(inputs: str, out_prefix: str, *export_dirs: str) -> None:
@@ -27,7 +27,8 @@ def draft_logits(export_dir: str, inputs: str) -> np.ndarray:
     taps, tokens, anchor = data["taps"], data["tokens"], int(data["anchor"])
     config = SpeculatorModelConfig.from_pretrained(export_dir)
     config.transformer_layer_config._attn_implementation = "eager"  # a dense mask on CPU
-    model = DFlashDraftModel.from_pretrained(export_dir, config=config).float().eval()
+    # the class the config names: DFlashDraftModel or DFlash2DraftModel
+    model = SpeculatorModel.from_pretrained(export_dir, config=config).float().eval()
     t = len(tokens)
     loss_mask = torch.zeros(1, t, dtype=torch.long)
     loss_mask[0, anchor] = 1  # the one valid anchor, so the reference picks it

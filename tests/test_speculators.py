@@ -288,10 +288,11 @@ def test_a_draft_vocabulary_drafts_over_its_ids_mapped_to_the_targets(pair, tmp_
     "DFLASH_JAX_SPECULATORS_PYTHON to its python (see this module's docstring)",
 )
 def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
-    """Our drafter exported with --format=speculators, with the target's vocabulary and with a
-    64-id draft vocabulary (d2t/t2d), loaded by `speculators`' `DFlashDraftModel.from_pretrained`
+    """Our drafters exported with --format=speculators (DFlash with the target's vocabulary and
+    with a 64-id draft vocabulary, DFlash2), loaded by `speculators`' `from_pretrained`
     (embedding and full head from the target as its verifier): teacher-forced draft logits of
-    one block equal ours within fp32 tolerance (ours at the draft ids for the second)."""
+    one block (DFlash2: the unary ones, before the selector) equal ours within fp32 tolerance
+    (ours at the draft ids for the draft vocabulary)."""
     target_dir, zlab_dir = pair
     target = dj.load_target(str(target_dir), cache=False)
     drafter = dj.load_drafter(zlab_dir, target)
@@ -299,7 +300,15 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
     small = dataclasses.replace(drafter.config, draft_vocab_size=64)
     small_params = {**drafter.params, "draft_to_target": jnp.asarray(ids),
                     "lm_head": {"kernel": target.params["lm_head"]["kernel"][:, ids]}}  # fmt: skip
-    exports = {"full": (drafter.config, drafter.params), "small": (small, small_params)}
+    v2 = dataclasses.replace(drafter.config, conv_kernel_size=2, conv_group_size=16,
+                             selector_rank=8, selector_top_k=4)  # fmt: skip
+    keys = iter(jax.random.split(jax.random.key(5), 64))  # every weight off its init (convs too)
+    v2_params = jax.tree.map(
+        lambda w: w + 0.1 * jax.random.normal(next(keys), w.shape),
+        init_drafter_params(v2, jax.random.key(4)),
+    )
+    exports = {"full": (drafter.config, drafter.params), "small": (small, small_params),
+               "dflash2": (v2, v2_params)}  # fmt: skip
     for name, (config, params) in exports.items():
         write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
     tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
