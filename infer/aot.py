@@ -167,6 +167,7 @@ class Program:
     args: tuple
     statics: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
+    settings: dict = dataclasses.field(default_factory=dict)  # what a reader needs to know
 
     def lower(self, platform: str | None = None):
         """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend)."""
@@ -291,10 +292,25 @@ def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, st
     state = _put(state, carry_shardings, run_mesh)
     args = (*head, *inputs, jax.ShapeDtypeStruct((), jnp.int32), state)  # step limit, state
     advance_fn, advance_args, advance_statics = runner.place_half(advance, args, statics, run_mesh)
+    about = decode_settings(statics["target_config"], statics["decode_config"])
     return [
-        Program(names[0], start_fn, start_args, start_statics, options),
-        Program(names[1], advance_fn, advance_args, advance_statics, options),
+        Program(names[0], start_fn, start_args, start_statics, options, about),
+        Program(names[1], advance_fn, advance_args, advance_statics, options, about),
     ]
+
+
+def decode_settings(tcfg, decode) -> dict:
+    """What a decode program was built with, for `infer.lower`'s lines: block size, adaptive
+    step kinds (`config.kind_label`), tree size, stop tokens, the row rule (None: not
+    batch-invariant), dtype."""
+    from dflash_jax.config import kind_label
+
+    kinds = [kind_label(k) for k in decode.all_kinds] if decode.adaptive else []
+    return {
+        "block_size": decode.block_size, "adaptive_kinds": kinds, "tree_nodes": decode.tree_nodes,
+        "stop_token_ids": list(decode.stop_token_ids), "invariant_rows": tcfg.invariant_rows,
+        "dtype": tcfg.dtype,
+    }  # fmt: skip
 
 
 def _decode_head(tcfg, shape: DecodeShape, mesh) -> tuple:

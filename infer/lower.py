@@ -21,10 +21,12 @@ and one JSON line per program goes to stdout:
                 "outside_shard_map": 0}], "fingerprint": "3f0c...", "seconds": 1.2, ...}
 
 (a call site counts once per layer: 41 = Qwen3-8B's 36 target layers + the drafter's 5).
-`fingerprint` (`programs.fingerprint`: the StableHLO and the compiler options) is what
-`infer.generate --json` prints in `program_fingerprints` for the programs it compiled: with
---platform=cpu and the same config and shapes (--batch=1, --prompt_len= the prompt's bucket,
---dtype= the one it ran) the two are equal.
+A decode program's line also says what it was built with (`decode`: block size, adaptive
+kinds, tree, stop tokens, row rule, dtype). `fingerprint` (`programs.fingerprint`: the
+StableHLO and the compiler options) is what `infer.generate --json` prints in
+`program_fingerprints` for the programs it compiled: with --platform=cpu and the same config
+and shapes (--batch=1, --prompt_len= the prompt's bucket, --dtype= the one it ran) the two are
+equal.
 
 A program fails (ok false, its error in the line, and the command exits 1) when lowering raises
 (jax refuses to partition a Mosaic kernel, a kernel refuses a shape) or, on a mesh of more than
@@ -224,9 +226,10 @@ def main(argv):
             head["attention_impl"] = FLAGS.attention_impl
             try:
                 lines = [
-                    {"program": program.name, **head, **lower_one(program, platform, mesh)}
+                    {"program": program.name, **head, **lower_one(program, platform, mesh),
+                     **({"decode": program.settings} if program.settings else {})}
                     for program in programs(what, mesh, platform)
-                ]
+                ]  # fmt: skip
             except Exception as e:  # noqa: BLE001  (a refusal while tracing is a finding too)
                 lines = [
                     {"program": what, **head, "ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -94,6 +94,9 @@ def lowered(pair, *flags: str) -> dict:
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert all(line["ok"] for line in lines), lines
+    if not flags:  # what infer.generate's default decode on a CPU is
+        assert lines[0]["decode"]["adaptive_kinds"] == ["1", "4", "8", "-8"], lines  # block 8
+        assert lines[0]["decode"]["stop_token_ids"] == [2], lines
     return {line["program"]: line["fingerprint"] for line in lines}
 
 
