@@ -72,6 +72,11 @@ def main(argv):
     else:
         save_drafter(_OUTPUT.value, drafter.config, drafter.params)
     print(f"wrote {_FORMAT.value} drafter ({drafter.config.num_layers} layers) to {_OUTPUT.value}")
+    if _FORMAT.value == "speculators" and not _VERIFIER.value:
+        print(
+            "no --verifier: speculators and vLLM read the target's embedding and lm_head from "
+            "speculators_config.verifier.name_or_path (null); set it there or convert again"
+        )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,10 @@ def read_config_json(directory: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read the drafter config {path}: {e}") from e
+        raise CheckpointError(
+            f"cannot read the drafter config {path}: {e}; pass a drafter directory with its "
+            "config.json"
+        ) from e
 
 
 def is_speculators(config_json: dict) -> bool:
@@ -98,6 +101,12 @@ def zlab_config(spec: dict, where: str) -> dict:
             f"{where}: sliding-window draft layers, whose window the reference measures from "
             "the block's anchor and ours from each query; use a drafter with full-attention "
             "layers only"
+        )
+    rope = layer.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError(
+            f"{where}: rope_parameters per layer type {sorted(rope)}, which our drafter does not "
+            "take (one RoPE for every layer); use a drafter with one rope_parameters"
         )
     for name in ("attention_bias", "mlp_bias"):
         if layer.get(name):
