@@ -145,13 +145,13 @@ def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pai
     np.testing.assert_array_equal(outs[0].acceptance_lengths, outs[1].acceptance_lengths)
 
 
-def _decode(target, drafter):
+def _decode(target, drafter, tree_nodes: int = 0):
     """A greedy speculative decode of two prompts (one compile per drafter config)."""
     prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
     return dj.speculative_decode(
         target.params, drafter.params, prompt, jnp.array([8, 3], jnp.int32), jax.random.key(0),
         target_config=target.config, drafter_config=drafter.config,
-        decode_config=DecodeConfig(max_new_tokens=24, block_size=4),
+        decode_config=DecodeConfig(max_new_tokens=24, block_size=4, tree_nodes=tree_nodes),
     )  # fmt: skip
 
 
@@ -286,6 +286,20 @@ def test_a_draft_vocabulary_drafts_over_its_ids_mapped_to_the_targets(pair, tmp_
     save_file(original, str(vocab_dir / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t and t2d disagree"):
         read_drafter(vocab_dir)
+
+
+@pytest.mark.slow
+def test_a_tree_over_a_draft_vocabulary_decodes_the_targets_tokens(pair, tmp_path):
+    """Only this test runs a token tree (8 nodes) grown from a draft vocabulary's proposals:
+    greedy, it gives the target's tokens (as the full drafter's chain decode gives them). ~15 s."""
+    target_dir, zlab_dir = pair
+    ids = np.sort(np.random.default_rng(1).choice(512, size=64, replace=False)).astype(np.int64)
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    vocab_dir = _with_draft_vocab(spec_dir, target_dir, ids, tmp_path / "vocab")
+    target = dj.load_target(str(target_dir), cache=False)
+    full, small = dj.load_drafter(zlab_dir, target), dj.load_drafter(vocab_dir, target)
+    tree = _decode(target, small, tree_nodes=8)
+    np.testing.assert_array_equal(tree.tokens, _decode(target, full).tokens)
 
 
 @pytest.mark.slow
