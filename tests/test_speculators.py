@@ -161,6 +161,7 @@ REFUSED = {
     "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
     "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
                 "sliding-window draft layers"),
+    "no vocab": ({"transformer_layer_config": {"vocab_size": None}}, "lacks \\['vocab_size'\\]"),
     "rope per layer type": ({"transformer_layer_config": {"rope_parameters": {
         "full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}},
         "rope_parameters per layer type"),

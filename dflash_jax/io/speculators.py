@@ -58,7 +58,10 @@ VERIFIER_TENSORS = frozenset(
     {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 )
 VOCAB_MAPS = frozenset({"d2t", "t2d"})
-_FIX = "convert it from a z-lab or Orbax drafter instead, or pass another drafter"
+_FIX = "pass a DFlash or DFlash2 drafter (speculators, z-lab or Orbax)"
+# what the draft layers' config must give (the rest has the z-lab reader's defaults)
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "vocab_size")  # fmt: skip
 
 
 def read_config_json(directory: str | Path) -> dict:
@@ -89,6 +92,9 @@ def zlab_config(spec: dict, where: str) -> dict:
     layer = spec.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{where}: no transformer_layer_config dict; {_FIX}")
+    missing = [name for name in REQUIRED if layer.get(name) is None]
+    if missing:
+        raise ConfigError(f"{where}: transformer_layer_config lacks {missing}; {_FIX}")
     vocab = layer.get("vocab_size")
     draft_vocab = spec.get("draft_vocab_size", 32000)  # the reference's default
     if spec.get("sample_from_anchor", False):
