@@ -56,6 +56,11 @@ flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16"],
     "Dtype the target runs in: float32 (use it on CPU) or bfloat16 (half the memory, GPU/TPU).",
 )  # fmt: skip
+flags.DEFINE_enum(
+    "quantize", None, ["int8", "int4", "fp8"],
+    "The target with quantized layer kernels (docs/quantization.md): the answers are then the "
+    "quantized model's, the data for a drafter that serves it. Unset: float weights.",
+)  # fmt: skip
 flags.DEFINE_multi_string(
     "prompts", [],
     "Prompt file: .jsonl with a 'prompt' field per line, or any other text file with one prompt "
@@ -174,7 +179,7 @@ def main(argv):
     mesh = distributed.local_mesh()
     output = paths.path(FLAGS.output)
     output.mkdir(parents=True, exist_ok=True)
-    target = load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
+    target = load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh, quantize=FLAGS.quantize)
     chat = ChatFormat(target.tokenizer, target.chat_template)
 
     prompts = [p for path in FLAGS.prompts for p in read_prompt_file(path)]
