@@ -573,6 +573,13 @@ class DrafterConfig:
 
         if lookup("mask_token_id") is None:
             raise ConfigError("drafter config has no dflash_config.mask_token_id")
+        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "vocab_size")  # fmt: skip
+        missing = [name for name in sizes if hf.get(name) is None]
+        if missing:
+            raise ConfigError(
+                f"drafter config lacks {missing}; pass a DFlash drafter's config.json"
+            )
         num_layers = int(hf["num_hidden_layers"])
         num_target_layers = int(lookup("num_target_layers", 0) or 0)
         tap_ids = _as_int_tuple(lookup("target_layer_ids"))
