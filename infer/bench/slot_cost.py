@@ -62,7 +62,7 @@ def main(argv):
     label = lambda kind: kind_label(cfg.all_kinds[kind]) if kind >= 0 else str(cfg.block_size)
     result = {
         "dtype": dtype,
-        "batch_invariant": True,
+        "batch_invariant": bool(cfg.batch_invariant),
         "max_new_tokens": cfg.max_new_tokens,
         "max_prompt_tokens": FLAGS.max_prompt_tokens,
         "ms_per_step": {str(n): {label(k): best[n, k] for k in kinds} for n in counts},
