@@ -184,3 +184,35 @@ def test_quantized_passes_are_batch_invariant():
     ways = _ways(inv, params, _tokens())
     for name, logits in ways.items():
         np.testing.assert_array_equal(logits, ways["ar"], err_msg=f"{name} vs ar ({rule})")
+
+
+def test_qwen3_8b_int8_kernels_shard_by_the_table():
+    """Qwen3-8B's int8 kernels (shapes only) get the float kernels' shardings from the one
+    table, their scales the same on the dims they keep, and a device holds half the bf16
+    kernels' bytes (what infer.memory_plan and infer.lower plan with)."""
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+    from test_sharding import QWEN3_8B
+
+    from dflash_jax.models.target import init_params
+    from dflash_jax.sharding import MESH_AXES, logical_to_spec, param_logical_axes
+
+    cfg = TargetConfig(**{**QWEN3_8B, "dtype": "bfloat16"})
+    mesh = AbstractMesh((1, 4, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    floats = jax.eval_shape(
+        lambda: jax.tree.map(lambda w: w.astype(jnp.bfloat16), init_params(cfg, jax.random.key(0)))
+    )
+    quantized = jax.eval_shape(lambda p: quantize_params(p, cfg, "int8"), floats)
+    spec = lambda tree: jax.tree.map(
+        lambda x, ax: logical_to_spec(ax, x.shape, mesh), tree, param_logical_axes(tree)
+    )
+    up = spec(quantized)["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert (
+        up.q.qvalue
+        == PartitionSpec(("fsdp",), ("tensor",))
+        == spec(floats)["layers_0"]["mlp"]["up_proj"]["kernel"]
+    )
+    assert up.q.scale == PartitionSpec(None, ("tensor",))  # [1, F]: one scale per column
+    o = spec(quantized)["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    assert o.q.qvalue == PartitionSpec(("tensor",), None, ("fsdp",))
+    layer = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree["layers_0"]))
+    assert 0.5 <= layer(quantized) / layer(floats) < 0.51
