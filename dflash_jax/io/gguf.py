@@ -14,9 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import qwix
 
 from dflash_jax.io.hf import CheckpointError, StoredTensor, block_transform, param_layout
+from dflash_jax.models.quantized import CONTRACTED
+from dflash_jax.ops.quant import QWeight
 
 # Block schemes read as stored (`blocks`): bytes per block of 32 values.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -135,17 +140,16 @@ def _blocks(tensor, n_head: int | None, file: str, shape: tuple[int, ...]):
     return q, scale, offset
 
 
+def has_native_blocks(path: str | Path, scheme: str) -> bool:
+    """Whether the GGUF at `path` holds tensors in a block type `scheme` takes as stored."""
+    types = NATIVE_TYPES.get(scheme, ())
+    return any(t.tensor_type.name in types for t in gguf.GGUFReader(str(path)).tensors)
+
+
 def native_kernels(tensors: dict[str, StoredTensor], config, scheme: str) -> dict:
     """Canonical name -> `QWeight` in our layout, for each decoder-layer projection stored in a
     block type that `scheme` takes as it is (`NATIVE_TYPES`): the blocks become the qvalue,
     scales and offsets, never a float matrix. Other tensors are not in the result."""
-    import jax.numpy as jnp
-    import ml_dtypes
-    import qwix
-
-    from dflash_jax.models.quantized import CONTRACTED
-    from dflash_jax.ops.quant import QWeight
-
     types = NATIVE_TYPES.get(scheme, ())
     storage = ml_dtypes.int4 if scheme == "int4" else np.int8
     out = {}

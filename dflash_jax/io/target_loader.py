@@ -15,7 +15,7 @@ from absl import logging
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.io import assets, paths, target_cache, target_orbax
-from dflash_jax.io.gguf import NATIVE_TYPES, native_kernels, read_gguf
+from dflash_jax.io.gguf import has_native_blocks, native_kernels, read_gguf
 from dflash_jax.io.hf import (
     canonical_tensors,
     convert_to_params,
@@ -104,12 +104,7 @@ def _gguf_path(source: str) -> Path:
 def _native_gguf(source: str, scheme: str) -> bool:
     """Whether `source` is a local GGUF holding tensors in a block type `scheme` takes as is."""
     path = _gguf_path(source)
-    if not (path.is_file() and path.suffix == ".gguf"):
-        return False
-    import gguf
-
-    types = NATIVE_TYPES.get(scheme, ())
-    return any(t.tensor_type.name in types for t in gguf.GGUFReader(str(path)).tensors)
+    return path.is_file() and path.suffix == ".gguf" and has_native_blocks(path, scheme)
 
 
 def _quantized(target: LoadedTarget, scheme: str, mesh) -> LoadedTarget:
