@@ -109,11 +109,11 @@ class Chunk:
 
 
 class SlotDecoder:
-    """`slots` rows of one speculative decode, with requests inserted into free rows and rows
-    released between chunks of `chunk_steps` loop steps. Not thread-safe: one engine thread
-    drives it. Prompts up to `max_prompt` tokens, each with at most `cfg.max_new_tokens` new
-    tokens (its own limit below that); `cfg` must have row_settings. step_costs: the adaptive
-    controller's (None: `calibrate` or the defaults)."""
+    """`slots` rows of one speculative decode, with requests inserted into free rows (`insert`)
+    and released (`release`) between calls of `advance`, each a chunk of loop steps. Not
+    thread-safe: one engine thread drives it. Prompts up to `max_prompt` tokens, each with at
+    most `cfg.max_new_tokens` new tokens (its own limit below that); `cfg` must have
+    row_settings. The adaptive controller's step costs are the defaults until `calibrate`."""
 
     def __init__(self, target, drafter, cfg: DecodeConfig, slots: int, max_prompt: int):
         if not cfg.row_settings:
