@@ -33,7 +33,7 @@ from dflash_jax.io.drafter_io import LoadedDrafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import init_params
-from infer import serve
+from infer.serving import server as serve
 
 MODEL = "tiny"
 RULE = (2, 16)  # a row rule given, so that no probe runs

@@ -21,6 +21,7 @@ from dflash_jax import api
 from dflash_jax.config import kind_label
 from dflash_jax.decoding.slots import SlotDecoder
 from infer import cli, common, serve
+from infer.serving.server import WARM_PROMPT
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -46,7 +47,7 @@ def main(argv):
         decoders = {
             n: SlotDecoder(target, drafter, cfg, n, FLAGS.max_prompt_tokens) for n in counts
         }
-    ids = api.render_prompt(target.tokenizer, serve.WARM_PROMPT)
+    ids = api.render_prompt(target.tokenizer, WARM_PROMPT)
     kinds = range(len(cfg.all_kinds)) if cfg.adaptive else (-1,)
     best: dict[tuple[int, int], float] = {}
     for _ in range(FLAGS.rounds):

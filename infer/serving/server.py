@@ -1,0 +1,59 @@
+"""The server as a library: the warmed-up SlotDecoder, the engine, and the uvicorn server that
+drains on exit. `infer.serve` is its command line (flags); tests and benchmarks build it here
+without importing any flags."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from dflash_jax import api
+from dflash_jax.decoding.slots import SlotDecoder
+from infer.serving.app import Limits, make_app
+from infer.serving.engine import Engine
+
+WARM_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def build_decoder(target, drafter, cfg, *, slots, max_prompt, calibrate) -> SlotDecoder:
+    """The SlotDecoder, compiled, warmed up over every step kind and (adaptive) calibrated:
+    what /health waits for."""
+    decoder = SlotDecoder(target, drafter, cfg, slots, max_prompt)
+    warm = api.render_prompt(target.tokenizer, WARM_PROMPT)[:max_prompt]
+    decoder.warm_up(warm)
+    if calibrate:
+        decoder.calibrate(warm)
+    return decoder
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit signal (SIGTERM, Ctrl-C) first stops the engine taking
+    requests; uvicorn then waits for the accepted ones, and the app's shutdown drains it."""
+
+    def __init__(self, config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.stop_admitting()
+        super().handle_exit(sig, frame)
+
+
+def make_server(target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue,
+                model_name, calibrate=True) -> tuple[DrainingServer, Engine]:  # fmt: skip
+    """(server, engine): the engine builds its decoder on its own thread once the server runs
+    (`server.run()`); /health says ready when it is built."""
+    engine = Engine(
+        lambda: build_decoder(
+            target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate
+        ),
+        target.tokenizer,
+        cfg.stop_token_ids,
+        max_queue=max_queue,
+        chunk_steps=chunk_steps,
+        on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
+    )
+    limits = Limits(max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings)
+    web = make_app(engine, model=model_name, tokenizer=target.tokenizer, limits=limits)
+    config = uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="on")
+    server = DrainingServer(config, engine)
+    return server, engine
