@@ -17,6 +17,7 @@ from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
+from dflash_jax.decoding.runner import precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
@@ -164,7 +165,7 @@ class TokenStream:
 
 
 def fastest_dtype(
-    target, drafter, block_size: int, batch_invariant: bool | None = None
+    target, drafter, block_size: int, batch_invariant: bool | None = None, remember: str = ""
 ) -> tuple[str, dict[str, float]]:
     """The precision to decode in when the user does not say: the one whose DFlash step floor
     (`block_size` rows through the target's and the drafter's matrices and the head, weights
@@ -175,7 +176,9 @@ def fastest_dtype(
     cheap (an AMD EPYC with avx512_bf16, an Intel Xeon with AMX) and loses without them (an AMD
     EPYC without AVX-512: ~9x slower). Measured once per machine (its CPU features included),
     shapes and setting, kept in <cache_root>/dtype_floors.json. The target alone (drafter
-    None): float32, whose one-row pass is the fast one everywhere measured.
+    None): float32, whose one-row pass is the fast one everywhere measured. `remember` (the
+    request as the caller names it, e.g. its sources and flags): the choice is also kept under
+    that name, for `remembered_dtype` to tell the next run which dtype to load first.
     -> (dtype, {setting, e.g. "bfloat16 batch-invariant": its step floor in seconds})."""
     if drafter is None:
         return "float32", {}
@@ -213,43 +216,83 @@ def fastest_dtype(
             )
             floors[floors_lib.setting_name(tcfg)] = out["gemm_floor_step_s"]
         table[key] = floors
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache: measured again next time
+        _write_json(path, table)  # a read-only cache: measured again next time
     floors = table[key]
-    return min(floors, key=floors.get).split()[0], floors
+    choice = min(floors, key=floors.get).split()[0]
+    if remember and table.get(_remembered_key(remember)) != choice:
+        table[_remembered_key(remember)] = choice
+        _write_json(path, table)
+    return choice, floors
+
+
+def remembered_dtype(remember: str) -> str | None:
+    """The dtype `fastest_dtype(..., remember=remember)` last chose on this machine and
+    software, or None: a hint for which dtype to load first (`infer.common.load_models`), so
+    that a second run with --dtype=auto loads its target once."""
+    try:
+        table = json.loads((cache_root() / "dtype_floors.json").read_text())
+    except (OSError, ValueError):
+        return None
+    choice = table.get(_remembered_key(remember))
+    return choice if choice in ("float32", "bfloat16") else None
+
+
+def _remembered_key(remember: str) -> str:
+    from dflash_jax.ops.invariance import machine_name, software_name
+
+    return "|".join(["choice", machine_name(), software_name(), remember])
+
+
+def _write_json(path, table: dict) -> None:
+    """Writes `table` to `path` atomically; a read-only cache is left as it is."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def compile_decodes(
     target, drafter, prompt, lengths, cfg: DecodeConfig, *, with_target_alone: bool = False
 ) -> float:
     """Compiles what `timed_decode` will run for `prompt` under `cfg` (the speculative decode,
-    or the target alone when drafter is None; with_target_alone: that too) side by side in
-    threads, since XLA compiles outside the GIL; each then runs its prefill and one loop step
-    of each step kind (`_warm`). -> seconds."""
+    or the target alone when drafter is None; with_target_alone: that too), then runs each
+    decode's prefill and one loop step of each of its step kinds (the kind forced: the same
+    executable). XLA:CPU sets each YNNPACK fusion up at its first execution, ~0.25 s per
+    target-pass kind of the bf16 adaptive loop of SmolLM2 (2026-12-04, an AMD EPYC with
+    avx512_bf16), a one-time cost that the first timed decode would otherwise carry and later
+    ones do not. Every half is lowered in turn and compiled in threads as soon as it is lowered
+    (XLA compiles, and loads from the persistent cache, outside the GIL: `runner.precompile`);
+    each warm-up runs, two at a time, as soon as its decode is compiled. -> seconds."""
     jobs = [drafter] + ([None] if with_target_alone and drafter is not None else [])
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(_warm, target, d, prompt, lengths, cfg) for d in jobs]
-        for future in futures:
+    with (
+        concurrent.futures.ThreadPoolExecutor(2 * len(jobs)) as compiling,
+        concurrent.futures.ThreadPoolExecutor(2) as warming,
+    ):
+        pending = precompile([(target, d, prompt, lengths, cfg) for d in jobs], compiling)
+        warm_ups = []
+        for d, futures in sorted(
+            zip(jobs, pending, strict=True), key=lambda job: job[0] is not None
+        ):
+            adaptive = d is not None and cfg.adaptive
+            for kind in [None, *range(len(cfg.all_kinds))] if adaptive else [-1]:
+                args = (futures, target, d, prompt, lengths, cfg, kind)
+                warm_ups.append(warming.submit(_warm, *args))
+        for future in warm_ups:
             future.result()
     return time.perf_counter() - t0
 
 
-def _warm(target, drafter, prompt, lengths, cfg: DecodeConfig) -> None:
-    """Compiles a decode, then runs one loop step of each of its step kinds (the kind forced:
-    the same executable): XLA:CPU sets each YNNPACK fusion up at its first execution, ~0.4 s
-    for the bf16 adaptive loop of SmolLM2 batch-invariant and ~0.75 s without (2026-12-04, an
-    AMD EPYC with avx512_bf16), a one-time cost that the first timed decode would otherwise
-    carry and later ones do not."""
-    timed_decode(target, drafter, prompt, lengths, 0, cfg, step_limit=0)
-    adaptive = drafter is not None and cfg.adaptive
-    for kind in range(len(cfg.all_kinds)) if adaptive else (-1,):
-        timed_decode(target, drafter, prompt, lengths, 0, cfg, step_limit=1, forced_kind=kind)
+def _warm(compiled, target, drafter, prompt, lengths, cfg: DecodeConfig, kind) -> None:
+    """Once the futures `compiled` are done: the decode's prefill (kind None) or its prefill
+    and one loop step (of the step kind `kind` forced, or -1: its own)."""
+    for future in compiled:
+        future.result()
+    steps = dict(step_limit=0) if kind is None else dict(step_limit=1, forced_kind=kind)
+    timed_decode(target, drafter, prompt, lengths, 0, cfg, **steps)
 
 
 def check_text_prompts(prompts) -> list[str]:

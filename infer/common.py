@@ -189,6 +189,13 @@ def load_models(block_size: int = 0):
     compared, on one line, which is also printed (None when --dtype was given)."""
     mesh = distributed.mesh()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
+    # --dtype=auto: the request as named here; the dtype it chose last time is loaded first
+    request = "|".join(
+        str(v) for v in (FLAGS.target, FLAGS.drafter, block_size, FLAGS.batch_invariant,
+                         FLAGS.quantize, FLAGS.mesh)
+    )  # fmt: skip
+    if FLAGS.dtype == "auto":
+        dtype = api.remembered_dtype(request) or dtype
     load = lambda dt: with_attention_impl(
         *api.load_pair(
             FLAGS.target, FLAGS.drafter, dt, FLAGS.target_cache, mesh=mesh, quantize=FLAGS.quantize
@@ -198,7 +205,10 @@ def load_models(block_size: int = 0):
     why = None
     if FLAGS.dtype == "auto":
         block = block_size or (api.default_block_size(target, drafter) if drafter else 1)
-        dtype, floors = api.fastest_dtype(target, drafter, block, FLAGS.batch_invariant)
+        loaded = dtype
+        dtype, floors = api.fastest_dtype(
+            target, drafter, block, FLAGS.batch_invariant, remember=request
+        )
         if floors:  # each as the model computes it in the setting it would run
             short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
             costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())
@@ -207,7 +217,7 @@ def load_models(block_size: int = 0):
             why = "float32: the target alone runs one row per step, fastest in float32"
         if distributed.is_primary():
             print(f"--dtype=auto chose {why}", file=sys.stderr, flush=True)
-        if dtype != "float32":
+        if dtype != loaded:
             target, drafter = load(dtype)
     return target, drafter, dtype, why
 

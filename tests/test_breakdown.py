@@ -199,3 +199,33 @@ def test_breakdown_of_a_tree_step_sums_its_phases():
     )
     assert out["tree_nodes"] == 24 and out["gemm_floor_tree_step_s"] > 0
     assert out["break_even_tau_tree"] == out["gemm_floor_tree_step_s"] / out["gemm_floor_ar_s"]
+
+
+def test_dtype_auto_measures_once_and_remembers_the_choice(tmp_path, monkeypatch):
+    """`api.fastest_dtype` measures the floors once per machine and shapes (a second call with
+    other timings keeps the first), and keeps its choice under the caller's name for
+    `remembered_dtype` (which dtype a second --dtype=auto run loads first); an unknown name or
+    an unreadable table: None. The floors are stubbed and the row rule off (no probe): what is
+    checked is the bookkeeping."""
+    from dflash_jax import api
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.decoding import floors
+
+    monkeypatch.setattr(api, "cache_root", lambda: tmp_path)  # the table alone
+    pair = (
+        types.SimpleNamespace(config=TargetConfig("qwen3", 64, 32, 64, 2, 2, 1, 16), params={}),
+        types.SimpleNamespace(config=types.SimpleNamespace(num_layers=1), params={}),
+    )
+    timings = {"float32": 2.0, "bfloat16": 1.0}
+    monkeypatch.setattr(
+        floors, "gemm_floors", lambda t, cfg, *a, **k: {"gemm_floor_step_s": timings[cfg.dtype]}
+    )
+    assert api.remembered_dtype("smol|default") is None
+    choice, measured = api.fastest_dtype(*pair, 8, False, remember="smol|default")
+    assert choice == "bfloat16" and sorted(measured.values()) == [1.0, 2.0]
+    assert api.remembered_dtype("smol|default") == "bfloat16"
+    timings.update(float32=0.5)  # not measured again: the first measurement stands
+    assert api.fastest_dtype(*pair, 8, False, remember="smol|default")[0] == "bfloat16"
+    assert api.remembered_dtype("other|request") is None
+    (tmp_path / "dtype_floors.json").write_text("{not json")
+    assert api.remembered_dtype("smol|default") is None

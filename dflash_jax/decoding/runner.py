@@ -11,6 +11,7 @@ Streaming costs one host round trip per chunk of steps, not per step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -63,24 +64,75 @@ def compile_half(jitted, args: tuple, statics: dict, mesh):
     """(executable, args placed for it, compile seconds); compiled once per function, shapes
     and statics in this process (and, through JAX's persistent cache, across processes), with
     `programs.executable_options`; its `programs.fingerprint` kept in FINGERPRINTS."""
-    name = programs.program_name(jitted)
+    t0 = time.perf_counter()
+    key, lowered, args = _lower_half(jitted, args, statics, mesh)
+    if lowered is None:
+        return _COMPILED[key], args, 0.0
+    _finish_half(key, lowered, statics)
+    return _COMPILED[key], args, time.perf_counter() - t0
+
+
+def _lower_half(jitted, args: tuple, statics: dict, mesh):
+    """(key, lowered program or None when already compiled, args placed for it)."""
     fn, args, run_statics = place_half(jitted, args, statics, mesh)
     shapes = tuple(
         (tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
     )
     key = (fn, shapes, tuple(sorted(run_statics.items())))
     if key in _COMPILED:
-        return _COMPILED[key], args, 0.0
-    t0 = time.perf_counter()
-    options = programs.executable_options(statics["target_config"])
+        return key, None, args
     # One device: lowered from the arguments' types alone, so that the program does not
     # depend on which loader committed its arrays to the device (infer.aot lowers the same).
     avals = args if mesh is not None else jax.tree.map(programs.unplaced, args)
     with _LOWERING:
         lowered = fn.lower(*avals, **run_statics)
-    FINGERPRINTS[name] = programs.fingerprint(lowered, options)
+    FINGERPRINTS[programs.program_name(jitted)] = programs.fingerprint(
+        lowered, programs.executable_options(statics["target_config"])
+    )
+    return key, lowered, args
+
+
+def _finish_half(key, lowered, statics: dict) -> None:
+    options = programs.executable_options(statics["target_config"])
     _COMPILED[key] = lowered.compile(compiler_options=options)
-    return _COMPILED[key], args, time.perf_counter() - t0
+
+
+def precompile(decodes, pool: concurrent.futures.Executor) -> list[list[concurrent.futures.Future]]:
+    """Starts compiling both halves of each decode in `decodes` ((target, drafter or None,
+    prompt, lengths, cfg), as `timed_decode` takes them) for `timed_decode` to find: lowered
+    one after the other here, each handed to `pool` to compile as soon as it is lowered, so a
+    long compile (or persistent-cache load: the adaptive loop's is ~5 s on XLA:CPU) overlaps
+    the lowering and compiling of the rest. The advance half is lowered against the start
+    half's lowered output types, so it need not wait for the start's compile. On a mesh: one
+    half after the other, as timed_decode would. -> per decode, the futures to wait for before
+    running it (none when it was compiled already)."""
+    pending = []
+    for target, drafter, prompt, lengths, cfg in decodes:
+        start, advance, head, inputs, statics, mesh = _setup(
+            target, drafter, prompt, lengths, 0, cfg, None, -1, None
+        )
+        if mesh is not None:
+            args = (start, advance, head, inputs, statics, mesh)
+            pending.append([pool.submit(_compile_both, *args)])
+            continue
+        futures = []
+        key, lowered, _ = _lower_half(start, head, statics, None)
+        if lowered is None:
+            state_info = _COMPILED[key].out_info
+        else:
+            state_info = lowered.out_info
+            futures.append(pool.submit(_finish_half, key, lowered, statics))
+        adv_head = (*head, *inputs, np.int32(0), state_info)
+        key, lowered, _ = _lower_half(advance, adv_head, statics, None)
+        if lowered is not None:
+            futures.append(pool.submit(_finish_half, key, lowered, statics))
+        pending.append(futures)
+    return pending
+
+
+def _compile_both(start, advance, head, inputs, statics, mesh) -> None:
+    start_x, _, _ = compile_half(start, head, statics, mesh)
+    compile_half(advance, (*head, *inputs, np.int32(0), start_x.out_info), statics, mesh)
 
 
 @functools.cache
@@ -184,6 +236,27 @@ def timed_decode(
     all). on_tokens(tokens [B,T], counts [B]): streams the committed tokens a few steps at a
     time (`chunk_steps` of them, `timed_run`). `mesh`: where to run; by default the target's
     (loaded with one), else the one set by `jax.set_mesh`, else one device."""
+    start, advance, head, inputs, statics, mesh = _setup(
+        target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh
+    )
+    limit = max_steps(cfg) if step_limit is None else step_limit
+    return timed_run(
+        start,
+        advance,
+        head[:-3],
+        *head[-3:],
+        inputs,
+        statics,
+        step_limit=limit,
+        mesh=mesh,
+        on_tokens=on_tokens,
+        chunk_steps=chunk_steps,
+    )
+
+
+def _setup(target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh):
+    """(start, advance, head arguments (*params, prompt, lengths, rng), advance's inputs,
+    statics, mesh) of the decode `timed_decode` runs; the inputs checked first."""
     rng = jax.random.key(seed)
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
     check_inputs(target, drafter, prompt, lengths, cfg)
@@ -202,17 +275,5 @@ def timed_decode(
         mesh = getattr(target, "mesh", None)
     if mesh is None:
         mesh = sharding.current_mesh()
-    limit = max_steps(cfg) if step_limit is None else step_limit
-    return timed_run(
-        *halves,
-        (target.params, *lead),
-        prompt,
-        lengths,
-        rng,
-        inputs,
-        statics,
-        step_limit=limit,
-        mesh=mesh,
-        on_tokens=on_tokens,
-        chunk_steps=chunk_steps,
-    )
+    head = (target.params, *lead, prompt, lengths, rng)
+    return (*halves, head, inputs, statics, mesh)
