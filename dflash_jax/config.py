@@ -439,6 +439,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 # DFlash2's `dflash_config` keys, named as the reference `dflash.DFlash2DraftModel` reads them.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DSpark's additions to a DFlash drafter, named as `speculators` names them (io/speculators.py)
+DSPARK_FIELDS = ("sample_from_anchor", "markov_rank", "markov_head_type",
+                 "enable_confidence_head", "confidence_head_with_markov")  # fmt: skip
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +457,17 @@ class DrafterConfig:
     `draft_vocab_size` > 0: the drafter drafts over a vocabulary of its own, a subset of the
     target's (`speculators`' d2t/t2d maps): its params gain `lm_head` (kernel [D, draft vocab])
     and `draft_to_target` (int32 [draft vocab], each draft id's target id, ascending); 0: it
-    drafts through the target's lm_head over the target's vocabulary."""
+    drafts through the target's lm_head over the target's vocabulary.
+
+    DSpark (`speculators`' `DSparkDraftModel`, `config.is_dspark`) when any of the
+    `DSPARK_FIELDS` below is set: a DFlash drafter whose draft at position anchor+i+1 gets a
+    low-rank Markov logit bias from the token at anchor+i (`markov_rank` > 0; the
+    `markov_head_type` variant: "vanilla", "gated" by the slot's hidden state, or "rnn" with a
+    state carried along the block), a confidence head (`enable_confidence_head`: one logit per
+    draft, its predicted acceptance; its input the hidden state, with the Markov embedding of
+    the previous token when `confidence_head_with_markov`), and with `sample_from_anchor` the
+    anchor slot drafts too (block_size drafts, slot j predicting anchor+j+1; otherwise slot j
+    predicts anchor+j, j >= 1). See `models/dspark.py`."""
 
     hidden_size: int
     intermediate_size: int
@@ -481,6 +495,11 @@ class DrafterConfig:
     selector_rank: int = 0
     selector_top_k: int = 0
     draft_vocab_size: int = 0
+    sample_from_anchor: bool = False
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
 
@@ -518,6 +537,7 @@ class DrafterConfig:
                 "a DFlash2 drafter drafts over the target's vocabulary (its selector's "
                 "codebooks cover it); set draft_vocab_size=0"
             )
+        self._check_dspark()
 
     def _check_dflash2(self) -> None:
         sizes = {name: getattr(self, name) for name in DFLASH2_FIELDS}
@@ -532,6 +552,36 @@ class DrafterConfig:
             raise ConfigError(
                 f"drafter selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}"
             )
+
+    def _check_dspark(self) -> None:
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(
+                f"drafter markov_head_type={self.markov_head_type!r} is not one of "
+                f"{list(MARKOV_HEAD_TYPES)}"
+            )
+        if self.markov_rank < 0:
+            raise ConfigError(f"drafter markov_rank={self.markov_rank} must be >= 0 (0: no bias)")
+        with_markov = self.enable_confidence_head and self.confidence_head_with_markov
+        if with_markov and not self.markov_rank:
+            raise ConfigError(
+                "drafter confidence_head_with_markov=true needs a Markov head (markov_rank > 0); "
+                "set confidence_head_with_markov=false or a markov_rank"
+            )
+        if self.is_dspark and self.is_dflash2:
+            raise ConfigError(
+                "a DSpark drafter is built on DFlash layers, not DFlash2's; set the DFlash2 "
+                f"sizes {list(DFLASH2_FIELDS)} to 0 or the DSpark fields {list(DSPARK_FIELDS)} off"
+            )
+
+    @property
+    def is_dspark(self) -> bool:
+        """A DSpark drafter: a Markov bias, a confidence head or drafts from the anchor slot."""
+        return self.sample_from_anchor or self.markov_rank > 0 or self.enable_confidence_head
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per block: block_size - 1, or block_size when the anchor slot drafts too."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     @property
     def is_dflash2(self) -> bool:
@@ -557,7 +607,8 @@ class DrafterConfig:
         then top level, then the default."""
         archs = hf.get("architectures") or ["DFlashDraftModel"]
         dflash2 = "DFlash2DraftModel" in archs
-        if not dflash2 and "DFlashDraftModel" not in archs:
+        dspark = "DSparkDraftModel" in archs  # ours (Orbax) only: write_zlab refuses it
+        if not (dflash2 or dspark) and "DFlashDraftModel" not in archs:
             raise ConfigError(
                 f"not a DFlash drafter config: architectures={archs}; pass a DFlash drafter "
                 "(z-lab, speculators or Orbax)"
@@ -621,6 +672,7 @@ class DrafterConfig:
             final_logit_softcapping=lookup("final_logit_softcapping"),
             **v2,
             draft_vocab_size=int(lookup("draft_vocab_size", 0) or 0),
+            **(_dspark_fields(lookup) if dspark else {}),
             dtype=dtype,
         )
 
@@ -638,6 +690,9 @@ class DrafterConfig:
         arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
         if self.is_dflash2:
             dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}
+        if self.is_dspark:  # ours (Orbax) only: write_zlab refuses it
+            arch = "DSparkDraftModel"
+            dflash_config |= {name: getattr(self, name) for name in DSPARK_FIELDS}
         out = {
             "architectures": [arch],
             "auto_map": {"AutoModel": f"dflash.{arch}"},
@@ -672,6 +727,17 @@ class DrafterConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_zlab(), indent=2, sort_keys=True)
+
+
+def _dspark_fields(lookup) -> dict[str, Any]:
+    """A DSpark drafter's `DSPARK_FIELDS` from a config lookup (off where absent)."""
+    return {
+        "sample_from_anchor": bool(lookup("sample_from_anchor", False)),
+        "markov_rank": int(lookup("markov_rank", 0)),
+        "markov_head_type": str(lookup("markov_head_type", "vanilla")),
+        "enable_confidence_head": bool(lookup("enable_confidence_head", False)),
+        "confidence_head_with_markov": bool(lookup("confidence_head_with_markov", False)),
+    }
 
 
 # A tree step of N nodes is recorded (`DecodeOutput.block_sizes`, `DecodeConfig.all_kinds`) as

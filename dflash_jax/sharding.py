@@ -52,6 +52,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/linear_attn/out_proj/kernel$", (None, "embed")),
     (r"/linear_attn/conv1d/kernel$", (None, None)),
     (r"/linear_attn/(dt_bias|A_log)$", ("norm",)),
+    # DSpark: the Markov head's token embedding [V,R] and bias projection [R,U] over the
+    # vocabulary; its gate/recurrence and the confidence head (a few R-wide maps) replicated.
+    (r"(^|/)markov_w1/embedding$", ("vocab", None)),
+    (r"(^|/)markov_w2/kernel$", (None, "vocab")),
+    (r"(^|/)(markov_head/(gate|joint)_proj|confidence_head/proj)/kernel$", (None, None)),
+    (r"(^|/)(markov_head/(gate|joint)_proj|confidence_head/proj)/bias$", (None,)),
     (r"/q_proj/kernel$", ("embed", "heads", "head_dim")),
     (r"/[kv]_proj/kernel$", ("embed", "kv_heads", "head_dim")),
     (r"/o_proj/kernel$", ("heads", "head_dim", "embed")),

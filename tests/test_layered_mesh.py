@@ -1,11 +1,15 @@
 # ruff: noqa: E402  (XLA_FLAGS must be set before jax starts)
 """MoE and hybrid targets on a mesh of 8 fake CPU devices: experts split over the `expert`
-axis (mesh axis `tensor`), the linear layers' state split with the batch, and greedy
-speculative decoding equal to one device. The checks run in one fresh process with 8 CPU
-devices (the rest of the session keeps one); the tests read its results."""
+axis (mesh axis `tensor`), the linear layers split over their heads (params, conv and recurrent
+state), and greedy speculative decoding and a hybrid's logits equal to one device. The checks
+run in one fresh process with 8 CPU devices (the rest of the session keeps one); the tests read
+its results."""
 
+import collections
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +19,7 @@ if os.environ.get("DFLASH_TEST_FAKE_DEVICES"):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -51,7 +56,85 @@ def mesh_checks(workdir: str) -> dict:
             "same": np.array_equal(got.tokens, ref.tokens),
             "expert_shards": sorted({s.data.shape[0] for s in experts.addressable_shards}),
         }
+    out["deltanet"] = deltanet_checks(workdir, mesh)
     return out
+
+
+DECODE_STEPS = 3
+
+
+def _prefill_and_steps(params, prompt, lengths, cache, *, config):
+    """A prefill of right-padded rows, then DECODE_STEPS greedy one-token steps over its cache
+    (the linear layers' state carried from pass to pass). -> (logits [B,1+steps,V], cache)."""
+    from dflash_jax.models.target import Transformer
+
+    apply = functools.partial(Transformer(config).apply, {"params": params})
+    positions = jnp.broadcast_to(jnp.arange(prompt.shape[1]), prompt.shape)
+    logits, _, cache = apply(prompt, positions, cache=cache, logit_indices=(lengths - 1)[:, None])
+    out = [logits[:, 0]]
+    for _ in range(DECODE_STEPS):
+        token = jnp.argmax(out[-1], -1).astype(jnp.int32)[:, None]
+        logits, _, cache = apply(token, lengths[:, None], cache=cache, cache_lengths=lengths)
+        lengths = lengths + 1
+        out.append(logits[:, 0])
+    return jnp.stack(out, 1), cache
+
+
+def _collectives(hlo: str, scope: str) -> dict:
+    """{"<collective> <op>": count} of the compiled program's collectives whose op (HLO
+    metadata op_name) lies under `scope` (a module path such as "linear_attn")."""
+    found = collections.Counter()
+    kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+    for line in hlo.splitlines():
+        kind = re.search(rf" ({kinds})(-start)?\(", line)
+        name = re.search(r'op_name="([^"]*)"', line)
+        if kind and name and f"/{scope}/" in name[1]:
+            found[f"{kind[1]} {name[1].split(f'/{scope}/')[1]}"] += 1
+    return dict(found)
+
+
+def deltanet_checks(workdir: str, mesh) -> dict:
+    """A tiny Qwen3.5 whose 4 key / 8 value heads split 4 ways: its prefill + decode steps on
+    the mesh against one device, the carried state's per-device shapes, and the collectives of
+    the linear layers' ops in the compiled program."""
+    from _tiny_layered import make_tiny_layered
+
+    from dflash_jax.io import load_target
+    from dflash_jax.models.target import init_cache
+
+    heads = dict(linear_num_key_heads=4, linear_num_value_heads=8)
+    path = make_tiny_layered(Path(workdir) / "deltanet", "qwen3_5", **heads)
+    target = load_target(str(path), cache=False)
+    config = target.config
+    cache = init_cache(config, PROMPT.shape[0], 32)
+    fn = functools.partial(_prefill_and_steps, config=config)
+    ref_logits, ref_cache = jax.jit(fn)(target.params, PROMPT, LENS, cache)
+    rows = sharding.batch_sharding(mesh)
+    cache_shardings = sharding.cache_shardings(cache, mesh)
+    ins = (sharding.param_shardings(target.params, mesh), rows, rows, cache_shardings)
+    on_mesh = jax.jit(
+        sharding.traced_under(mesh, fn),
+        in_shardings=ins,
+        out_shardings=(sharding.replicated(mesh), cache_shardings),
+    )
+    args = sharding.put((target.params, PROMPT, LENS, cache), ins)
+    logits, got_cache = on_mesh(*args)
+    conv, rec = got_cache.state[0]
+    shards = lambda x: sorted({tuple(s.data.shape) for s in x.addressable_shards})
+    diff = lambda a, b: float(jnp.max(jnp.abs(a - b)))
+    qkv = args[0][f"layers_{config.linear_layers[0]}"]["linear_attn"]["in_proj_qkv"]["kernel"]
+    return {
+        "max_logit_diff": float(jnp.max(jnp.abs(logits - ref_logits))),
+        "same_argmax": np.array_equal(jnp.argmax(logits, -1), jnp.argmax(ref_logits, -1)),
+        "max_state_diff": max(
+            jax.tree.leaves(jax.tree.map(diff, got_cache.state, ref_cache.state))
+        ),
+        "rec_shards": shards(rec),
+        "conv_shards": shards(conv),
+        "in_proj_qkv_shards": shards(qkv),
+        "linear_layers": len(config.linear_layers),
+        "collectives": _collectives(on_mesh.lower(*args).compile().as_text(), "linear_attn"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +164,22 @@ def test_sharded_layered_decode_equals_one_device(results, family):
     got = results[family]
     assert got["same"], got
     assert got["expert_shards"] == [2], got  # 8 experts over tensor=4: 2 whole experts each
+
+
+@pytest.mark.slow
+def test_deltanet_split_over_heads_equals_one_device(results):
+    """Tensor parallelism of the Gated DeltaNet layers (data=2 x tensor=4, 4 key / 8 value
+    heads): logits over a prefill and 3 decode steps, and the carried state, equal one device
+    in fp32; each device holds its heads' projection columns, conv state and recurrent state;
+    the linear layers' only collective is the out-projection's all-reduce, once per layer and
+    pass (no all-gather of state or weights). Only this test guards the split (the MoE check
+    above runs hybrids whose 2 key heads tensor=4 does not divide)."""
+    got = results["deltanet"]
+    assert got["same_argmax"], got
+    assert got["max_logit_diff"] < 1e-4 and got["max_state_diff"] < 1e-5, got
+    assert got["rec_shards"] == [[2, 2, 8, 8]], got  # [B/2, Hv/4, Dk, Dv]
+    assert got["conv_shards"] == [[2, 3, 1, 32]], got  # [B/2, W, Hk/4, 2Dk + 2Dv]
+    assert got["in_proj_qkv_shards"] == [[32, 1, 32]], got  # [D, Hk/4, G]
+    passes = 1 + DECODE_STEPS
+    out_proj = {"all-reduce out_proj/dot_general": got["linear_layers"] * passes}
+    assert got["collectives"] == out_proj, got

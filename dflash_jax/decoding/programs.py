@@ -272,6 +272,12 @@ def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConf
     a decode mode the target cannot run (`check_tree_target`)."""
     check_fits(dcfg, tcfg)
     check_tree_target(tcfg, cfg)
+    if dcfg.is_dspark:
+        raise ConfigError(
+            "a DSpark drafter (Markov head, confidence head or drafts from the anchor slot) does "
+            "not decode yet (its teacher-forced logits: models.drafter.dspark_draft_logits); "
+            "use a DFlash or DFlash2 drafter"
+        )
     if cfg.row_settings and dcfg.is_dflash2:
         raise ConfigError(
             "row_settings (per-row sampling settings, a server's slots) are not implemented "

@@ -5,7 +5,9 @@ shapes and transforms for `hf.convert_to_params`, and the renames that come firs
     Qwen3.5-MoE checkpoints store them) are stacked into one [E, ...] tensor per layer and
     projection, read lazily (`stack_experts`); a missing expert is named.
   * Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` (grouped per key head) are regrouped into
-    Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, so one layer serves both.
+    Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, so one layer serves both;
+    `in_proj_qkv` and `conv1d` (all queries | all keys | all values) are then grouped per key
+    head, [.., Hk, 2Dk + rDv], the layout that splits over `tensor` (`models.linear_attention`).
   * A multimodal checkpoint (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`,
     `model.visual.*`, `lm_head`) loads its language model; vision and MTP tensors are skipped.
 """
@@ -41,6 +43,18 @@ def _heads_in(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
 def _heads_out(n: int, h: int) -> Callable[[np.ndarray], np.ndarray]:
     """[D, n*h] -> [n, h, D]"""
     return lambda w: w.reshape(w.shape[0], n, h).transpose(1, 2, 0)
+
+
+def _key_head_groups(hk: int, dk: int, r: int, dv: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[2HkDk + HkrDv, X] in Qwen3.5's channel order (all queries, all keys, all values) ->
+    [X, Hk, 2Dk + rDv]: key head i's query, key and value heads i*r .. i*r+r-1 together."""
+
+    def group(w):
+        q, k, v = np.split(w, [hk * dk, 2 * hk * dk])
+        heads = [x.reshape(hk, -1, w.shape[1]) for x in (q, k, v)]  # [Hk, Dk|Dk|rDv, X]
+        return np.concatenate(heads, axis=1).transpose(2, 0, 1)
+
+    return group
 
 
 def _swap_last(w):
@@ -157,16 +171,17 @@ def layer_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...], tu
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv, w = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
         ch = 2 * hk * dk + hv * dv
+        group = _key_head_groups(hk, dk, hv // hk, dv)
         out |= _under("linear_attn", ("linear_attn",), {
-            "in_proj_qkv.weight": (("in_proj_qkv", "kernel"), (ch, d), _t),
-            "in_proj_z.weight": (("in_proj_z", "kernel"), (hv * dv, d), _t),
+            "in_proj_qkv.weight": (("in_proj_qkv", "kernel"), (ch, d), group),
+            "in_proj_z.weight": (("in_proj_z", "kernel"), (hv * dv, d), _heads_in(hv, dv)),
             "in_proj_b.weight": (("in_proj_b", "kernel"), (hv, d), _t),
             "in_proj_a.weight": (("in_proj_a", "kernel"), (hv, d), _t),
-            "conv1d.weight": (("conv1d", "kernel"), (ch, 1, w), lambda x: x[:, 0].T),
+            "conv1d.weight": (("conv1d", "kernel"), (ch, 1, w), lambda x: group(x[:, 0])),
             "dt_bias": (("dt_bias",), (hv,), _keep),
             "A_log": (("A_log",), (hv,), _keep),
             "norm.weight": (("norm", "scale"), (dv,), _keep),
-            "out_proj.weight": (("out_proj", "kernel"), (d, hv * dv), _t),
+            "out_proj.weight": (("out_proj", "kernel"), (d, hv * dv), _heads_out(hv, dv)),
         })  # fmt: skip
     if mlp == "dense":
         return out | _under("mlp", ("mlp",), _swiglu(c.intermediate_size, d))

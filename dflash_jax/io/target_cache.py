@@ -56,7 +56,7 @@ from dflash_jax.config import TargetConfig, cache_root
 from dflash_jax.io.hf import read_safetensors_header, write_safetensors
 
 # Bump whenever the conversion or this layout changes what an entry holds: old entries then miss.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: linear-attention projections and conv split per key head
 NO_CACHE_ENV = "DFLASH_JAX_NO_CACHE"
 
 _MANIFEST = "manifest.json"

@@ -10,6 +10,9 @@ One draft call (dflash-spec §1):
 Context K/V are computed once per appended context row (`context_kv`) and cached by the caller;
 `__call__` runs the layers over embedded blocks against that cache.
 
+DSpark (`config.is_dspark`): the DFlash layers, then a Markov logit bias and a confidence head
+over each block (`models/dspark.py`; teacher-forced: `dspark_draft_logits`).
+
 DFlash2 (`config.is_dflash2`): each layer wraps its attention and its MLP in a grouped dynamic
 causal convolution over the block (`models/dflash2.py`; context rows are not convolved), and the
 params gain a `candidate_selector` (used after the head, by decoding and training).
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.models import dspark
 from dflash_jax.models.dflash2 import GroupedDynamicCausalConv, init_selector_params
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.target import Head, Transformer
@@ -187,6 +191,8 @@ def init_drafter_params(config: DrafterConfig, rng: jax.Array) -> dict:
         )["params"]
         if config.is_dflash2:
             params = {**params, "candidate_selector": init_selector_params(config, rng_selector)}
+        if config.is_dspark:  # the backbone's init stays the DFlash drafter's for this rng
+            params = {**params, **dspark.init_dspark_params(config, jax.random.fold_in(rng, 2))}
         if config.draft_vocab_size:
             shape = (config.hidden_size, config.draft_vocab_size)
             kernel = 0.02 * jax.random.normal(jax.random.fold_in(rng, 1), shape)
@@ -291,6 +297,45 @@ def hidden_to_subset_logits(
     return finish_logits(drafter_config, logits_tu)
 
 
+def block_hidden(
+    drafter_params,
+    target_params,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    block_tokens_bq: jax.Array,
+    ctx_k: tuple,
+    ctx_v: tuple,
+    context_lengths_b: jax.Array,
+    anchors_bn: jax.Array,
+    block_size: int,
+) -> jax.Array:
+    """Embed the blocks and run the drafter (see `Drafter.__call__`): block_tokens
+    [B, N*block_size] -> final-normed hidden states [B, N, block_size, D], every slot."""
+    x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
+    hidden_bqd = Drafter(drafter_config).apply(
+        {"params": drafter_params}, x_bqd, ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size
+    )
+    b, n = anchors_bn.shape
+    return hidden_bqd.reshape(b, n, block_size, -1)
+
+
+def own_vocab_logits(
+    drafter_params, target_params, target_config, drafter_config, hidden, bias=None
+) -> jax.Array:
+    """Final-normed hidden [..., D] (+ a logit bias over the drafter's own vocabulary) ->
+    fp32 logits over the target's vocabulary [..., V]: the target's head, or the drafter's own
+    over its draft ids placed at their target ids (`on_target_vocab`)."""
+    if drafter_config.draft_vocab_size:
+        logits = draft_vocab_logits(drafter_config, drafter_params, hidden)
+    else:
+        logits = hidden_to_logits(target_params, target_config, drafter_config, hidden)
+    if bias is not None:
+        logits = logits + bias
+    if drafter_config.draft_vocab_size:
+        return on_target_vocab(drafter_params, logits, target_config.vocab_size)
+    return logits
+
+
 def draft_logits(
     drafter_params,
     target_params,
@@ -306,16 +351,50 @@ def draft_logits(
     """Embed the blocks, run the drafter, drop each block's anchor slot, apply the lm_head (the
     drafter's own over a draft vocabulary, `on_target_vocab`). block_tokens [B, N*block_size]
     -> logits [B, N, block_size-1, V] (slot j predicts anchor+j)."""
-    x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
-    hidden_bqd = Drafter(drafter_config).apply(
-        {"params": drafter_params}, x_bqd, ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size
+    hidden_bnsd = block_hidden(
+        drafter_params, target_params, target_config, drafter_config, block_tokens_bq,
+        ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size,
+    )  # fmt: skip
+    return own_vocab_logits(
+        drafter_params, target_params, target_config, drafter_config, hidden_bnsd[:, :, 1:]
     )
+
+
+def dspark_draft_logits(
+    drafter_params,
+    target_params,
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig,
+    tokens_bq: jax.Array,
+    ctx_k: tuple,
+    ctx_v: tuple,
+    context_lengths_b: jax.Array,
+    anchors_bn: jax.Array,
+    block_size: int,
+) -> tuple[jax.Array, jax.Array | None]:
+    """A DSpark drafter's teacher-forced drafts (`models/dspark.py`). tokens [B, N*block_size]:
+    the sequence's tokens at each block's positions anchor..anchor+block_size-1 (the block
+    drafted is its anchor then mask tokens; the Markov head reads the true previous tokens).
+    -> (logits [B, N, J, V] with the Markov bias, confidence logits [B, N, J] or None), J the
+    drafts per block: with `sample_from_anchor` every slot (slot j predicts anchor+j+1), else
+    slots 1.. (slot j predicts anchor+j), so draft i always predicts anchor+i+1."""
     b, n = anchors_bn.shape
-    hidden_bnjd = hidden_bqd.reshape(b, n, block_size, -1)[:, :, 1:]
-    if drafter_config.draft_vocab_size:
-        logits_bnju = draft_vocab_logits(drafter_config, drafter_params, hidden_bnjd)
-        return on_target_vocab(drafter_params, logits_bnju, target_config.vocab_size)
-    return hidden_to_logits(target_params, target_config, drafter_config, hidden_bnjd)
+    tokens_bns = tokens_bq.reshape(b, n, block_size)
+    block_bq = tokens_bns.at[:, :, 1:].set(drafter_config.mask_token_id).reshape(b, -1)
+    hidden_bnsd = block_hidden(
+        drafter_params, target_params, target_config, drafter_config, block_bq,
+        ctx_k, ctx_v, context_lengths_b, anchors_bn, block_size,
+    )  # fmt: skip
+    prev_bns = dspark.previous_tokens(drafter_config, tokens_bns)
+    bias_bnsu, confidence_bns = dspark.block_heads(
+        drafter_config, drafter_params, hidden_bnsd, prev_bns
+    )
+    first = 0 if drafter_config.sample_from_anchor else 1
+    logits_bnjv = own_vocab_logits(
+        drafter_params, target_params, target_config, drafter_config, hidden_bnsd[:, :, first:],
+        None if bias_bnsu is None else bias_bnsu[:, :, first:],
+    )  # fmt: skip
+    return logits_bnjv, None if confidence_bns is None else confidence_bns[:, :, first:]
 
 
 def check_fits(

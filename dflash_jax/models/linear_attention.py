@@ -15,7 +15,25 @@ prompts masks each row's padding; a speculative verify returns its per-token inp
 (`LinearRows`) instead of a new state, and `commit_state` re-runs the rule on them, masked at
 each row's accepted length (one extra T-token pass, nothing kept per position).
 
-Letters: B batch, T tokens, C conv channels (2*Hk*Dk + Hv*Dv), Hk/Hv key/value heads,
+Head layout. The conv channels are kept grouped per key head, [Hk, G] with G = 2*Dk + r*Dv
+(r = Hv/Hk): key head i's query, its key and its r value heads i*r .. i*r+r-1, the grouping
+Qwen3-Next's checkpoints use (the loader regroups Qwen3.5's all-queries | all-keys | all-values).
+So a split of the key heads over `tensor` gives each device whole groups: the in-projection
+columns, conv channels and conv state of its key heads, the value heads they serve (z, b, a, the
+recurrent state, the out-projection rows), and nothing it needs from another device.
+
+Tensor parallelism is GSPMD's, with explicit constraints, not `shard_map`: the rule is plain
+jnp (no Mosaic or Triton call that GSPMD cannot partition), each of its ops is batched over the
+heads, and the params and carried state arrive split by the one table (`sharding`:
+linear_key_heads, linear_value_heads -> tensor). `gated_delta_rule` pins its operands and the
+state to that split (`sharding.constrain`), so each device runs its heads' recurrence with no
+collective; the one per layer is the out-projection's row-split matmul, which GSPMD reduces
+(an all-reduce of [B,T,D]). Heads that `tensor` does not divide are replicated, warned once
+(`sharding.logical_to_spec`): the key heads alone (Hk=2 at tensor=4 with Hv=4: every device
+projects and convolves every group and keeps its value heads; GSPMD adds one small permute of
+[B,T,1,Dk] per layer), or both (the layer then runs whole on every device).
+
+Letters: B batch, T tokens, Hk/Hv key/value heads, G = 2*Dk + r*Dv channels per key head,
 Dk/Dv head dims, D model dim, W = kernel - 1.
 """
 
@@ -26,6 +44,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import sharding
 from dflash_jax.ops import dots
 
 CHUNK = 64
@@ -33,7 +52,7 @@ CHUNK = 64
 
 @flax.struct.dataclass
 class LinearRows:
-    """A pass's per-token state inputs, for `commit_state`: x [B,T,C] (the conv's inputs),
+    """A pass's per-token state inputs, for `commit_state`: x [B,T,Hk,G] (the conv's inputs),
     k [B,T,Hk,Dk] (l2-normed, fp32), v [B,T,Hv,Dv], g [B,T,Hv] (log decay), beta [B,T,Hv]."""
 
     x: jax.Array
@@ -94,9 +113,23 @@ def _unit_lower_solve(a_cc, b_cw, block=SOLVE_BLOCK):
     return jnp.concatenate(xs, -2)[..., :c, :]
 
 
+_TOKEN_HEADS = sharding.LINEAR_VALUE_HEAD_AXES
+_CONV_AXES, _STATE_AXES = sharding.LINEAR_STATE_AXES
+
+
 def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, s_bhkv, chunk=CHUNK):
     """The rule over T tokens from state s [B,H,Dk,Dv]; all fp32, q/k already repeated to the
-    value heads, q scaled. -> (o [B,T,H,Dv], final state [B,H,Dk,Dv])."""
+    value heads, q scaled. -> (o [B,T,H,Dv], final state [B,H,Dk,Dv]). Under a mesh every
+    operand, the state and the output are split over batch and heads, so the rule runs on each
+    device's heads alone."""
+    tokens = lambda x: sharding.constrain(x, (*_TOKEN_HEADS, None)[: x.ndim])
+    state = lambda s: sharding.constrain(s, _STATE_AXES)
+    operands = map(tokens, (q_bthk, k_bthk, v_bthv, g_bth, beta_bth))
+    o_bthv, s_bhkv = _chunked_rule(*operands, state(s_bhkv), chunk)
+    return tokens(o_bthv), state(s_bhkv)
+
+
+def _chunked_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, s_bhkv, chunk):
     b, t, h, dk = k_bthk.shape
     c = min(chunk, t)
     n = -(-t // c)
@@ -147,23 +180,24 @@ def _valid_mask(lengths_b, b, t):
 
 
 def advance_state(state, rows: LinearRows, lengths_b=None, conv_only=False):
-    """The (conv [B,W,C], rec [B,Hv,Dk,Dv]) state after each row's first lengths[b] tokens of
-    `rows` (all T when None)."""
-    conv_bwc, rec = state
+    """The (conv [B,W,Hk,G], rec [B,Hv,Dk,Dv]) state after each row's first lengths[b] tokens
+    of `rows` (all T when None)."""
+    conv_bwkg, rec = state
     b, t = rows.x.shape[:2]
-    window = conv_bwc.shape[1]
-    full_btc = jnp.concatenate([conv_bwc, rows.x.astype(conv_bwc.dtype)], axis=1)
+    window = conv_bwkg.shape[1]
+    full_btkg = jnp.concatenate([conv_bwkg, rows.x.astype(conv_bwkg.dtype)], axis=1)
     taken = jnp.full((b,), t, jnp.int32) if lengths_b is None else lengths_b
     idx_bw = taken[:, None] + jnp.arange(window)[None, :]
-    conv_bwc = jnp.take_along_axis(full_btc, idx_bw[:, :, None], axis=1)
+    conv_bwkg = jnp.take_along_axis(full_btkg, idx_bw[:, :, None, None], axis=1)
+    conv_bwkg = sharding.constrain(conv_bwkg, _CONV_AXES)
     if conv_only:
-        return conv_bwc, rec
+        return conv_bwkg, rec
     valid_bt = _valid_mask(lengths_b, b, t)
     g = jnp.where(valid_bt[..., None], rows.g, 0.0)
     beta = jnp.where(valid_bt[..., None], rows.beta, 0.0)
     k = _repeat_heads(rows.k, rows.v.shape[2])
     _, rec = gated_delta_rule(jnp.zeros_like(k), k, rows.v.astype(jnp.float32), g, beta, rec)
-    return conv_bwc, rec
+    return conv_bwkg, rec
 
 
 def commit_state(state, rows: LinearRows, lengths_b):
@@ -172,12 +206,17 @@ def commit_state(state, rows: LinearRows, lengths_b):
     return advance_state(state, rows, lengths_b)
 
 
+def group_width(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
+    """G: the conv channels of one key head (its query, its key, its value heads)."""
+    return 2 * head_k_dim + num_v_heads // num_k_heads * head_v_dim
+
+
 def init_state(config, batch: int, dtype):
-    """A zero (conv [B,W,C], rec [B,Hv,Dk,Dv] fp32) state for one linear-attention layer."""
+    """A zero (conv [B,W,Hk,G], rec [B,Hv,Dk,Dv] fp32) state for one linear-attention layer."""
     c = config
-    channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim
-    channels += c.linear_num_value_heads * c.linear_value_head_dim
-    conv = jnp.zeros((batch, c.linear_conv_kernel_dim - 1, channels), dtype)
+    hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+    width = group_width(hk, hv, c.linear_key_head_dim, c.linear_value_head_dim)
+    conv = jnp.zeros((batch, c.linear_conv_kernel_dim - 1, hk, width), dtype)
     rec_shape = (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
     return conv, jnp.zeros(rec_shape, jnp.float32)
 
@@ -198,23 +237,24 @@ class GatedRMSNorm(nn.Module):
 
 
 class CausalConv(nn.Module):
-    """Depthwise causal conv (kernel [W+1,C]) then silu over [past W inputs ; x]."""
+    """Depthwise causal conv (kernel [W+1,Hk,G]) then silu over [past W inputs ; x]."""
 
     kernel_size: int
 
     @nn.compact
-    def __call__(self, past_bwc, x_btc):
-        t, c = x_btc.shape[1], x_btc.shape[2]
-        w = self.param("kernel", nn.initializers.lecun_normal(), (self.kernel_size, c), jnp.float32)
-        full = jnp.concatenate([past_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B,W+T,C]
-        out = sum(full[:, j : j + t] * w[j].astype(x_btc.dtype) for j in range(self.kernel_size))
+    def __call__(self, past_bwkg, x_btkg):
+        t, channels = x_btkg.shape[1], x_btkg.shape[2:]
+        shape = (self.kernel_size, *channels)
+        w = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
+        full = jnp.concatenate([past_bwkg.astype(x_btkg.dtype), x_btkg], axis=1)  # [B,W+T,Hk,G]
+        out = sum(full[:, j : j + t] * w[j].astype(x_btkg.dtype) for j in range(self.kernel_size))
         return nn.silu(out)
 
 
 class GatedDeltaNet(nn.Module):
-    """The linear-attention mixer. Params (HF names): in_proj_qkv [D,C], in_proj_z [D,Hv*Dv],
-    in_proj_b / in_proj_a [D,Hv], conv1d kernel [W+1,C], dt_bias / A_log [Hv], norm scale [Dv]
-    (a `GatedRMSNorm`), out_proj [Hv*Dv,D]."""
+    """The linear-attention mixer. Params (HF names): in_proj_qkv [D,Hk,G], in_proj_z [D,Hv,Dv],
+    in_proj_b / in_proj_a [D,Hv], conv1d kernel [W+1,Hk,G], dt_bias / A_log [Hv], norm scale
+    [Dv] (a `GatedRMSNorm`), out_proj [Hv,Dv,D]."""
 
     num_k_heads: int
     num_v_heads: int
@@ -232,25 +272,26 @@ class GatedDeltaNet(nn.Module):
         -> (out [B,T,D], new state | LinearRows | None)."""
         b, t, d = x_btd.shape
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        dense = lambda f, name: nn.Dense(
-            f, use_bias=False, dtype=self.dtype, dot_general=dots.dot_general, name=name
-        )
-        x_btc = dense(2 * hk * dk + hv * dv, "in_proj_qkv")(x_btd)
-        z_bthv = dense(hv * dv, "in_proj_z")(x_btd).reshape(b, t, hv, dv)
+        opts = dict(use_bias=False, dtype=self.dtype, dot_general=dots.dot_general)
+        dense = lambda f, name, **kw: nn.DenseGeneral(f, **opts, **kw, name=name)
+        width = group_width(hk, hv, dk, dv)
+        x_btkg = dense((hk, width), "in_proj_qkv")(x_btd)
+        z_bthv = dense((hv, dv), "in_proj_z")(x_btd)
         b_bth = dense(hv, "in_proj_b")(x_btd)
         a_bth = dense(hv, "in_proj_a")(x_btd)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), jnp.float32)
         a_log = self.param("A_log", nn.initializers.zeros, (hv,), jnp.float32)
         window = self.conv_kernel - 1
-        past = jnp.zeros((b, window, x_btc.shape[-1]), x_btc.dtype) if state is None else state[0]
-        conv_btc = CausalConv(self.conv_kernel, name="conv1d")(past, x_btc)
-        q, k, v = jnp.split(conv_btc, [hk * dk, 2 * hk * dk], axis=-1)
-        q = _l2norm(q.reshape(b, t, hk, dk).astype(jnp.float32)) * dk**-0.5
-        k = _l2norm(k.reshape(b, t, hk, dk).astype(jnp.float32))
+        past = jnp.zeros((b, window, hk, width), x_btkg.dtype) if state is None else state[0]
+        conv_btkg = CausalConv(self.conv_kernel, name="conv1d")(past, x_btkg)
+        conv_btkg = sharding.constrain(conv_btkg, sharding.LINEAR_CHANNEL_AXES)
+        q, k, v = jnp.split(conv_btkg, [dk, 2 * dk], axis=-1)  # each key head's q, k, r values
+        q = _l2norm(q.astype(jnp.float32)) * dk**-0.5
+        k = _l2norm(k.astype(jnp.float32))
         v = v.reshape(b, t, hv, dv)
         beta = jax.nn.sigmoid(b_bth.astype(jnp.float32))
         g = -jnp.exp(a_log) * jax.nn.softplus(a_bth.astype(jnp.float32) + dt_bias)
-        rows = LinearRows(x=x_btc, k=k, v=v, g=g, beta=beta)
+        rows = LinearRows(x=x_btkg, k=k, v=v, g=g, beta=beta)
         rec = jnp.zeros((b, hv, dk, dv), jnp.float32) if state is None else state[1]  # fp32 state
         valid_bt = _valid_mask(lengths_b, b, t)
         g_in = jnp.where(valid_bt[..., None], g, 0.0)
@@ -259,7 +300,7 @@ class GatedDeltaNet(nn.Module):
             _repeat_heads(q, hv), _repeat_heads(k, hv), v.astype(jnp.float32), g_in, beta_in, rec
         )
         o = GatedRMSNorm(self.eps, self.dtype, name="norm")(o_bthv.astype(self.dtype), z_bthv)
-        out = dense(d, "out_proj")(o.reshape(b, t, hv * dv))
+        out = dense(d, "out_proj", axis=(-2, -1))(o)  # the layer's one reduction over `tensor`
         if state is None:
             return out, None
         if defer:
