@@ -36,6 +36,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # MoE experts (expert parallelism): each device of `tensor` holds E / |tensor| whole
     # experts; their own dims then stay unsplit over `tensor` (a mesh axis maps once per array).
     ("expert", "tensor"),
+    # Gated DeltaNet: key heads (each with its group of conv channels) and the value heads
+    # they serve, split alike (`models.linear_attention`).
+    ("linear_key_heads", "tensor"),
+    ("linear_value_heads", "tensor"),
 )
 
 # param path (joined with "/") -> logical axes, first match wins; target and drafter alike.
@@ -47,11 +51,14 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/experts/down_proj$", ("expert", None, "embed")),
     (r"/mlp/gate/kernel$", ("embed", None)),
     (r"/shared_expert_gate/kernel$", ("embed", None)),
-    # Gated DeltaNet (hybrid targets): the model dim over fsdp, its channels unsplit.
-    (r"/linear_attn/in_proj_[a-z]+/kernel$", ("embed", None)),
-    (r"/linear_attn/out_proj/kernel$", (None, "embed")),
-    (r"/linear_attn/conv1d/kernel$", (None, None)),
-    (r"/linear_attn/(dt_bias|A_log)$", ("norm",)),
+    # Gated DeltaNet (hybrid targets): model dim over fsdp, heads over tensor. in_proj_qkv and
+    # conv1d [.., Hk, G] hold each key head's channels together; z [D,Hv,Dv], b/a [D,Hv].
+    (r"/linear_attn/in_proj_qkv/kernel$", ("embed", "linear_key_heads", None)),
+    (r"/linear_attn/in_proj_z/kernel$", ("embed", "linear_value_heads", None)),
+    (r"/linear_attn/in_proj_[ab]/kernel$", ("embed", "linear_value_heads")),
+    (r"/linear_attn/out_proj/kernel$", ("linear_value_heads", None, "embed")),
+    (r"/linear_attn/conv1d/kernel$", (None, "linear_key_heads", None)),
+    (r"/linear_attn/(dt_bias|A_log)$", ("linear_value_heads",)),
     # DSpark: the Markov head's token embedding [V,R] and bias projection [R,U] over the
     # vocabulary; its gate/recurrence and the confidence head (a few R-wide maps) replicated.
     (r"(^|/)markov_w1/embedding$", ("vocab", None)),
@@ -76,8 +83,14 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 QUERY_AXES = ("batch", "length", "heads", "head_dim")  # attention queries and outputs [B,T,N,H]
-# A linear-attention layer's carried state: conv [B,W,C], recurrent [B,Hv,Dk,Dv].
-LINEAR_STATE_AXES = (("batch", None, None), ("batch", None, None, None))
+# A linear-attention layer's carried state: conv [B,W,Hk,G], recurrent [B,Hv,Dk,Dv]; its conv
+# channels [B,T,Hk,G] and per-value-head values [B,T,Hv,...] (`models.linear_attention`).
+LINEAR_STATE_AXES = (
+    ("batch", None, "linear_key_heads", None),
+    ("batch", "linear_value_heads", None, None),
+)
+LINEAR_CHANNEL_AXES = ("batch", "length", "linear_key_heads", None)
+LINEAR_VALUE_HEAD_AXES = ("batch", "length", "linear_value_heads")
 
 _WARNED: set[tuple] = set()
 
@@ -284,6 +297,22 @@ def traced_under(mesh: Mesh, fn):
             return fn(*args, **kwargs)
 
     return under
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES) -> jax.Array:
+    """x pinned to the split its logical `axes` give on the mesh of the program being traced
+    (`traced_under`, `jax.set_mesh`), so GSPMD's propagation cannot choose another; x as it is
+    without one (one device, inside `shard_map`, a mesh without our axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        mesh.empty
+        or mesh.size == 1
+        or mesh.manual_axes
+        or not set(MESH_AXES) <= set(mesh.axis_names)
+    ):
+        return x
+    spec = logical_to_spec(axes, x.shape, mesh, rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def logical_sharding(
