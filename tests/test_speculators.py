@@ -157,7 +157,7 @@ def _decode(target, drafter, tree_nodes: int = 0):
 
 REFUSED = {
     "anchor drafts": ({"sample_from_anchor": True}, "sample_from_anchor=true"),
-    "dspark": ({"speculators_model_type": "dspark"}, "a speculators 'dspark' model"),
+    "eagle3": ({"speculators_model_type": "eagle3"}, "a speculators 'eagle3' model"),
     "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
     "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
                 "sliding-window draft layers"),
@@ -366,29 +366,50 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
     )
     exports = {"full": (drafter.config, drafter.params), "small": (small, small_params),
                "dflash2": (v2, v2_params)}  # fmt: skip
+    run = _run_reference(target_dir, target, exports, tmp_path)
+    for i, (config, params) in enumerate(exports.values()):
+        bs = config.block_size
+        block = jnp.asarray([[run.tokens[run.anchor]] + [config.mask_token_id] * (bs - 1)])
+        ctx_k, ctx_v = run.context(config, params)
+        ours = draft_logits(params, target.params, target.config, config, block, ctx_k, ctx_v,
+                            jnp.array([run.anchor]), jnp.array([[run.anchor]]), bs)[0, 0]  # fmt: skip
+        if config.draft_vocab_size:
+            ours = ours[..., ids]
+        reference = np.load(f"{tmp_path / 'ref'}{i}.npy")  # [bs, V or 64]: slot 0 is the anchor's
+        np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
+
+
+@dataclasses.dataclass
+class _ReferenceRun:
+    """The inputs the reference drafted from (16 tokens, their taps, the block's anchor)."""
+
+    tokens: np.ndarray
+    taps: np.ndarray
+    anchor: int
+
+    def context(self, config, params):
+        """Our drafter's context K/V of the 16 rows (the block sees those before the anchor)."""
+        taps, positions = jnp.asarray(self.taps[None]), jnp.arange(len(self.tokens))[None]
+        return Drafter(config).apply({"params": params}, taps, positions, method="context_kv")
+
+
+def _run_reference(target_dir, target, exports: dict, tmp_path) -> _ReferenceRun:
+    """Writes each (config, params) of `exports` with --format=speculators and has the
+    reference draft one teacher-forced block at anchor 9 of 16 random tokens from each, in the
+    separate venv: `tmp_path/ref{i}.npy` (and DSpark's `ref{i}_confidence.npy`)."""
     for name, (config, params) in exports.items():
         write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
     tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
-    anchor, bs = 9, drafter.config.block_size
+    tap_ids = next(iter(exports.values()))[0].target_layer_ids
     _, taps_btf, _ = Transformer(target.config).apply(
         {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
-        jnp.arange(16, dtype=jnp.int32)[None], None, None, drafter.config.target_layer_ids,
+        jnp.arange(16, dtype=jnp.int32)[None], None, None, tap_ids,
     )  # fmt: skip
-    taps = np.asarray(taps_btf[0], np.float32)
-    block = jnp.asarray([[tokens[anchor]] + [drafter.config.mask_token_id] * (bs - 1)], jnp.int32)
-    np.savez(tmp_path / "inputs.npz", taps=taps, tokens=tokens, anchor=anchor)
+    run = _ReferenceRun(tokens=tokens, taps=np.asarray(taps_btf[0], np.float32), anchor=9)
+    np.savez(tmp_path / "inputs.npz", taps=run.taps, tokens=tokens, anchor=run.anchor)
     subprocess.run(
         [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
          str(tmp_path / "inputs.npz"), str(tmp_path / "ref"), *(str(tmp_path / n) for n in exports)],
         check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
-    for i, (config, params) in enumerate(exports.values()):
-        ctx_k, ctx_v = Drafter(config).apply(
-            {"params": params}, jnp.asarray(taps[None]), jnp.arange(16)[None], method="context_kv"
-        )
-        ours = draft_logits(params, target.params, target.config, config, block, ctx_k, ctx_v,
-                            jnp.array([anchor]), jnp.array([[anchor]]), bs)[0, 0]  # fmt: skip
-        if config.draft_vocab_size:
-            ours = ours[..., ids]
-        reference = np.load(f"{tmp_path / 'ref'}{i}.npy")  # [bs, V or 64]: slot 0 is the anchor's
-        np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
+    return run

@@ -1,14 +1,16 @@
 """The `speculators` drafter format (vllm-project/speculators, PyPI `speculators` 0.9.0).
 
 A directory of `config.json` + `model.safetensors`, as `SpeculatorModel.save_pretrained` writes:
-the config carries `speculators_model_type` ("dflash", "dflash2"; "dspark" and EAGLE-3 are other
-models), the draft layers' Qwen3 config under `transformer_layer_config`, and beside it
-`block_size`, `mask_token_id`, `aux_hidden_state_layer_ids`, `draft_vocab_size`,
-`sample_from_anchor`, `sliding_window_non_causal`, DFlash2's four sizes and `speculators_config`
-(algorithm, proposal method, verifier). The tensors are the z-lab ones (`io/zlab.py`'s table:
-the reference's converter copies them as they are) plus, with a draft vocabulary smaller than
-the target's, `lm_head.weight` [draft_vocab, D], `d2t` [draft_vocab] (target id = draft id +
-d2t[draft id]) and `t2d` [V] bool.
+the config carries `speculators_model_type` ("dflash", "dflash2", "dspark"; EAGLE-3 and the rest
+are other models), the draft layers' Qwen3 config under `transformer_layer_config`, and beside
+it `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids`, `draft_vocab_size`,
+`sample_from_anchor`, `sliding_window_non_causal`, DFlash2's four sizes, DSpark's
+`markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`, and
+`speculators_config` (algorithm, proposal method, verifier). The tensors are the z-lab ones
+(`io/zlab.py`'s table: the reference's converter copies them as they are; DSpark's
+`markov_head.*` and `confidence_head.*` are in the same table) plus, with a draft vocabulary
+smaller than the target's, `lm_head.weight` [draft_vocab, D], `d2t` [draft_vocab] (target id =
+draft id + d2t[draft id]) and `t2d` [V] bool.
 
 What differs from z-lab, and how it maps:
   * `aux_hidden_state_layer_ids` index the target's hidden states with the embedding as 0
@@ -23,10 +25,13 @@ What differs from z-lab, and how it maps:
     d2t + arange, which t2d must mark); decoding drafts over it and maps the drafts to target
     ids (`models.drafter.drafter_logits`).
 
-Refused, each with what to do: `sample_from_anchor` (the anchor slot drafting too: DSpark's way,
-not our DFlash decode), sliding-window layers (the reference windows from the block's anchor,
-ours from each query), a DFlash2 drafter with a draft vocabulary (the reference refuses it too),
-and DSpark or any other model type.
+  * DSpark: our config's `DSPARK_FIELDS` are the format's (absent ones take the reference's
+    defaults: sample_from_anchor, rank 256, vanilla, a confidence head with the Markov input).
+
+Refused, each with what to do: `sample_from_anchor` on a DFlash or DFlash2 drafter (the anchor
+slot drafting too is DSpark's way, not our DFlash decode), sliding-window layers (the reference
+windows from the block's anchor, ours from each query), a DFlash2 drafter with a draft
+vocabulary (the reference refuses it too), and any other model type.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.config import DFLASH2_FIELDS, ConfigError, DrafterConfig
+from dflash_jax.config import DFLASH2_FIELDS, DSPARK_FIELDS, ConfigError, DrafterConfig
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.zlab import (
     CONFIG_FILE,
@@ -51,14 +56,21 @@ from dflash_jax.io.zlab import (
 )
 
 VERSION = "0.9.0"  # the release whose format this module reads and writes
-MODEL_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel"}
+MODEL_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel",
+               "dspark": "DSparkSpeculator"}  # fmt: skip
+# our z-lab-style architecture name of each model type (`DrafterConfig.from_zlab` reads it)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                 "dspark": "DSparkDraftModel"}  # fmt: skip
+# `DSparkSpeculatorConfig`'s defaults, for a checkpoint that leaves a field out
+DSPARK_DEFAULTS = {"sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
+                   "enable_confidence_head": True, "confidence_head_with_markov": True}  # fmt: skip
 # Verifier-owned tensors a checkpoint may hold; the reference reloads them from the verifier
 # (full vocabulary), so they are not the drafter's.
 VERIFIER_TENSORS = frozenset(
     {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 )
 VOCAB_MAPS = frozenset({"d2t", "t2d"})
-_FIX = "pass a DFlash or DFlash2 drafter (speculators, z-lab or Orbax)"
+_FIX = "pass a DFlash, DFlash2 or DSpark drafter (speculators, z-lab or Orbax)"
 # what the draft layers' config must give (the rest has the z-lab reader's defaults)
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "vocab_size")  # fmt: skip
@@ -86,7 +98,7 @@ def zlab_config(spec: dict, where: str) -> dict:
     kind = spec.get("speculators_model_type")
     if kind not in MODEL_TYPES:
         raise ConfigError(
-            f"{where}: a speculators {kind!r} model, not a DFlash or DFlash2 drafter "
+            f"{where}: a speculators {kind!r} model, not a DFlash, DFlash2 or DSpark drafter "
             f"(speculators_model_type must be one of {sorted(MODEL_TYPES)}); {_FIX}"
         )
     layer = spec.get("transformer_layer_config")
@@ -97,10 +109,11 @@ def zlab_config(spec: dict, where: str) -> dict:
         raise ConfigError(f"{where}: transformer_layer_config lacks {missing}; {_FIX}")
     vocab = layer.get("vocab_size")
     draft_vocab = spec.get("draft_vocab_size", 32000)  # the reference's default
-    if spec.get("sample_from_anchor", False):
+    if spec.get("sample_from_anchor", False) and kind != "dspark":
         raise ConfigError(
-            f"{where}: sample_from_anchor=true (the anchor slot drafts too), which our DFlash "
-            "decoding does not do; use a drafter trained with sample_from_anchor=false"
+            f"{where}: sample_from_anchor=true on a {kind} drafter (the anchor slot drafts "
+            "too), which our DFlash decoding does not do; use a drafter trained with "
+            "sample_from_anchor=false"
         )
     if "sliding_attention" in (layer.get("layer_types") or ()):
         raise ConfigError(
@@ -138,11 +151,13 @@ def zlab_config(spec: dict, where: str) -> dict:
         defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
                     "selector_top_k": 16}  # fmt: skip
         dflash |= {name: int(spec.get(name, defaults[name])) for name in DFLASH2_FIELDS}
+    if kind == "dspark":
+        dflash |= {name: spec.get(name, DSPARK_DEFAULTS[name]) for name in DSPARK_FIELDS}
     # full-attention layers are bidirectional whatever the layer config says
     dropped = ("architectures", "auto_map", "is_causal", "causal")
     out = {k: v for k, v in layer.items() if k not in dropped}
     return out | {
-        "architectures": ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[kind]],
         "dflash_config": dflash,
         "block_size": dflash["block_size"],
     }
@@ -169,7 +184,7 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
             f"this drafter sets {extra}, which the speculators format has no field for; "
             "export it with --format=zlab"
         )
-    kind = "dflash2" if config.is_dflash2 else "dflash"
+    kind = "dflash2" if config.is_dflash2 else "dspark" if config.is_dspark else "dflash"
     # num_target_layers stays in the layer config (the reference ignores it), so it round-trips
     not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "rope_theta",
                  "rope_scaling", "torch_dtype")  # fmt: skip
@@ -189,12 +204,12 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
         "mask_token_id": config.mask_token_id,
         # DFlash2's default is true; it matters for sliding layers only, which are refused
         "sliding_window_non_causal": config.is_dflash2,
-        "sample_from_anchor": False,
+        "sample_from_anchor": config.sample_from_anchor,
         "torch_dtype": z["torch_dtype"],
         "speculators_config": {
             "algorithm": kind,
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": config.block_size - 1}
+                {"proposal_type": "greedy", "speculative_tokens": config.num_drafts}
             ],  # fmt: skip
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
@@ -202,11 +217,13 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
     }
     if config.is_dflash2:
         out |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+    if config.is_dspark:
+        out |= {name: getattr(config, name) for name in DSPARK_FIELDS}
     return out
 
 
 def read_speculators(directory: str | Path, dtype: str = "float32") -> tuple[DrafterConfig, dict]:
-    """Reads a `speculators` DFlash or DFlash2 directory -> (DrafterConfig, numpy params in
+    """Reads a `speculators` DFlash, DFlash2 or DSpark directory -> (DrafterConfig, numpy params in
     `dtype`), refusing what `zlab_config` refuses and, like `read_zlab`, unmapped, missing or
     misshapen tensors."""
     directory = Path(directory)

@@ -10,6 +10,10 @@ DFlash2 adds layers.{i}.{attention,mlp}_conv.base_kernel [2, O, D] and .kernel_p
 [2*O*G, D], candidate_selector.{predecessor,successor}_codebook [V, R] (no `.weight`: the names
 the reference's `from_pretrained` key mapping reads and its `save_pretrained` writes; a
 `.weight` suffix is accepted) and candidate_selector.hidden_projection.weight [R, D].
+DSpark's heads (written to `speculators` checkpoints only; `write_zlab` refuses a DSpark drafter):
+markov_head.markov_w1.weight [V, R], markov_w2.weight [U, R] (U the draft vocabulary or V),
+gated: markov_head.gate_proj.{weight [R, D+R], bias [R]}, rnn: markov_head.joint_proj.{weight
+[3R, 2R+D], bias [3R]}; confidence_head.proj.{weight [1, D(+R)], bias [1]}.
 Our params mirror these names (`layers.{i}` -> `layers_{i}`, `weight` -> `kernel`/`scale`/
 `embedding`).
 """
@@ -93,6 +97,36 @@ def _table(config: DrafterConfig) -> dict[str, tuple[tuple[str, ...], tuple[int,
             (r, d),
             "dense",
         )
+    return table | _dspark_table(c)
+
+
+def _dspark_table(c: DrafterConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], str]]:
+    """A DSpark drafter's heads (`speculators`' names; no z-lab checkpoint holds them)."""
+    d, r, table = c.hidden_size, c.markov_rank, {}
+    if c.markov_rank:
+        table |= {
+            "markov_head.markov_w1.weight": (
+                ("markov_head", "markov_w1", "embedding"), (c.vocab_size, r), "raw"
+            ),
+            "markov_head.markov_w2.weight": (
+                ("markov_head", "markov_w2", "kernel"), (c.draft_vocab_size or c.vocab_size, r),
+                "dense",
+            ),
+        }  # fmt: skip
+    projections = {"gated": ("gate_proj", r, d + r), "rnn": ("joint_proj", 3 * r, 2 * r + d)}
+    if c.markov_rank and c.markov_head_type in projections:
+        name, out, width = projections[c.markov_head_type]
+        table |= {
+            f"markov_head.{name}.weight": (("markov_head", name, "kernel"), (out, width), "dense"),
+            f"markov_head.{name}.bias": (("markov_head", name, "bias"), (out,), "raw"),
+        }
+    if c.enable_confidence_head:
+        width = d + (r if c.confidence_head_with_markov else 0)
+        table |= {
+            "confidence_head.proj.weight": (("confidence_head", "proj", "kernel"), (1, width),
+                                            "dense"),
+            "confidence_head.proj.bias": (("confidence_head", "proj", "bias"), (1,), "raw"),
+        }  # fmt: skip
     return table
 
 
@@ -244,6 +278,12 @@ def write_zlab(
         raise ConfigError(
             f"this drafter drafts over a vocabulary of its own ({config.draft_vocab_size} "
             "ids), which the z-lab format cannot hold; export it with --format=speculators"
+        )
+    if config.is_dspark:
+        raise ConfigError(
+            "this is a DSpark drafter (a Markov head, a confidence head or drafts from the "
+            "anchor slot), which the z-lab format cannot hold; export it with "
+            "--format=speculators"
         )
     tensors = tensors_from_params(config, params, dtype)
     write_checkpoint(directory, dataclasses.replace(config, dtype=dtype).to_zlab(), tensors)
