@@ -144,29 +144,76 @@ def _tree_pass(cfg):
     return jax.jit(lambda p, *a: Transformer(cfg).apply({"params": p}, *a, method=logits))
 
 
-def test_a_tree_verify_gives_each_node_its_ar_bits(target):
-    """Each node of a tree verify gets the bits of the AR step that feeds its token after its
-    root path (its keys at start + depth, where the AR step has them): greedy trees are then
-    lossless in bf16 as chains are."""
+def _assert_tree_nodes_get_their_ar_bits(inv, params, cache0, start):
+    """Each node of a tree verify (`TREE_PARENTS`, tokens of seed 4) after the `start` tokens
+    of cache0 gets the bits of the AR step that feeds its token after its root path (its keys
+    at start + depth, where the AR step has them). inv: the config with its row rule."""
     from dflash_jax.ops.attention import tree_attention_mask
 
-    cfg, params, rule = target
-    inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
-    tokens = _tokens(4)[: len(TREE_PARENTS)].astype(np.int32)
+    tokens = (_tokens(4)[: len(TREE_PARENTS)] % inv.vocab_size).astype(np.int32)
     depth = np.zeros(len(TREE_PARENTS), np.int32)
     for i in range(1, len(TREE_PARENTS)):
         depth[i] = depth[TREE_PARENTS[i]] + 1
-    _, cache0 = _prefill(inv, params, jnp.asarray(_tokens()[:P0], jnp.int32)[None])
     mask = tree_attention_mask(jnp.asarray(TREE_PARENTS, jnp.int32)[None])
     tree = _tree_pass(inv)(
-        params, tokens[None], jnp.asarray(P0 + depth)[None], cache0, jnp.asarray([P0]), mask
+        params, tokens[None], jnp.asarray(start + depth)[None], cache0, jnp.asarray([start]), mask
     )
     tree = np.asarray(tree.astype(jnp.float32))[0]
     after = {}  # the cache after each node's AR step, its root path written
     for i, parent in enumerate(TREE_PARENTS):
         cache = cache0 if i == 0 else after[parent]
-        step, after[i] = _continue(inv, params, cache, tokens[None, i : i + 1], [P0 + depth[i]])
-        np.testing.assert_array_equal(tree[i], step[0, 0], err_msg=f"node {i} (depth {depth[i]})")
+        step, after[i] = _continue(inv, params, cache, tokens[None, i : i + 1], [start + depth[i]])
+        np.testing.assert_array_equal(
+            tree[i], step[0, 0], err_msg=f"node {i} (depth {depth[i]}, start {start})"
+        )
+
+
+# A start at which the tree's nodes cross the key tile boundary (slot 64 of `tiled_attention`'s
+# tiles) by index but not by depth: nodes 8-15 sit at slots 64-71 by index, every depth (<= 7)
+# at 56-63. The code before issue 44's fix laid a node's keys out by index, so a node with an
+# ancestor at index >= 8 had its keys over two key tiles where its AR step has one, and rounded
+# apart wherever a key of the second tile led its softmax. With weights unscaled: under the x4
+# of the fixtures one key dominates each softmax, the others' weights underflow, and the split
+# rounded apart in fp32 only (a tree at 40, inside one key tile, matched in bf16 there).
+TREE_START_PAST_A_KEY_TILE = 56
+
+
+def test_a_tree_verify_gives_each_node_its_ar_bits(target):
+    """Each node of a tree verify gets the bits of the AR step that feeds its token after its
+    root path (its keys at start + depth, where the AR step has them): greedy trees are then
+    lossless in bf16 as chains are. After P0 = 40 cached tokens (every node in the first key
+    tile), and after 56 with the fixture's x4 undone, exactly (`TREE_START_PAST_A_KEY_TILE`:
+    on the code before the fix, in bf16, nodes 8, 11, 12, 14 and 15 differed there on an AMD
+    EPYC with avx512_bf16, 2026-12-04, where the tree at 40 matched)."""
+    cfg, params, rule = target
+    inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
+    prefix = jnp.asarray(_tokens(), jnp.int32)[None]
+    _, cache0 = _prefill(inv, params, prefix[:, :P0])
+    _assert_tree_nodes_get_their_ar_bits(inv, params, cache0, P0)
+    start = TREE_START_PAST_A_KEY_TILE
+    unscaled = jax.tree.map(lambda w: w / 4, params)
+    _, cache0 = _prefill(inv, unscaled, prefix[:, :P0])
+    _, cache0 = _continue(inv, unscaled, cache0, prefix[:, P0:start], [P0])
+    _assert_tree_nodes_get_their_ar_bits(inv, unscaled, cache0, start)
+
+
+def test_a_bf16_tree_verify_gives_each_node_its_ar_bits():
+    """The check above in bf16 in the default suite, at `TREE_START_PAST_A_KEY_TILE` on the
+    decode checks' narrower target (`DECODE_SHAPES`, weights unscaled): on the code before issue
+    44's fix nodes 11, 13, 14 and 15 differed here (AMD EPYC with avx512_bf16, 2026-12-04).
+    Cheap (~4 s): params initialised under jit (eager, 4 s more; the same values), the prefix
+    written by AR steps (the program the check runs anyway), and no row rule probed: min_rows
+    16 runs the AR step's GEMMs at the tree's 16 rows on any machine, so only the attention,
+    issue 44's subject, can round apart (max_rows 128: the query tile, 64, of the bf16 rule
+    probed on this machine)."""
+    cfg = dataclasses.replace(_config("bfloat16"), **DECODE_SHAPES, invariant_rows=(16, 128))
+    init = jax.jit(lambda key: jax.tree.map(lambda w: w.astype("bfloat16"), init_params(cfg, key)))
+    params = init(jax.random.key(0))
+    prefix = (_tokens() % cfg.vocab_size).astype(np.int32)[None]
+    cache = init_cache(cfg, 1, CACHE)
+    for at in range(TREE_START_PAST_A_KEY_TILE):
+        _, cache = _continue(cfg, params, cache, prefix[:, at : at + 1], [at])
+    _assert_tree_nodes_get_their_ar_bits(cfg, params, cache, TREE_START_PAST_A_KEY_TILE)
 
 
 def test_the_check_fails_without_the_padding(target):
