@@ -342,7 +342,7 @@ def _greedy_equals_ar(
     own greedy tokens, row for row, under the default invariance (on in bf16). control: also
     decode block 16 with `batch_invariant=False` and require a row that differs from the
     (equally non-invariant) AR decode, i.e. show that without the row rule the check fails."""
-    from dflash_jax.config import DecodeConfig
+    from dflash_jax.config import DecodeConfig, tree_kind
     from dflash_jax.decoding import autoregressive_decode, speculative_decode
 
     cfg, params, dcfg, dp = _decode_pair(dtype)
@@ -369,6 +369,10 @@ def _greedy_equals_ar(
         np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens), str(mode))
         np.testing.assert_array_equal(np.asarray(sp.lengths), np.asarray(ar.lengths), str(mode))
         multi += int((np.asarray(sp.acceptance_lengths) > 1).sum())
+        if mode.get("tree_nodes"):  # the tree is verified, not only compiled
+            ran = np.asarray(sp.acceptance_lengths) > 0
+            kinds = np.asarray(sp.block_sizes)[ran]
+            assert (kinds == tree_kind(mode["tree_nodes"])).any(), f"{mode}: no tree step ran"
     assert multi, "no step accepted more than its bonus token: the verify was never exercised"
     if control:
         off = dataclasses.replace(base, batch_invariant=False)
@@ -409,10 +413,16 @@ def test_bf16_tree_decoding_equals_bf16_ar():
     """Trees of 16 (every step, and a kind of the adaptive decode) over a drafter that grows
     bushy trees (`_branching_drafter`): 8 rows of 128 tokens equal bf16 AR. The verify-level
     claim, each node's bits, is `test_a_tree_verify_gives_each_node_its_ar_bits`'s; this one
-    is the decode's (the tree's acceptance, the path's K/V and taps moved into the block)."""
+    is the decode's (the tree's acceptance, the path's K/V and taps moved into the block).
+    The adaptive decode's kinds are chains 4 and 16 and the tree, from a prior of 0.9: with the
+    default kinds and prior it ran chain 1 and 4 steps only here (910 and 80, no tree step);
+    so it runs trees (769 of 799 steps, 2026-12-04), and each mode must run one."""
     _greedy_equals_ar(
         "bfloat16", rows=8, max_new_tokens=128, branching=True,
-        modes=[{"tree_nodes": 16}, {"adaptive": True, "tree_nodes": 16}],
+        modes=[
+            {"tree_nodes": 16},
+            {"adaptive": True, "step_kinds": (4, 16), "adaptive_prior": 0.9, "tree_nodes": 16},
+        ],
     )  # fmt: skip
 
 
