@@ -1,9 +1,10 @@
 """DSpark drafters (issue 41): the DFlash backbone with a Markov logit bias over the block (three
 variants) and a confidence head. The walk conditions each draft on the token before it and on
-nothing after; ours -> speculators -> ours keeps config and params; z-lab export and decoding
-refuse one; and (with `speculators` in a separate venv, see tests/test_speculators.py) the
-reference `DSparkDraftModel` loaded from our exports gives our teacher-forced draft logits and
-confidence logits within fp32 tolerance, which a broken walk does not.
+nothing after; ours -> speculators -> ours keeps config and params; z-lab export and tree
+decoding refuse one (its decoding: tests/test_dspark_decoding.py); and (with `speculators` in a
+separate venv, see tests/test_speculators.py) the reference `DSparkDraftModel` loaded from our
+exports gives our teacher-forced draft logits and confidence logits within fp32 tolerance,
+which a broken walk does not.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def test_dspark_round_trips_and_refusals(pair, tmp_path):
     """ours -> speculators -> ours for each variant: the same config and bit-identical params,
     under the format's names (`markov_head.*`, `confidence_head.proj.*`, `speculators_model_type`
     dspark); the rnn drafter through Orbax too. A checkpoint that leaves the DSpark fields out
-    reads with the reference's defaults. z-lab export and decoding refuse a DSpark drafter."""
+    reads with the reference's defaults. z-lab export and tree decoding refuse a DSpark drafter."""
     target_dir, zlab_dir = pair
     config, params = read_zlab(zlab_dir)
     for name in VARIANTS:
@@ -136,8 +137,9 @@ def test_dspark_round_trips_and_refusals(pair, tmp_path):
     with pytest.raises(ConfigError, match="DSpark drafter .* export it with --format=speculators"):
         write_zlab(tmp_path / "zlab", dcfg, dparams)
     target = dj.load_target(str(target_dir), cache=False)
-    with pytest.raises(ConfigError, match="a DSpark drafter .* does not decode yet"):
-        check_decode_inputs(target.config, dcfg, DecodeConfig(block_size=4))
+    check_decode_inputs(target.config, dcfg, DecodeConfig(block_size=4))  # it decodes
+    with pytest.raises(ConfigError, match="tree verification is not implemented for a DSpark"):
+        check_decode_inputs(target.config, dcfg, DecodeConfig(block_size=4, tree_nodes=4))
 
 
 @pytest.mark.skipif(

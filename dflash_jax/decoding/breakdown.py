@@ -151,7 +151,7 @@ def phase_fns(
         h, sink = c
         if dcfg.is_dflash2:  # the head and the candidates; the walk is `drafter_select`
             return tie(h, selector.candidates(head, tcfg, dcfg, h)), sink
-        d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key, dp)
+        d, _ = phases.draft_tokens(head, tcfg, dcfg, cfg, h, key, dp, anchor_b1)
         return tie(h, d), sink
 
     def drafter_select(c, tp, dp, head):

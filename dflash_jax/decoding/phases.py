@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import selector
+from dflash_jax.decoding import markov, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
     accept_greedy_choices,
@@ -113,21 +113,28 @@ def draft_hidden(
 ):
     """The drafter over [anchor, MASK x (bs-1)] at positions start.., non-causally over the
     context cache (block K/V are not cached). -> final-normed hidden of the bs-1 draft slots
-    [B,bs-1,D]."""
+    [B,bs-1,D]; a DSpark drafter's: every slot it runs for a verify of bs
+    (`markov.drafter_slots`: bs-1 with `sample_from_anchor`, the anchor's slot drafting)."""
     b = anchor_b1.shape[0]
-    mask_bg = jnp.full((b, bs - 1), dcfg.mask_token_id, jnp.int32)
+    slots = markov.drafter_slots(dcfg, bs) if dcfg.is_dspark else bs
+    mask_bg = jnp.full((b, slots - 1), dcfg.mask_token_id, jnp.int32)
     x_btd = embed_block(target_params, tcfg, dcfg, jnp.concatenate([anchor_b1, mask_bg], 1))
     hidden_btd = Drafter(dcfg).apply(
-        {"params": drafter_params}, x_btd, ctx_k, ctx_v, drf_len_b, start_b[:, None], bs
+        {"params": drafter_params}, x_btd, ctx_k, ctx_v, drf_len_b, start_b[:, None], slots
     )
-    return hidden_btd[:, 1:]
+    return hidden_btd if dcfg.is_dspark else hidden_btd[:, 1:]
 
 
 def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=None, anchor_b1=None):
     """The target's frozen head on the draft slots (a draft vocabulary's drafter: its own, its
     params needed), then argmax or a sample per slot; a DFlash2 drafter (its params and the
-    anchors [B,1] needed) walks its candidates (`selector.py`).
+    anchors [B,1] needed) walks its candidates (`selector.py`), a DSpark drafter (likewise;
+    hidden: `draft_hidden`'s every slot) its Markov head (`markov.py`).
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
+    if dcfg.is_dspark:
+        return markov.propose(
+            head, tcfg, dcfg, cfg, drafter_params, hidden_bgd, anchor_b1[:, 0], key
+        )
     if dcfg.is_dflash2:
         selector_params = drafter_params["candidate_selector"]
         return selector.propose(

@@ -272,21 +272,25 @@ def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConf
     a decode mode the target cannot run (`check_tree_target`)."""
     check_fits(dcfg, tcfg)
     check_tree_target(tcfg, cfg)
-    if dcfg.is_dspark:
+    if dcfg.is_dspark and cfg.tree_nodes:
         raise ConfigError(
-            "a DSpark drafter (Markov head, confidence head or drafts from the anchor slot) does "
-            "not decode yet (its teacher-forced logits: models.drafter.dspark_draft_logits); "
-            "use a DFlash or DFlash2 drafter"
+            f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not implemented "
+            "for a DSpark drafter (its Markov head walks one chain of drafts); use tree_nodes=0"
+        )
+    if cfg.row_settings and dcfg.is_dspark:
+        raise ConfigError(
+            "row_settings (per-row sampling settings, a server's slots) are not implemented "
+            "for a DSpark drafter's Markov walk; use a DFlash drafter"
         )
     if cfg.row_settings and dcfg.is_dflash2:
         raise ConfigError(
             "row_settings (per-row sampling settings, a server's slots) are not implemented "
             "for a DFlash2 drafter's candidate selector; use a DFlash drafter"
         )
-    if cfg.block_size > dcfg.block_size:
+    if cfg.block_size > dcfg.num_drafts + 1:  # DSpark with sample_from_anchor: one more
         raise ConfigError(
             f"block_size={cfg.block_size} exceeds the drafter's trained block size "
-            f"{dcfg.block_size}"
+            f"{dcfg.block_size}" + (" + 1 (its anchor slot drafts)" * dcfg.sample_from_anchor)
         )
 
 

@@ -1,0 +1,195 @@
+"""DSpark drafters in the decode loop (issue 41): the Markov head's walk over a block
+(`decoding/markov.py`). Greedy decoding equals the target's own for every variant and both
+`sample_from_anchor` settings; the walk's drafts and recorded log-probs are the teacher-forced
+drafter's (`dspark_draft_logits` fed the walk's own drafts) at every slot; sampled decoding
+matches the target's exact law, and a proposal that records its log-probs without the Markov
+bias is caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decoding import LENS, PROMPT, make_pair, run_both, two_token_tv
+
+from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.decoding import markov, phases, speculative_decode
+from dflash_jax.decoding.programs import check_decode_inputs
+from dflash_jax.decoding.sampling import process_logits
+from dflash_jax.models import dspark
+from dflash_jax.models.drafter import dspark_draft_logits
+from dflash_jax.models.target import decoding_head
+
+# (Markov head, sample_from_anchor, draft vocabulary size)
+VARIANTS = [("vanilla", True, 0), ("gated", False, 0), ("rnn", True, 0), ("rnn", False, 30)]
+
+
+def dspark_pair(
+    kind, from_anchor, draft_vocab=0, vocab=64, scale=1.0, seed=0, zero_boost=6.0, zeros=False
+):
+    """test_decoding's tiny pair (block 8) as a DSpark drafter: Markov rank 8 of head `kind`,
+    every head weight ~ N(0, scale) so the bias moves the drafts; the drafter's final norm at
+    0.5 (not zero) so its slots differ; a draft vocabulary of every other id (and id 0).
+    zeros: the final norm zero as test_decoding's (base logits 0) and a Markov bias that
+    favours token 0 (z > 0, column 0 of markov_w2 raised), so drafts are often the target's
+    frequent 0 and get accepted, but not always."""
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=zero_boost, seed=seed)
+    dcfg = dataclasses.replace(
+        dcfg, markov_rank=8, markov_head_type=kind, sample_from_anchor=from_anchor,
+        enable_confidence_head=True, confidence_head_with_markov=True,
+        draft_vocab_size=draft_vocab,
+    )  # fmt: skip
+    keys = iter(jax.random.split(jax.random.key(seed + 5), 16))
+    heads = dspark.init_dspark_params(dcfg, jax.random.key(seed + 2))
+    dp = {**dp, **jax.tree.map(lambda w: scale * jax.random.normal(next(keys), w.shape), heads)}
+    dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.0 if zeros else 0.5)
+    if zeros:
+        head = dp["markov_head"]
+        head["markov_w1"]["embedding"] = jnp.abs(head["markov_w1"]["embedding"])
+        head["markov_w2"]["kernel"] = head["markov_w2"]["kernel"].at[:, 0].add(1.5)
+        if kind == "rnn":  # o, the output's pre-tanh, positive
+            head["joint_proj"]["bias"] = head["joint_proj"]["bias"].at[16:].add(3.0)
+    if draft_vocab:
+        ids = np.arange(0, 2 * draft_vocab, 2, dtype=np.int32)
+        kernel = 0.3 * jax.random.normal(next(keys), (dcfg.hidden_size, draft_vocab))
+        dp |= {"draft_to_target": jnp.asarray(ids), "lm_head": {"kernel": kernel}}
+    return tcfg, tp, dcfg, dp
+
+
+@pytest.mark.parametrize("kind,from_anchor,draft_vocab", VARIANTS)
+def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_vocab):
+    tcfg, tp, dcfg, dp = dspark_pair(kind, from_anchor, draft_vocab, zeros=True)
+    cfg = DecodeConfig(max_new_tokens=20, block_size=8)
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    acc = sp.acceptance_lengths
+    assert acc.max() > 1 and (acc[acc > 0] < 8).any()  # drafts accepted, and rejected
+    np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
+
+
+@pytest.mark.parametrize("from_anchor", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_adaptive_dspark_decoding_equals_autoregressive(from_anchor):
+    """Adaptive mode switches among drafted blocks of 2, 4 and 8 (the walk over as many slots
+    as each needs), plain steps and copied blocks; greedy output stays the target's."""
+    tcfg, tp, dcfg, dp = dspark_pair("rnn", from_anchor, zeros=True)
+    cfg = DecodeConfig(
+        max_new_tokens=20,
+        block_size=8,
+        adaptive=True,
+        step_kinds=(1, 2, 4, 8),
+        lookup_kinds=(4,),
+        adaptive_prior=0.9,
+    )
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    kinds = set(np.unique(sp.block_sizes).tolist())
+    assert {-4, 1, 8} <= kinds and sp.acceptance_lengths.max() > 1, kinds
+
+
+def _walk_and_teacher_forced(tcfg, tp, dcfg, dp, cfg, bs):
+    """One step's walk (`phases.draft_hidden` + `draft_tokens`) after PROMPT's context, and the
+    teacher-forced DSpark logits of the block holding the anchor then the walk's own drafts.
+    -> (drafts [B,G], recorded log-probs [B,G,V] or None, teacher-forced logits [B,G,V])."""
+    head = decoding_head(tp, tcfg)
+    s = phases.init_speculative(tp, dp, head, tcfg, dcfg, cfg, PROMPT, LENS, jax.random.key(0))
+    start_b = jnp.asarray(LENS) + s.n_gen - 1
+    anchor_b1 = s.gen[:, :1]
+    hidden = phases.draft_hidden(dp, tp, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs)  # fmt: skip
+    drafts, logp = phases.draft_tokens(head, tcfg, dcfg, cfg, hidden, jax.random.key(1), dp, anchor_b1)  # fmt: skip
+    slots = markov.drafter_slots(dcfg, bs)
+    tokens = jnp.concatenate([anchor_b1, drafts], 1)[:, :slots]
+    logits, _ = dspark_draft_logits(
+        dp, tp, tcfg, dcfg, tokens, s.ctx_k, s.ctx_v, s.drf_len, start_b[:, None], slots
+    )
+    return drafts, logp, logits[:, 0]
+
+
+@pytest.mark.parametrize("kind,from_anchor,draft_vocab", VARIANTS)
+def test_the_walk_is_the_teacher_forced_drafter(kind, from_anchor, draft_vocab):
+    """Greedy: the teacher-forced logits fed the walk's own drafts have those drafts as argmax
+    at every slot. Sampling (temperature 0.7, top-k 20): each slot's recorded log-probs are
+    the teacher-forced logits processed, i.e. the drafter's exact law given the drafts before,
+    which the rejection step needs."""
+    tcfg, tp, dcfg, dp = dspark_pair(kind, from_anchor, draft_vocab)
+    bs = 6  # not the trained 8: the slots follow the verify width
+    greedy = DecodeConfig(max_new_tokens=8, block_size=bs)
+    sampled = dataclasses.replace(greedy, temperature=0.7, top_k=20)
+
+    @jax.jit
+    def both(tp, dp):
+        return [_walk_and_teacher_forced(tcfg, tp, dcfg, dp, c, bs) for c in (greedy, sampled)]
+
+    (drafts, none, logits), (sdrafts, logp, slogits) = both(tp, dp)
+    assert none is None and drafts.shape == (3, bs - 1) and logp.shape == (3, bs - 1, 64)
+    np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1)), drafts)
+    want = np.asarray(process_logits(slogits, sampled))
+    np.testing.assert_array_equal(np.isfinite(logp), np.isfinite(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(np.asarray(logp)[finite], want[finite], atol=1e-5)
+    assert np.isfinite(
+        np.take_along_axis(np.asarray(logp), np.asarray(sdrafts)[..., None], -1)
+    ).all()
+    if draft_vocab:  # drafts only ids of the draft vocabulary
+        assert set(np.unique(np.asarray(drafts))) <= set(range(0, 60, 2))
+
+
+def _unbiased_log_probs(head, tcfg, dcfg, cfg, dparams, hidden, anchor_b, key):
+    """A broken proposal: the walk's drafts (drawn with the Markov bias), but log-probs
+    recorded without the bias, so the rejection step reads the wrong q."""
+    drafts, _ = _PROPOSE(head, tcfg, dcfg, cfg, dparams, hidden, anchor_b, key)
+    first = 0 if dcfg.sample_from_anchor else 1
+    base = markov.base_logits(head, tcfg, dcfg, dparams, hidden[:, first:])
+    return drafts, process_logits(base, cfg)
+
+
+_PROPOSE = markov.propose
+
+
+@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
+    """The empirical joint law of the first two generated tokens (the second from the rejection
+    step over the walk's first draft, which the Markov head biases by the anchor) matches the
+    target's exact law; a proposal that records its log-probs without the bias is detected."""
+    vocab = 12
+    tcfg, tp, dcfg, dp = dspark_pair("rnn", False, vocab=vocab, scale=3.0, seed=4, zero_boost=1.0)
+    if broken:
+        monkeypatch.setattr(markov, "propose", _unbiased_log_probs)
+    jax.clear_caches()
+    prompt = np.array([3, 1, 4], np.int32)
+    n = 6000
+    temperature = 2.0  # a flatter target law, where a wrong rule shows more
+    cfg = DecodeConfig(max_new_tokens=2, block_size=4, temperature=temperature)
+    out = speculative_decode(
+        tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
+        target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
+    )  # fmt: skip
+    jax.clear_caches()
+    tv = two_token_tv(tcfg, tp, prompt, temperature, out.tokens)
+    print(f"\nTV {'broken' if broken else 'lossless'}: {tv:.3f}")
+    # Sampling noise of the TV distance over 144 cells at n=6000 is about 0.05.
+    if broken:
+        assert tv > 0.15, tv
+    else:
+        assert tv < 0.09, tv
+
+
+def test_dspark_decoding_refusals_and_block_width():
+    """Trees and row_settings are refused, naming the way out; with sample_from_anchor the
+    verify may be one wider than the trained block (its anchor slot drafts too), not two."""
+    tcfg, _, dcfg, _ = dspark_pair("vanilla", True)
+    with pytest.raises(ConfigError, match="not implemented for a DSpark drafter .* tree_nodes=0"):
+        check_decode_inputs(tcfg, dcfg, DecodeConfig(block_size=8, tree_nodes=8))
+    with pytest.raises(ConfigError, match="row_settings .* DSpark .* use a DFlash drafter"):
+        check_decode_inputs(tcfg, dcfg, DecodeConfig(block_size=8, row_settings=True))
+    check_decode_inputs(tcfg, dcfg, DecodeConfig(block_size=9))
+    with pytest.raises(ConfigError, match="trained block size 8 \\+ 1"):
+        check_decode_inputs(tcfg, dcfg, DecodeConfig(block_size=10))
+    no_anchor = dataclasses.replace(dcfg, sample_from_anchor=False)
+    with pytest.raises(ConfigError, match="trained block size 8$"):
+        check_decode_inputs(tcfg, no_anchor, DecodeConfig(block_size=9))
