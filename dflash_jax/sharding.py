@@ -35,6 +35,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     # MoE experts (expert parallelism): each device of `tensor` holds E / |tensor| whole
     # experts; their own dims then stay unsplit over `tensor` (a mesh axis maps once per array).
+    # The tokens go to them by all-to-all over these axes (`models.moe.experts_on_mesh`).
     ("expert", "tensor"),
     # Gated DeltaNet: key heads (each with its group of conv channels) and the value heads
     # they serve, split alike (`models.linear_attention`).
@@ -299,10 +300,9 @@ def traced_under(mesh: Mesh, fn):
     return under
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES) -> jax.Array:
-    """x pinned to the split its logical `axes` give on the mesh of the program being traced
-    (`traced_under`, `jax.set_mesh`), so GSPMD's propagation cannot choose another; x as it is
-    without one (one device, inside `shard_map`, a mesh without our axes)."""
+def program_mesh() -> jax.sharding.AbstractMesh | None:
+    """The (abstract) mesh of the program being traced (`traced_under`, `jax.set_mesh`), or
+    None: one device, inside `shard_map`, or a mesh without our axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if (
         mesh.empty
@@ -310,6 +310,16 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES
         or mesh.manual_axes
         or not set(MESH_AXES) <= set(mesh.axis_names)
     ):
+        return None
+    return mesh
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None], rules=LOGICAL_AXIS_RULES) -> jax.Array:
+    """x pinned to the split its logical `axes` give on the mesh of the program being traced
+    (`traced_under`, `jax.set_mesh`), so GSPMD's propagation cannot choose another; x as it is
+    without one (one device, inside `shard_map`, a mesh without our axes)."""
+    mesh = program_mesh()
+    if mesh is None:
         return x
     spec = logical_to_spec(axes, x.shape, mesh, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,9 +1,9 @@
 # ruff: noqa: E402  (XLA_FLAGS must be set before jax starts)
 """MoE and hybrid targets on a mesh of 8 fake CPU devices: experts split over the `expert`
-axis (mesh axis `tensor`), the linear layers split over their heads (params, conv and recurrent
-state), and greedy speculative decoding and a hybrid's logits equal to one device. The checks
-run in one fresh process with 8 CPU devices (the rest of the session keeps one); the tests read
-its results."""
+axis (mesh axis `tensor`) with the tokens moved to them by all-to-all, the linear layers split
+over their heads (params, conv and recurrent state), and greedy speculative decoding and a
+hybrid's logits equal to one device. The checks run in fresh processes with 8 CPU devices (the
+rest of the session keeps one); the tests read their results."""
 
 import collections
 import functools
@@ -25,9 +25,10 @@ import pytest
 
 from dflash_jax import sharding
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import speculative_decode
+from dflash_jax.decoding import programs, speculative, speculative_decode
 
 MESH = "data=2,tensor=4"
+EXPERT_WIDTH = dict(moe_intermediate_size=24)
 PROMPT = np.array([[5, 17, 33, 3, 42, 7], [11, 2, 60, 31, 0, 0]] * 2, np.int32)
 LENS = np.array([6, 4, 6, 4], np.int32)
 
@@ -41,7 +42,8 @@ def mesh_checks(workdir: str) -> dict:
     out = {}
     mesh = sharding.mesh_from_spec(MESH)
     for family in ("qwen3_moe", "qwen3_5_moe"):
-        path = make_tiny_layered(Path(workdir) / family, family, num_experts=8)
+        # (an expert width no activation shares: `_gathered` tells weights by their shapes)
+        path = make_tiny_layered(Path(workdir) / family, family, num_experts=8, **EXPERT_WIDTH)
         plain = load_target(str(path), cache=False)
         placed = load_target(str(path), cache=False, mesh=mesh)
         dcfg, dp = _drafter(plain)
@@ -49,12 +51,23 @@ def mesh_checks(workdir: str) -> dict:
         kw = dict(target_config=plain.config, drafter_config=dcfg, decode_config=cfg)
         key = jax.random.key(0)
         ref = speculative_decode(plain.params, dp, PROMPT, LENS, key, **kw)
-        got = speculative_decode(placed.params, dp, PROMPT, LENS, key, **kw, mesh=mesh)
+        # The program speculative_decode(..., mesh=mesh) runs, compiled here to read its HLO.
+        kw["target_config"] = programs.run_target_config(plain.config, cfg)
+        args = (placed.params, dp, PROMPT, LENS, key, speculative.step_cost_array(cfg),
+                np.int32(-1), programs.step_limit_array(cfg, None))  # fmt: skip
+        fn, args, _ = programs.on_mesh(speculative.speculative_jit, mesh, args, kw)
+        compiled = fn.lower(*args).compile()
+        got = compiled(*args)
         layer = next(k for k in placed.params if k.startswith("layers_"))
-        experts = placed.params[layer]["mlp"]["experts"]["up_proj"]
+        experts = placed.params[layer]["mlp"]["experts"]
+        hlo = compiled.as_text()
         out[family] = {
             "same": np.array_equal(got.tokens, ref.tokens),
-            "expert_shards": sorted({s.data.shape[0] for s in experts.addressable_shards}),
+            "expert_shards": sorted(
+                {s.data.shape[0] for s in experts["up_proj"].addressable_shards}
+            ),
+            "gathered_experts": _gathered(hlo, {w.shape for w in experts.values()}),
+            "all_to_all": _dispatches(hlo),
         }
     out["deltanet"] = deltanet_checks(workdir, mesh)
     return out
@@ -91,6 +104,57 @@ def _collectives(hlo: str, scope: str) -> dict:
         if kind and name and f"/{scope}/" in name[1]:
             found[f"{kind[1]} {name[1].split(f'/{scope}/')[1]}"] += 1
     return dict(found)
+
+
+def _gathered(hlo: str, shapes: set) -> list[str]:
+    """The all-gathers of a compiled program whose operand or result has the shape of an
+    expert weight, whole ([E,D,F] / [E,F,D]) or a device's experts with a dim split
+    ([E/n,D,F]..): a weight moved instead of the tokens."""
+    dims = {(d1, d2) for _, d1, d2 in shapes}
+    found = []
+    for line in hlo.splitlines():
+        if not re.search(r" all-gather(-start)?\(", line):
+            continue
+        for shape in re.findall(r"\w+\[(\d+),(\d+),(\d+)\]", line):
+            e, d1, d2 = map(int, shape)
+            if (e, d1, d2) in shapes or (d1, d2) in dims:
+                found.append(line.strip()[:160])
+                break
+    return found
+
+
+def _dispatches(hlo: str) -> int:
+    """The all-to-alls of a compiled program that the MoE layers state (jax's all_to_all in
+    the experts' shard_map), not those GSPMD adds to reshard an activation."""
+    ops = re.findall(r' all-to-all(?:-start)?\(.*op_name="([^"]*)"', hlo)
+    return sum(name.endswith("/experts/shard_map/all_to_all") for name in ops)
+
+
+def expert_checks(workdir: str) -> dict:
+    """A sparse MoE layer (8 experts, top-2, 12 tokens: the last device's share padded) on
+    `tensor=8` against one device, and its compiled program's collectives."""
+    from dflash_jax.models.moe import SparseMoE
+
+    layer = SparseMoE(num_experts=8, top_k=2, expert_size=24, normalise=True)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 32))
+    params = {"layers_0": {"mlp": layer.init(jax.random.key(1), x)["params"]}}
+    params = jax.tree.map(lambda p: 4 * p if p.shape == (32, 8) else p, params)  # router spread
+    apply = lambda p, x: layer.apply({"params": p["layers_0"]["mlp"]}, x)
+    ref = jax.jit(apply)(params, x)
+    mesh = sharding.mesh_from_spec("tensor=8")
+    shardings = sharding.param_shardings(params, mesh)
+    fn = jax.jit(sharding.traced_under(mesh, apply), in_shardings=(shardings, None))
+    placed = sharding.put(params, shardings)
+    compiled = fn.lower(placed, x).compile()
+    got = compiled(placed, x)
+    experts = placed["layers_0"]["mlp"]["experts"]
+    hlo = compiled.as_text()
+    return {
+        "max_diff": float(jnp.max(jnp.abs(got - ref))),
+        "expert_shards": sorted({s.data.shape[0] for s in experts["up_proj"].addressable_shards}),
+        "gathered_experts": _gathered(hlo, {w.shape for w in experts.values()}),
+        "all_to_all": _dispatches(hlo),
+    }
 
 
 def deltanet_checks(workdir: str, mesh) -> dict:
@@ -137,9 +201,9 @@ def deltanet_checks(workdir: str, mesh) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("layered_mesh")
+def _on_8_devices(checks: str, workdir) -> dict:
+    """The JSON result of `checks(workdir)` (a function of this file) in a fresh process with
+    8 fake CPU devices."""
     here = Path(__file__).resolve().parent
     env = {
         **os.environ,
@@ -149,7 +213,7 @@ def results(tmp_path_factory):
             [str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    code = "import json, sys, test_layered_mesh as t; print(json.dumps(t.mesh_checks(sys.argv[1])))"
+    code = f"import json, sys, test_layered_mesh as t; print(json.dumps(t.{checks}(sys.argv[1])))"
     out = subprocess.run(
         [sys.executable, "-c", code, str(workdir)],
         env=env, cwd=here, capture_output=True, text=True, check=False, timeout=1500,
@@ -158,12 +222,31 @@ def results(tmp_path_factory):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _on_8_devices("mesh_checks", tmp_path_factory.mktemp("layered_mesh"))
+
+
+def test_experts_stay_put_and_tokens_move(tmp_path):
+    """Expert parallelism in one MoE layer on tensor=8 (one expert per device): the output
+    equals one device's within fp32 (the k outputs combined in the router's order), each
+    device holds one expert, the compiled program moves the tokens by all-to-all (2 there,
+    1 back) and gathers no expert weight. On the commit before, GSPMD split the experts'
+    matmuls with no all-to-all."""
+    got = _on_8_devices("expert_checks", tmp_path)
+    assert got["max_diff"] < 1e-5, got
+    assert got["expert_shards"] == [1], got
+    assert got["all_to_all"] == 3 and not got["gathered_experts"], got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_sharded_layered_decode_equals_one_device(results, family):
     got = results[family]
     assert got["same"], got
     assert got["expert_shards"] == [2], got  # 8 experts over tensor=4: 2 whole experts each
+    # The decode program moves tokens to the experts, never the experts' weights.
+    assert got["all_to_all"] > 0 and not got["gathered_experts"], got
 
 
 @pytest.mark.slow
