@@ -21,6 +21,12 @@ and one JSON line per program goes to stdout:
                 "outside_shard_map": 0}], "fingerprint": "3f0c...", "seconds": 1.2, ...}
 
 (a call site counts once per layer: 41 = Qwen3-8B's 36 target layers + the drafter's 5).
+`collectives` lists the collectives the program states, those of its `shard_map`s (a MoE's
+all-to-all token dispatch: [{"kind": "all_to_all", "bytes": 16384, "count": 48}, ..]), by
+kind and per-device operand bytes, counted per call site like the kernels (in an advance
+program's loop: per step). GSPMD's own collectives (the all-reduces of a tensor-split matmul,
+an all-gather of a weight) are chosen when XLA partitions the program, which needs its
+compiler: they do not show here.
 A decode program's line also says what it was built with (`decode`: block size, adaptive
 kinds, tree, stop tokens, row rule, dtype). `fingerprint` (`programs.fingerprint`: the
 StableHLO and the compiler options) is what `infer.generate --json` prints in
@@ -40,6 +46,7 @@ Shardy's `sdy.manual_computation` (jax's default partitioner).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -61,6 +68,11 @@ WHATS = ("decode", "train")
 KERNEL_TARGETS = frozenset(
     ("tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu_v2")
 )
+# StableHLO collectives, as the `collectives` field names them.
+COLLECTIVES = frozenset(
+    ("all_to_all", "all_gather", "all_reduce", "reduce_scatter", "collective_permute",
+     "collective_broadcast")
+)  # fmt: skip
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -114,15 +126,15 @@ def _kernel_name(op) -> str | None:
     return None
 
 
-def custom_calls(module) -> Counter:
-    """(target, kernel name or None, mesh axes in manual mode there) -> count, over a lowered
-    StableHLO module; a call inside a private function counts once per call site."""
+def _count_ops(module, key_of) -> Counter:
+    """key_of(op, mesh axes in manual mode there) -> count over a lowered StableHLO module's
+    ops (None: not counted); an op inside a private function counts once per call site."""
     funcs = {
         ir.StringAttr(op.attributes["sym_name"]).value: op.operation
         for op in module.body.operations
         if op.operation.name == "func.func"
     }
-    held: dict[tuple[str, frozenset], Counter] = {}  # (function, manual axes) -> its calls
+    held: dict[tuple[str, frozenset], Counter] = {}  # (function, manual axes) -> its counts
 
     def walk(op, manual: frozenset, found: Counter) -> None:
         for region in op.regions:
@@ -130,10 +142,10 @@ def custom_calls(module) -> Counter:
                 for child in block.operations:
                     child = child.operation
                     inner = manual
-                    if child.name == "stablehlo.custom_call":
-                        target = ir.StringAttr(child.attributes["call_target_name"]).value
-                        found[(target, _kernel_name(child), manual)] += 1
-                    elif child.name == "sdy.manual_computation":  # a shard_map
+                    key = key_of(child, manual)
+                    if key is not None:
+                        found[key] += 1
+                    if child.name == "sdy.manual_computation":  # a shard_map
                         axes = str(child.attributes["manual_axes"])
                         inner = manual | set(re.findall(r'"(\w+)"', axes))
                     elif child.name == "func.call":
@@ -147,6 +159,40 @@ def custom_calls(module) -> Counter:
     found: Counter = Counter()
     walk(funcs["main"], frozenset(), found)
     return found
+
+
+def custom_calls(module) -> Counter:
+    """(target, kernel name or None, mesh axes in manual mode there) -> count, over a lowered
+    StableHLO module; a call inside a private function counts once per call site."""
+
+    def key_of(op, manual):
+        if op.name != "stablehlo.custom_call":
+            return None
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+        return (target, _kernel_name(op), manual)
+
+    return _count_ops(module, key_of)
+
+
+def collectives(module) -> list[dict]:
+    """The collectives a lowered program states (those of its `shard_map`s: the MoE's
+    all-to-all dispatch, psums), by kind and per-device operand bytes, each with its count
+    (per call site: a layer's counts once per layer; in a loop, once per step). GSPMD's own
+    collectives appear only when XLA partitions the program (compiling), not here."""
+
+    def key_of(op, manual):
+        kind = op.name.removeprefix("stablehlo.")
+        if op.name == kind or kind not in COLLECTIVES:
+            return None
+        sizes = (ir.ShapedType(x.type) for x in op.operands)
+        nbytes = sum(math.prod(t.shape) * (t.element_type.width // 8) for t in sizes)
+        return (kind, nbytes)
+
+    found = _count_ops(module, key_of)
+    return [
+        {"kind": kind, "bytes": nbytes, "count": count}
+        for (kind, nbytes), count in sorted(found.items())
+    ]
 
 
 def report(found: Counter, mesh) -> dict:
@@ -187,10 +233,13 @@ def lower_one(program: aot.Program, platform: str, mesh) -> dict:
     t0 = time.perf_counter()
     try:
         lowered = program.lower(platform)
-        out = report(custom_calls(lowered.compiler_ir("stablehlo")), mesh)
+        module = lowered.compiler_ir("stablehlo")
+        out = report(custom_calls(module), mesh)
+        out["collectives"] = collectives(module)
         out["fingerprint"] = program.fingerprint(lowered)
     except Exception as e:  # noqa: BLE001  (any failure is the finding, reported in the line)
-        out = {"custom_calls": None, "kernels": None, "error": f"{type(e).__name__}: {e}"}
+        out = {"custom_calls": None, "kernels": None, "collectives": None}
+        out["error"] = f"{type(e).__name__}: {e}"
     seconds = round(time.perf_counter() - t0, 2)
     return {"ok": out["error"] is None, "error": out.pop("error"), **out, "seconds": seconds}
 

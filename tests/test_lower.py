@@ -117,7 +117,8 @@ def test_mesh_failures_are_reported_with_their_cause(tmp_path):
 
 def test_shard_map_regions_are_recognised():
     """A Triton call inside a shard_map over both split axes (also through a private function)
-    counts as partitioned; one bare or under a shard_map over `fsdp` alone does not."""
+    counts as partitioned; one bare or under a shard_map over `fsdp` alone does not. The
+    collectives of shard_maps are counted by kind and bytes."""
     code = "import json, test_lower as t; print(json.dumps(t.shard_map_check()))"
     out = subprocess.run(
         [sys.executable, "-c", code], env={**_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
@@ -130,6 +131,12 @@ def test_shard_map_regions_are_recognised():
          "outside_shard_map": 2},
     ], report  # fmt: skip
     assert "outside a shard_map over the mesh axes ['fsdp', 'tensor']" in report["error"]
+    # The collectives a program states, per call site (also through a private function), with
+    # their per-device operand bytes.
+    assert report["moves"] == [
+        {"kind": "all_reduce", "bytes": 128, "count": 2},
+        {"kind": "all_to_all", "bytes": 128, "count": 2},
+    ], report
 
 
 def shard_map_check() -> dict:
@@ -173,7 +180,18 @@ def shard_map_check() -> dict:
         jax.ShapeDtypeStruct((b, t), jnp.int32),
     )
     module = aot.Program("check", jax.jit(program), args).lower("cuda").compiler_ir("stablehlo")
-    return lower.report(lower.custom_calls(module), mesh)
+
+    def swap(x):  # per device [4,8] f32: 128 bytes
+        return jax.lax.all_to_all(x, "tensor", 0, 0) + jax.lax.psum(x, "fsdp")
+
+    def exchange(x):
+        split = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("fsdp", "tensor"),
+                                         out_specs=P("fsdp", "tensor"))  # fmt: skip
+        return split(swap)(x) + split(jax.jit(swap))(x)
+
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    moves = aot.Program("moves", jax.jit(exchange), (x,)).lower("cuda").compiler_ir("stablehlo")
+    return {**lower.report(lower.custom_calls(module), mesh), "moves": lower.collectives(moves)}
 
 
 def test_batch_invariant_decodes_lower_on_the_mesh_with_their_kernels(tiny_config):
