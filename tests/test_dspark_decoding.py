@@ -9,6 +9,11 @@ bias is caught.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -193,3 +198,47 @@ def test_dspark_decoding_refusals_and_block_width():
     no_anchor = dataclasses.replace(dcfg, sample_from_anchor=False)
     with pytest.raises(ConfigError, match="trained block size 8$"):
         check_decode_inputs(tcfg, no_anchor, DecodeConfig(block_size=9))
+
+
+_MESH_CHECK = """
+import json, jax, numpy as np
+from test_dspark_decoding import dspark_pair
+from test_decoding import LENS, PROMPT
+from dflash_jax import sharding
+from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding import speculative_decode
+assert jax.device_count() == 8, jax.devices()
+tcfg, tp, dcfg, dp = dspark_pair("rnn", True, zeros=True)
+out = []
+for temperature in (0.0, 1.0):
+    cfg = DecodeConfig(max_new_tokens=12, block_size=6, temperature=temperature)
+    kw = dict(target_config=tcfg, drafter_config=dcfg, decode_config=cfg)
+    ref = speculative_decode(tp, dp, PROMPT, LENS, jax.random.key(0), **kw)
+    mesh = sharding.mesh_from_spec("data=2,tensor=4")
+    got = speculative_decode(tp, dp, PROMPT, LENS, jax.random.key(0), **kw, mesh=mesh)
+    out.append([np.asarray(got.tokens).tolist() == np.asarray(ref.tokens).tolist(),
+                np.array_equal(got.acceptance_lengths, ref.acceptance_lengths),
+                int(np.asarray(ref.acceptance_lengths).max())])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_sharded_dspark_decoding_equals_one_device():
+    """On 8 fake CPU devices (data=2, tensor=4: the Markov head's vocabulary axes split over
+    tensor) greedy and sampled DSpark decoding give one device's tokens and acceptance. One
+    fresh process, ~40 s on the 2 shared cores."""
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _MESH_CHECK], env=env, cwd=here, capture_output=True, text=True,
+        timeout=900, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    for same_tokens, same_acceptance, longest in json.loads(run.stdout.splitlines()[-1]):
+        assert same_tokens and same_acceptance and longest > 1
