@@ -54,8 +54,10 @@ def block_attention(
     v_bksh = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=2)
     kv_len = k_bksh.shape[2]
     q_pad, kv_pad = _round_up(q_len, TILE) - q_len, _round_up(kv_len, TILE) - kv_len
-    # Splash takes no scale: fold H^-0.5 into q.
-    q_bkgqh = (q_bqnh * h**-0.5).reshape(b, q_len, kh, g, h).transpose(0, 2, 3, 1, 4)
+    # Splash takes no scale: fold H^-0.5 into q, in fp32, so that the scores are fp32 q.k times
+    # the scale as every other path computes them (a bf16 q scaled in bf16 rounds first).
+    q_bkgqh = q_bqnh.astype(jnp.float32) * h**-0.5
+    q_bkgqh = q_bkgqh.reshape(b, q_len, kh, g, h).transpose(0, 2, 3, 1, 4)
     q_bkgqh = jnp.pad(q_bkgqh, ((0, 0), (0, 0), (0, 0), (0, q_pad), (0, 0)))
     k_bksh = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, kv_pad), (0, 0)))
     v_bksh = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, kv_pad), (0, 0)))
