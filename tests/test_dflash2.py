@@ -33,6 +33,7 @@ from test_training import _config, _corpus, tiny_target  # noqa: F401 (a fixture
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, breakdown, selector, speculative_decode
+from dflash_jax.decoding.programs import check_decode_inputs
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter, restore_drafter, save_drafter
 from dflash_jax.io.zlab import read_zlab, write_zlab
@@ -409,6 +410,23 @@ def test_smollm2_dflash2_config_builds_a_drafter_that_fits():
     shapes = jax.eval_shape(lambda: init_drafter_params(drafter, jax.random.key(0)))
     assert shapes["candidate_selector"]["hidden_projection"]["kernel"].shape == (576, 32)
     assert DrafterConfig.from_zlab(drafter.to_zlab()) == drafter
+
+
+def test_trees_are_refused_naming_the_way_out():
+    """A tree would be grown from the unary logits, not the selector's walk: refused (fixed and
+    adaptive), chains decode; row_settings likewise refused."""
+    import importlib
+
+    cfg = importlib.import_module("configs.smollm2_135m_dflash2_b16").get_config()
+    smollm2 = TargetConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
+    drafter = trainer.drafter_config_for(cfg, smollm2)
+    check_decode_inputs(smollm2, drafter, DecodeConfig(block_size=16, adaptive=True))
+    for adaptive in (False, True):
+        tree = DecodeConfig(block_size=16, tree_nodes=8, adaptive=adaptive)
+        with pytest.raises(ConfigError, match="DFlash2 drafter.*selector.*use tree_nodes=0"):
+            check_decode_inputs(smollm2, drafter, tree)
+    with pytest.raises(ConfigError, match="row_settings .* DFlash2 .* use a DFlash drafter"):
+        check_decode_inputs(smollm2, drafter, DecodeConfig(block_size=16, row_settings=True))
 
 
 def test_selector_loss_is_the_candidate_ce_after_the_true_predecessor():

@@ -31,7 +31,7 @@ own drafts (the per-depth argmax) among them as deep as the tree reaches them, a
 tree keeps a node wherever the chain keeps its draft. The floor lets a tree that has not run yet
 look at least as good as the chain: one that costs about as much as the chain is tried, and its
 own estimates take over where it does better. It is a heuristic past the depth to which the
-tree holds the chain, and for a DFlash2 drafter (whose chain is its selector's walk); sampling
+tree holds the chain (DFlash2 and DSpark drafters, whose chains are walks, run no trees); sampling
 has no floor (a sampled draft need not be in the tree). A wrong estimate costs speed, never the
 output. A tree step moves the chain's estimates not at all, a chain step the tree's likewise.
 

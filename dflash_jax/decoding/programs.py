@@ -268,14 +268,23 @@ def check_prompt(prompt, prompt_lengths, tcfg: TargetConfig, cfg: DecodeConfig) 
 
 
 def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConfig) -> None:
-    """Refuses a drafter that does not fit the target, a block size it was not trained for, or
-    a decode mode the target cannot run (`check_tree_target`)."""
+    """Refuses a drafter that does not fit the target, a block size it was not trained for, a
+    decode mode the target cannot run (`check_tree_target`) or one the drafter's kind does not
+    implement (trees for DSpark and DFlash2, row_settings for both)."""
     check_fits(dcfg, tcfg)
     check_tree_target(tcfg, cfg)
     if dcfg.is_dspark and cfg.tree_nodes:
         raise ConfigError(
             f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not implemented "
             "for a DSpark drafter (its Markov head walks one chain of drafts); use tree_nodes=0"
+        )
+    if dcfg.is_dflash2 and cfg.tree_nodes:
+        raise ConfigError(
+            f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not implemented "
+            "for a DFlash2 drafter: a tree is grown from each depth's unary logits, while a "
+            "DFlash2 drafter's drafts come from its candidate selector's walk (each slot scored "
+            "after the token before it), which a tree does not run; use tree_nodes=0 (chains, "
+            "adaptive included) or a DFlash drafter for trees"
         )
     if cfg.row_settings and dcfg.is_dspark:
         raise ConfigError(
