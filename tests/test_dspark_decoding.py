@@ -65,15 +65,22 @@ def dspark_pair(
     return tcfg, tp, dcfg, dp
 
 
-@pytest.mark.parametrize("kind,from_anchor,draft_vocab", VARIANTS)
-def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_vocab):
+@pytest.mark.parametrize(
+    "kind,from_anchor,draft_vocab,block_size",
+    [(*v, 8) for v in VARIANTS] + [("vanilla", True, 0, 9), ("gated", True, 0, 2)],
+)
+def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_vocab, block_size):
+    """Also a verify of 9 (sample_from_anchor: the trained 8 slots all drafting) and of 2 (the
+    anchor's slot alone)."""
     tcfg, tp, dcfg, dp = dspark_pair(kind, from_anchor, draft_vocab, zeros=True)
-    cfg = DecodeConfig(max_new_tokens=20, block_size=8)
+    cfg = DecodeConfig(max_new_tokens=20, block_size=block_size)
     ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
     np.testing.assert_array_equal(sp.lengths, ar.lengths)
     acc = sp.acceptance_lengths
-    assert acc.max() > 1 and (acc[acc > 0] < 8).any()  # drafts accepted, and rejected
+    assert (
+        acc.max() == block_size and (acc[acc > 0] < block_size).any()
+    )  # drafts accepted, rejected
     np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
 
 
