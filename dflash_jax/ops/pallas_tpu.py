@@ -50,13 +50,16 @@ def block_attention(
     b, q_len, n, h = q_bqnh.shape
     kh = ctx_k.shape[1]
     g = n // kh
-    k_bksh = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=2)
-    v_bksh = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=2)
+    # Splash takes no scale: fold H^-0.5 into q in fp32, so that the scores are q.k times the
+    # scale as every other path computes them (a bf16 q scaled in bf16 rounds first). Keys and
+    # values go in as fp32 too: splash's products then never mix an fp32 operand with a bf16
+    # one (its forward already widens v to fp32), at the cost of fp32 q.k products.
+    f32 = jnp.float32
+    k_bksh = jnp.concatenate([ctx_k.astype(f32), blk_k.astype(f32)], axis=2)
+    v_bksh = jnp.concatenate([ctx_v.astype(f32), blk_v.astype(f32)], axis=2)
     kv_len = k_bksh.shape[2]
     q_pad, kv_pad = _round_up(q_len, TILE) - q_len, _round_up(kv_len, TILE) - kv_len
-    # Splash takes no scale: fold H^-0.5 into q, in fp32, so that the scores are fp32 q.k times
-    # the scale as every other path computes them (a bf16 q scaled in bf16 rounds first).
-    q_bkgqh = q_bqnh.astype(jnp.float32) * h**-0.5
+    q_bkgqh = q_bqnh.astype(f32) * h**-0.5
     q_bkgqh = q_bkgqh.reshape(b, q_len, kh, g, h).transpose(0, 2, 3, 1, 4)
     q_bkgqh = jnp.pad(q_bkgqh, ((0, 0), (0, 0), (0, 0), (0, q_pad), (0, 0)))
     k_bksh = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, kv_pad), (0, 0)))
