@@ -63,6 +63,15 @@ class MarkovHead(nn.Module):
         """One slot: the state before it [..., R] (zeros before slot 0; carried by rnn only),
         the previous token's embedding e [..., R], the slot's hidden h [..., D] ->
         (the state after it, the slot's bias fp32 [..., U])."""
+        state_xr, z_xr = self.walk_z(state_xr, e_xr, h_xd)
+        return state_xr, self.bias(z_xr)
+
+    def bias(self, z_xr) -> jax.Array:
+        """z [..., R] -> the bias markov_w2(z), fp32 [..., U]."""
+        return self.markov_w2(z_xr).astype(jnp.float32)
+
+    def walk_z(self, state_xr, e_xr, h_xd):
+        """`walk_step` before markov_w2: -> (the state after the slot, its z [..., R])."""
         kind = self.config.markov_head_type
         h_xd = h_xd.astype(e_xr.dtype)
         if kind == "vanilla":
@@ -75,7 +84,17 @@ class MarkovHead(nn.Module):
             gate_xr = jax.nn.sigmoid(g_xr)
             state_xr = gate_xr * state_xr + (1.0 - gate_xr) * jnp.tanh(c_xr)
             z_xr = jnp.tanh(o_xr)
-        return state_xr, self.markov_w2(z_xr).astype(jnp.float32)
+        return state_xr, z_xr
+
+    def block_z(self, e_bnsr, h_bnsd) -> jax.Array:
+        """`__call__` before markov_w2: each slot's z [B,N,S,R] (training applies markov_w2 in
+        row chunks, never holding the whole [B,N,S,U] bias)."""
+        state_bnr = jnp.zeros_like(e_bnsr[:, :, 0])
+        zs = []
+        for s in range(e_bnsr.shape[2]):
+            state_bnr, z_bnr = self.walk_z(state_bnr, e_bnsr[:, :, s], h_bnsd[:, :, s])
+            zs.append(z_bnr)
+        return jnp.stack(zs, axis=2)
 
     def __call__(self, e_bnsr, h_bnsd) -> jax.Array:
         """Teacher-forced blocks: e [B,N,S,R] each slot's previous-token embedding, h [B,N,S,D]

@@ -101,6 +101,7 @@ def _heldout_stats(params, target_params, batch, *, target_config, drafter_confi
     return drafter_loss(
         params, target_params, batch, target_config=target_config,
         drafter_config=drafter_config, weights_j=weights_j, ce_chunk_rows=ce_chunk_rows,
+        loss_gamma=loss_gamma,
     )  # fmt: skip
 
 

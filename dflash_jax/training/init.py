@@ -139,6 +139,22 @@ def _with_fresh_dflash2_parts(loaded: dict, drafter_config: DrafterConfig, seed:
     return merge(fresh, loaded)
 
 
+def with_fresh_dspark_heads(loaded: dict, drafter_config: DrafterConfig, seed: int) -> dict:
+    """A DFlash drafter's params as a DSpark drafter's backbone: every DFlash leaf is kept as it
+    is, the heads the run's config has (markov_head, confidence_head) start as a fresh run's
+    from `seed` (`init_drafter_params`). Step 0 is then the DFlash drafter plus a
+    near-zero Markov bias (markov_w1 ~ N(0, 0.01))."""
+    if drafter_config.is_dflash2 or drafter_config.draft_vocab_size:
+        raise ConfigError("a DSpark warm start takes a DFlash drafter over the target's vocabulary")
+    fresh = init_drafter_params(drafter_config, jax.random.key(seed))
+    heads = {k: fresh[k] for k in ("markov_head", "confidence_head") if k in fresh}
+    logging.info(
+        "init_from: a DFlash drafter; the DSpark heads %s start fresh, its params are kept",
+        sorted(heads),
+    )
+    return {**loaded, **heads}
+
+
 def grown_params(loaded: dict, loaded_layers: int, drafter_config: DrafterConfig, seed: int):
     """An L-layer drafter's params inside a fresh L'-layer drafter's (module docstring): its
     layers first, the added layers' o_proj and down_proj zero. Every other leaf (fc,
@@ -173,6 +189,8 @@ def warm_start_params(
     if drafter_config.is_dflash2 and not loaded.config.is_dflash2:
         logging.info("init_from: a DFlash drafter; DFlash2's convolutions and selector start fresh")
         params = _with_fresh_dflash2_parts(params, drafter_config, seed)
+    if drafter_config.is_dspark and not loaded.config.is_dspark:
+        params = with_fresh_dspark_heads(params, drafter_config, seed)
     if grow_layers:
         have, want_layers = loaded.config.num_layers, drafter_config.num_layers
         if have >= want_layers:

@@ -27,6 +27,7 @@ from dflash_jax.models.drafter import (
     unembedding_rows,
 )
 from dflash_jax.models.target import Transformer
+from dflash_jax.training.dspark_loss import dspark_loss
 from dflash_jax.training.loss import (
     NEG_INF,
     block_diffusion_loss,
@@ -172,20 +173,29 @@ def drafter_loss(
     selector_loss_weight: float = 1.0,
     distill_top_k: int = 0,
     distill_weight: float = 0.5,
+    loss_gamma: float = 0.0,
+    confidence_loss_weight: float = 1.0,
 ):
     """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
     [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1, and for a
     DFlash2 drafter the selector term's figures, `selector_loss.selector_loss`).
     On a `mesh` the taps and the drafter's hidden states stay split over the batch axes.
     distill_top_k > 0 (online taps): the whole target runs, and its top-k at each label's
-    position are soft labels and exact candidates (`loss.distill_cross_entropy`)."""
+    position are soft labels and exact candidates (`loss.distill_cross_entropy`).
+    A DSpark drafter (online taps: the whole target runs for its logits) takes
+    `dspark_loss.dspark_loss` instead, with decay `loss_gamma` and the confidence term's weight
+    `confidence_loss_weight`."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
     block_size = drafter_config.block_size
     teacher = None
+    is_dspark = drafter_config.is_dspark
+    whole_target = bool(distill_top_k) or is_dspark
     if "taps" in batch:  # cached by tap_cache
-        if distill_top_k:
-            raise ValueError("distillation needs online taps: a tap cache holds no logits")
+        if whole_target:
+            raise ValueError(
+                "distillation and DSpark need online taps: a tap cache holds no logits"
+            )
         taps_bsf = batch["taps"]
     else:
         positions_bs = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
@@ -193,7 +203,7 @@ def drafter_loss(
         # (their params go unused), and keep one final hidden row instead of all S.
         pass_config = (
             target_config
-            if distill_top_k
+            if whole_target
             else target_config.first_layers(max(drafter_config.target_layer_ids) + 1)
         )
         final_bsd, taps_bsf, _ = Transformer(pass_config).apply(
@@ -201,7 +211,7 @@ def drafter_loss(
             tokens_bs,
             positions_bs,
             tap_layers=drafter_config.target_layer_ids,
-            logit_indices=None if distill_top_k else jnp.zeros((b, 1), jnp.int32),
+            logit_indices=None if whole_target else jnp.zeros((b, 1), jnp.int32),
             method="hidden",
         )
         if distill_top_k:
@@ -226,6 +236,12 @@ def drafter_loss(
         method="forward_from_taps",
     )
     hidden_bqd = _split_batch(hidden_bqd, mesh)
+    if is_dspark:
+        return dspark_loss(
+            params, target_params, hidden_bqd, final_bsd, batch, target_config=target_config,
+            drafter_config=drafter_config, loss_gamma=loss_gamma, chunk_rows=ce_chunk_rows,
+            confidence_weight=confidence_loss_weight,
+        )  # fmt: skip
     labels_bnj, valid_bnj = block_labels(
         tokens_bs,
         batch["loss_mask"],
@@ -297,6 +313,7 @@ def _train_step(
     selector_loss_weight: float = 1.0,
     distill_top_k: int = 0,
     distill_weight: float = 0.5,
+    confidence_loss_weight: float = 1.0,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
@@ -324,6 +341,8 @@ def _train_step(
             selector_loss_weight=selector_loss_weight,
             distill_top_k=distill_top_k,
             distill_weight=distill_weight,
+            loss_gamma=loss_gamma,
+            confidence_loss_weight=confidence_loss_weight,
         )
 
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -350,6 +369,7 @@ STEP_SETTINGS = (
     "selector_loss_weight",
     "distill_top_k",
     "distill_weight",
+    "confidence_loss_weight",
 )
 train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
 _ON_MESH: dict = {}

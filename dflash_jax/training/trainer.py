@@ -54,6 +54,7 @@ NONFINITE_MODES = ("stop", "skip")
 LR_SCHEDULES = ("cosine", "wsd")
 SELECTOR_METRICS = ("selector_loss", "selector_accuracy", "candidate_recall")
 DISTILL_METRICS = ("hard_ce", "soft_ce")
+DSPARK_METRICS = ("kl_loss", "confidence_loss", "accept_rate")
 
 
 class NonFiniteError(FloatingPointError):
@@ -84,6 +85,16 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.drafter.selector_rank = 0
     cfg.drafter.selector_top_k = 0
     cfg.selector_loss_weight = 1.0
+    # DSpark (any of: markov_rank > 0, enable_confidence_head, sample_from_anchor; `models/
+    # dspark.py`): the loss becomes speculators' (training/dspark_loss.py: KL to the target's
+    # logits, which the whole target computes in each step, so online taps only) plus the
+    # confidence head's BCE with weight `confidence_loss_weight`.
+    cfg.drafter.markov_rank = 0
+    cfg.drafter.markov_head_type = "vanilla"
+    cfg.drafter.enable_confidence_head = False
+    cfg.drafter.confidence_head_with_markov = False
+    cfg.drafter.sample_from_anchor = False
+    cfg.confidence_loss_weight = 1.0
     cfg.block_size = 16
     cfg.seq_len = 3072
     cfg.num_anchors = 512
@@ -190,6 +201,11 @@ def drafter_config_for(cfg: ml_collections.ConfigDict, target: TargetConfig) -> 
         conv_group_size=d.get("conv_group_size", 0),
         selector_rank=d.get("selector_rank", 0),
         selector_top_k=d.get("selector_top_k", 0),
+        markov_rank=d.get("markov_rank", 0),
+        markov_head_type=d.get("markov_head_type", "vanilla"),
+        enable_confidence_head=d.get("enable_confidence_head", False),
+        confidence_head_with_markov=d.get("confidence_head_with_markov", False),
+        sample_from_anchor=d.get("sample_from_anchor", False),
         dtype=cfg.compute_dtype,
         attention_impl=cfg.attention_impl,
     )
@@ -252,7 +268,7 @@ def summarize(
         # (training/loss.py), when they are on
         **{
             k: float(np.mean([m[k] for m in good]))
-            for k in (*SELECTOR_METRICS, *DISTILL_METRICS)
+            for k in (*SELECTOR_METRICS, *DISTILL_METRICS, *DSPARK_METRICS)
             if k in good[0]
         },
     }
@@ -273,6 +289,20 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(
             "config.distill_top_k needs config.taps='online' (the teacher's top-k comes from the "
             "target's forward inside each step; the tap cache holds no logits)"
+        )
+    d = cfg.drafter
+    dspark = (
+        d.get("markov_rank", 0) or d.get("enable_confidence_head") or d.get("sample_from_anchor")
+    )
+    if dspark and cfg.taps != "online":
+        raise ValueError(
+            "a DSpark drafter needs config.taps='online' (its KL loss reads the target's logits, "
+            "which the whole target computes inside each step; the tap cache holds no logits)"
+        )
+    if dspark and (cfg.distill_top_k or cfg.vocab_negatives):
+        raise ValueError(
+            "a DSpark drafter's loss is a full-vocabulary KL to the target's logits: set "
+            "config.distill_top_k=0 and config.vocab_negatives=0"
         )
     if not 0.0 <= cfg.distill_weight <= 1.0:
         raise ValueError(f"config.distill_weight must be in [0, 1], got {cfg.distill_weight}")
@@ -366,6 +396,8 @@ def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
         settings["distill_weight"] = float(cfg.distill_weight)
     if drafter_config.is_dflash2:
         settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
+    if drafter_config.is_dspark:
+        settings["confidence_loss_weight"] = float(cfg.get("confidence_loss_weight", 1.0))
     return settings
 
 
