@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_training import TINY_TARGET, _config, _corpus, _losses, tiny_target  # noqa: F401
 
+from dflash_jax.config import ConfigError
 from dflash_jax.io.drafter_io import restore_drafter
 from dflash_jax.models import dspark
 from dflash_jax.models.drafter import Drafter, embed_block, hidden_to_logits
@@ -246,6 +247,9 @@ def test_a_tiny_dspark_run_learns_resumes_and_exports(tmp_path, tiny_target, mon
     monkeypatch.setattr(trainer, "train_step", real)
     trainer.train(cfg, tmp_path / "killed")
     assert _losses(tmp_path / "killed") == _losses(tmp_path / "straight")
+    cfg.drafter.markov_rank = 4  # another drafter: refused before anything is touched
+    with pytest.raises(ConfigError, match=r"drafter.markov_rank 8 there, 4 now"):
+        trainer.train(cfg, tmp_path / "straight")
     exported = restore_drafter(tmp_path / "straight" / "drafter")
     assert exported.config.is_dspark and exported.config.markov_head_type == "rnn"
     assert {"markov_head", "confidence_head"} <= set(exported.params)

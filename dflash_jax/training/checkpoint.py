@@ -48,7 +48,9 @@ _MODEL_FIELDS = {
         for f in (
             "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
             "head_dim", "mask_token_id", "target_layer_ids", "conv_kernel_size",
-            "conv_group_size", "selector_rank", "selector_top_k",
+            "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+            "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+            "sample_from_anchor",
         )
     },
     "block_size": "block_size",
