@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import time
 
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, cache_root
+from dflash_jax.config import DecodeConfig, cache_root, write_json_atomic
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
@@ -216,12 +215,12 @@ def fastest_dtype(
             )
             floors[floors_lib.setting_name(tcfg)] = out["gemm_floor_step_s"]
         table[key] = floors
-        _write_json(path, table)  # a read-only cache: measured again next time
+        write_json_atomic(path, table)  # a read-only cache: measured again next time
     floors = table[key]
     choice = min(floors, key=floors.get).split()[0]
     if remember and table.get(_remembered_key(remember)) != choice:
         table[_remembered_key(remember)] = choice
-        _write_json(path, table)
+        write_json_atomic(path, table)
     return choice, floors
 
 
@@ -241,17 +240,6 @@ def _remembered_key(remember: str) -> str:
     from dflash_jax.ops.invariance import machine_name, software_name
 
     return "|".join(["choice", machine_name(), software_name(), remember])
-
-
-def _write_json(path, table: dict) -> None:
-    """Writes `table` to `path` atomically; a read-only cache is left as it is."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def compile_decodes(

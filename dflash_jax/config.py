@@ -66,6 +66,19 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dflash_jax"
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """Writes `obj` as JSON to `path` through a temporary file and a rename, so a reader never
+    sees half a file; an unwritable cache (read-only, full) is left as it is: what it keeps is
+    measured or computed again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def check_attention_impl(impl: str) -> None:
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")

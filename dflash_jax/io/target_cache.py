@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dflash_jax.config import TargetConfig, cache_root
+from dflash_jax.config import TargetConfig, cache_root, write_json_atomic
 from dflash_jax.io.hf import read_safetensors_header, write_safetensors
 
 # Bump whenever the conversion or this layout changes what an entry holds: old entries then miss.
@@ -350,11 +350,6 @@ def _file_digests(files: Sequence[Path], memo_file: Path) -> list[str]:
             changed = True
     if changed:
         memo = {p: v for p, v in memo.items() if os.path.exists(p)}
-        try:
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_file.with_name(f".{memo_file.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(memo, indent=1))
-            os.replace(tmp, memo_file)
-        except OSError:
-            pass  # the memo only saves hashing time; the next load hashes again
+        # the memo only saves hashing time; unwritten, the next load hashes again
+        write_json_atomic(memo_file, memo)
     return digests

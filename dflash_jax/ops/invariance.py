@@ -297,7 +297,7 @@ def machine_row_rule(config) -> RowRule:
     import json
     import os
 
-    from dflash_jax.config import cache_root
+    from dflash_jax.config import cache_root, write_json_atomic
 
     shapes = target_shapes(config)
     parts = [
@@ -318,11 +318,5 @@ def machine_row_rule(config) -> RowRule:
         table = {}
     rule = probe_row_rule(shapes, config.dtype, jax.default_backend())
     table[key] = [rule.min_rows, rule.max_rows]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: probe again next time
+    write_json_atomic(path, table)  # a read-only cache: probe again next time
     return rule
