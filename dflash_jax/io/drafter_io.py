@@ -66,23 +66,35 @@ def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: di
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
 
 
+def _closed_loop(e: BaseException | None) -> bool:
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
 def ignore_closed_loop_callbacks() -> None:
-    """After an Orbax restore fails, the tensorstore reads still in flight finish on their own
-    threads and call back into the restore's event loop, which Orbax has closed by then: each
-    raises "RuntimeError: Event loop is closed" into `sys.unraisablehook`, a traceback apiece
-    printed after the real error. From this call on, those (and only those) are dropped. Call
-    it where a restore has failed."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loop_callbacks", False):
-        return
+    """When an Orbax restore fails, the tensorstore reads still in flight finish on their own
+    threads and call back into the restore's event loop, which Orbax closes as the error leaves
+    it: each raises "RuntimeError: Event loop is closed", which tensorstore reports through
+    `PyErr_Print` (so `sys.excepthook`) or `sys.unraisablehook`, a traceback apiece around the
+    real error. From this call on, those (and only those) are dropped. A callback can fire
+    before the failed restore's `except` runs, so call it before a restore that may fail."""
+    if not getattr(sys.unraisablehook, "_drops_closed_loop_callbacks", False):
+        previous_unraisable = sys.unraisablehook
 
-    def hook(unraisable):
-        e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-            previous(unraisable)
+        def unraisable_hook(unraisable):
+            if not _closed_loop(unraisable.exc_value):
+                previous_unraisable(unraisable)
 
-    hook._drops_closed_loop_callbacks = True
-    sys.unraisablehook = hook
+        unraisable_hook._drops_closed_loop_callbacks = True
+        sys.unraisablehook = unraisable_hook
+    if not getattr(sys.excepthook, "_drops_closed_loop_callbacks", False):
+        previous_except = sys.excepthook
+
+        def except_hook(kind, value, tb):
+            if not _closed_loop(value):
+                previous_except(kind, value, tb)
+
+        except_hook._drops_closed_loop_callbacks = True
+        sys.excepthook = except_hook
 
 
 def _first_part(e: Exception) -> str:
@@ -115,10 +127,10 @@ def restore_drafter(
         placement = sharding.param_shardings(shapes, mesh)
     abstract = sharding.with_shardings(shapes, placement)
     params_path = directory / ORBAX_PARAMS_DIR
+    ignore_closed_loop_callbacks()  # before: a damaged file's late callbacks can beat the except
     try:
         params = ocp.StandardCheckpointer().restore(params_path, abstract)
     except Exception as e:  # orbax/tensorstore raise many types for missing or corrupt files
-        ignore_closed_loop_callbacks()
         raise CheckpointError(
             f"cannot restore drafter params from {params_path} (config {config_path}), damaged "
             f"or incomplete: {_first_part(e)}; export it again or pass another drafter"

@@ -253,6 +253,7 @@ def restore_latest(
     CheckpointError when checkpoints exist but none is readable (rather than starting over)."""
     directory = paths.path(manager.directory)
     tried = []
+    ignore_closed_loop_callbacks()  # a damaged file's late callbacks can beat the except
     while (step := manager.latest_step()) is not None:
         try:
             restored = manager.restore(
@@ -268,7 +269,6 @@ def restore_latest(
                 )
             return restored.state
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
-            ignore_closed_loop_callbacks()
             mismatch = structure_mismatch(directory / str(step), abstract)
             if mismatch is not None:
                 raise ConfigError(
@@ -315,12 +315,12 @@ def warm_state(source_workdir: str | os.PathLike, abstract: dict) -> dict:
     step = manager.latest_step()
     if step is None:
         raise CheckpointError(f"init_from_checkpoint: no checkpoint in {directory}")
+    ignore_closed_loop_callbacks()  # a damaged file's late callbacks can beat the except
     try:
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
         ).state
     except Exception as e:  # orbax raises many types for a mismatch or damage
-        ignore_closed_loop_callbacks()
         raise CheckpointError(
             f"init_from_checkpoint: checkpoint {directory / str(step)} does not restore into "
             f"this run's drafter and optimizer ({type(e).__name__}: {str(e)[:300]})"
