@@ -289,7 +289,9 @@ def test_generate_ends_a_late_error_without_its_help(tmp_path):
     _one_error(out, "no-model")
 
 
-@pytest.mark.parametrize("flag", ["--tree_nodes=1000", "--block_size=65"])
+@pytest.mark.parametrize(  # one flag by default (suite budget), the other slow
+    "flag", ["--tree_nodes=1000", pytest.param("--block_size=65", marks=pytest.mark.slow)]
+)
 def test_tree_nodes_and_block_size_have_upper_bounds(flag):
     """The bound is absl's, so --help shows it too ("an integer in the range [0, 256]")."""
     out = _cli("infer.generate", flag, "--prompt=")

@@ -95,7 +95,7 @@ def test_config_and_params_come_from_dflash_config(pair):
         type(c).from_zlab(hf)
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_block_logits_and_selector_scores_match_reference(pair, block_size):
     target, drafter, ours_t, ours_d, _ = pair
     rng = np.random.default_rng(block_size)
@@ -179,7 +179,7 @@ def _ours(ours_t, ours_d, block_size, adaptive=False):
     return jax.tree.map(np.asarray, sp), jax.tree.map(np.asarray, ar)
 
 
-@pytest.mark.parametrize("block_size", [8, 4])
+@pytest.mark.parametrize("block_size", [8, pytest.param(4, marks=pytest.mark.slow)])
 @torch.no_grad()
 def test_greedy_equals_reference_and_target(pair, block_size):
     target, drafter, ours_t, ours_d, _ = pair

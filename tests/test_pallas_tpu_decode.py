@@ -55,7 +55,11 @@ def _check(got, want, dtype):
 
 @pytest.mark.parametrize(
     "t,groups,h,dtype",
-    [(1, 1, 64, jnp.float32), (16, 3, 128, jnp.float32), (16, 4, 64, jnp.bfloat16)],
+    [  # one by default (suite budget), the other shapes slow: CI runs them
+        pytest.param(1, 1, 64, jnp.float32, marks=pytest.mark.slow),
+        pytest.param(16, 3, 128, jnp.float32, marks=pytest.mark.slow),
+        (16, 4, 64, jnp.bfloat16),
+    ],
 )
 def test_verify_kernel_matches_xla(t, groups, h, dtype):
     rng = np.random.default_rng(t * 10 + groups)
@@ -81,9 +85,10 @@ def test_verify_kernel_matches_xla(t, groups, h, dtype):
 @pytest.mark.parametrize(
     "blocks,j,groups,h,dtype,causal,window",
     [
-        (1, 16, 1, 64, jnp.float32, False, None),
+        # one by default (suite budget), the others slow: CI runs them
+        pytest.param(1, 16, 1, 64, jnp.float32, False, None, marks=pytest.mark.slow),
         (1, 16, 3, 128, jnp.float32, True, 40),
-        (2, 8, 4, 64, jnp.bfloat16, False, 40),
+        pytest.param(2, 8, 4, 64, jnp.bfloat16, False, 40, marks=pytest.mark.slow),
     ],
 )
 def test_draft_kernel_matches_xla(blocks, j, groups, h, dtype, causal, window):
