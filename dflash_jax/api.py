@@ -317,6 +317,7 @@ def decode_config(
     lookup_kinds: tuple[int, ...] | None = None,
     tree_nodes: int = 0,
     batch_invariant: bool | None = None,
+    confidence_cut: float = 0.0,
 ) -> DecodeConfig:
     """The DecodeConfig of a decode whose block size and mode are settled (`decode_mode`):
     None lookup kinds are `DEFAULT_LOOKUP_KINDS` (those <= the block size); step and lookup
@@ -336,6 +337,7 @@ def decode_config(
         lookup_kinds=tuple(lookup_kinds) if adaptive else (),
         batch_invariant=batch_invariant,
         tree_nodes=tree_nodes,
+        confidence_cut=confidence_cut,
     )
 
 
@@ -354,6 +356,7 @@ def generate_config(
     tree_nodes: int = 0,
     batch_invariant: bool | None = None,
     platform: str | None = None,
+    confidence_cut: float = 0.0,
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
     block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
@@ -366,7 +369,7 @@ def generate_config(
         block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         step_kinds=step_kinds, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, confidence_cut=confidence_cut,
     )  # fmt: skip
 
 
@@ -385,6 +388,7 @@ def generate(
     seed: int = 0,
     chat: bool = True,
     tree_nodes: int = 0,
+    confidence_cut: float = 0.0,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
     and returns the generated texts (stop token removed). block_size / adaptive None: the
@@ -392,12 +396,14 @@ def generate(
     calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
     prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`).
     tree_nodes: a step that verifies a token tree of this many tokens (`decoding.tree`): one
-    more step kind of an adaptive decode, else every step; 0: no tree."""
+    more step kind of an adaptive decode, else every step; 0: no tree. confidence_cut: a
+    DSpark drafter's drafts are offered while the product of their predicted acceptance stays
+    at or above it (`DecodeConfig.confidence_cut`); 0: all of them."""
     prompts = check_text_prompts(prompts)
     cfg = generate_config(
         target, drafter, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, block_size=block_size, adaptive=adaptive, lookup_kinds=lookup_kinds,
-        tree_nodes=tree_nodes,
+        tree_nodes=tree_nodes, confidence_cut=confidence_cut,
     )  # fmt: skip
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}

@@ -813,6 +813,13 @@ class DecodeConfig:
     # running decode can be different requests (a server's slots, `decoding.slots`). The start
     # gives every row this config's settings; greedy rows keep the argmax of the greedy path.
     row_settings: bool = False
+    # DSpark's confidence cut (a drafter with a confidence head, `models/dspark.py`): a step
+    # keeps its drafts only while the product of their predicted acceptance probabilities
+    # stays >= this; the drafts after the cut are not offered to the verify (the step commits
+    # the kept drafts the target accepts, then one target token: at the cut a sample of the
+    # target itself). The verify still covers the whole block (static shapes); what a cut
+    # saves is the tokens a rejected tail would have cost in rejection steps. 0: no cut.
+    confidence_cut: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -848,6 +855,10 @@ class DecodeConfig:
             )
         if self.probe_every < 1:
             raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
+        if not 0.0 <= self.confidence_cut < 1.0:
+            raise ConfigError(
+                f"confidence_cut={self.confidence_cut} must be in [0, 1) (0: no cut)"
+            )
         lookup = tuple(sorted({int(b) for b in self.lookup_kinds}))
         if lookup and (not self.adaptive or min(lookup) < 2 or max(lookup) > self.block_size):
             raise ConfigError(

@@ -43,6 +43,14 @@ flags.DEFINE_list(
 flags.DEFINE_bool(
     "chain", True, "Measure the chain of --block_size (the reference of tau_vs_chain)."
 )
+flags.DEFINE_list(
+    "confidence_cuts",
+    [],
+    "DSpark drafters with a confidence head: also measure the chain with each of these "
+    "confidence cuts (DecodeConfig.confidence_cut, each in (0, 1)), run 'cut<c>'. A row's "
+    "tau does not depend on the batch, but the verify width does (the widest row's), so the "
+    "cost a cut saves is measured by infer.benchmark at batch 1, not here.",
+)
 flags.DEFINE_bool(
     "default_mode",
     False,
@@ -64,6 +72,14 @@ def main(argv):
         trees = [int(t) for t in FLAGS.trees]
     except ValueError as e:
         raise app.UsageError(f"--trees={','.join(FLAGS.trees)}: sizes must be integers") from e
+    try:
+        cuts = [float(c) for c in FLAGS.confidence_cuts]
+    except ValueError as e:
+        raise app.UsageError(
+            f"--confidence_cuts={','.join(FLAGS.confidence_cuts)}: cuts must be numbers"
+        ) from e
+    if any(not 0.0 < c < 1.0 for c in cuts):
+        raise app.UsageError(f"--confidence_cuts={cuts}: each cut must be in (0, 1)")
     if any(not 2 <= t <= common.MAX_TREE_NODES for t in trees):
         raise app.UsageError(
             f"--trees={','.join(FLAGS.trees)}: a tree has 2 to {common.MAX_TREE_NODES} nodes"
@@ -86,6 +102,7 @@ def main(argv):
     # the default mode is what `api.generate` (so infer.generate) runs without decoding flags.
     runs = [(f"chain{block}", base)] if FLAGS.chain else []
     runs += [(f"tree{nodes}", dataclasses.replace(base, tree_nodes=nodes)) for nodes in trees]
+    runs += [(f"cut{c:g}", dataclasses.replace(base, confidence_cut=c)) for c in cuts]
     if FLAGS.default_mode:
         runs.append(
             ("default", api.generate_config(target, drafter, max_new_tokens=FLAGS.max_new_tokens))
@@ -114,8 +131,10 @@ def main(argv):
             for b in range(len(convs))
         ]
         tau_b = prompt_tau(np.asarray(out.acceptance_lengths), np.asarray(out.num_steps))
+        kinds, counts = np.unique(np.asarray(out.block_sizes), return_counts=True)
         results[name] = {
             "tree_nodes": cfg.tree_nodes,
+            "confidence_cut": cfg.confidence_cut,
             "block_size": cfg.block_size,
             "adaptive": cfg.adaptive,
             "lookup_kinds": list(cfg.lookup_kinds),
@@ -123,6 +142,8 @@ def main(argv):
             "tau_per_prompt": tau_b.round(4).tolist(),
             "tokens_per_step": float(lens.sum() / np.asarray(out.num_steps).sum()),
             "outputs_identical": int(sum(same)),
+            # row-steps by recorded kind (a cut run: the batch's verify width)
+            "steps_by_kind": {int(k): int(c) for k, c in zip(kinds, counts, strict=True) if k},
         }
         logging.info("%s: tau %.3f, identical %d/%d", name, tau_b.mean(), sum(same), len(same))
     chain = results.get(f"chain{block}", {}).get("tau_mean", float("nan"))

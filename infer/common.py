@@ -71,6 +71,13 @@ flags.DEFINE_integer(
     f"0 = the trained size. At most {MAX_BLOCK_SIZE}.",
     lower_bound=0, upper_bound=MAX_BLOCK_SIZE,
 )  # fmt: skip
+flags.DEFINE_float(
+    "confidence_cut", 0.0,
+    "DSpark drafters with a confidence head: offer a step's drafts to the target only while "
+    "the product of their predicted acceptance probabilities stays at or above this "
+    "(DecodeConfig.confidence_cut; lossless either way). 0 = offer every draft.",
+    lower_bound=0.0, upper_bound=0.999,
+)  # fmt: skip
 flags.DEFINE_integer(
     "tree_nodes", 0,
     "Tree verification: a step that verifies a tree of this many tokens (the anchor and the "
@@ -157,6 +164,7 @@ def _flag_settings() -> dict:
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
         top_p=FLAGS.top_p, step_kinds=tuple(int(k) for k in FLAGS.step_kinds),
         lookup_kinds=lookup, tree_nodes=FLAGS.tree_nodes, batch_invariant=FLAGS.batch_invariant,
+        confidence_cut=FLAGS.confidence_cut,
     )  # fmt: skip
 
 

@@ -22,7 +22,8 @@ import pytest
 from test_decoding import LENS, PROMPT, make_pair, run_both, two_token_tv
 
 from dflash_jax.config import ConfigError, DecodeConfig
-from dflash_jax.decoding import markov, phases, speculative_decode
+from dflash_jax.decoding import markov, phases, sampling, speculative_decode
+from dflash_jax.decoding.cut import cut_widths
 from dflash_jax.decoding.programs import check_decode_inputs
 from dflash_jax.decoding.sampling import process_logits
 from dflash_jax.models import dspark
@@ -31,6 +32,10 @@ from dflash_jax.models.target import decoding_head
 
 # (Markov head, sample_from_anchor, draft vocabulary size)
 VARIANTS = [("vanilla", True, 0), ("gated", False, 0), ("rnn", True, 0), ("rnn", False, 30)]
+# One variant of each claim runs by default (suite budget); CI's slow step runs the others.
+# Greedy: rnn without the anchor over a draft vocabulary, and vanilla with it over a verify
+# of 9; the walk: rnn from the anchor (the recurrent state across slots).
+DEFAULT_VARIANT = ("rnn", False, 30)
 
 
 def dspark_pair(
@@ -67,7 +72,11 @@ def dspark_pair(
 
 @pytest.mark.parametrize(
     "kind,from_anchor,draft_vocab,block_size",
-    [(*v, 8) for v in VARIANTS] + [("vanilla", True, 0, 9), ("gated", True, 0, 2)],
+    [
+        (*v, 8) if v == DEFAULT_VARIANT else pytest.param(*v, 8, marks=pytest.mark.slow)
+        for v in VARIANTS
+    ]
+    + [("vanilla", True, 0, 9), pytest.param("gated", True, 0, 2, marks=pytest.mark.slow)],
 )
 def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_vocab, block_size):
     """Also a verify of 9 (sample_from_anchor: the trained 8 slots all drafting) and of 2 (the
@@ -84,7 +93,8 @@ def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_v
     np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
 
 
-@pytest.mark.parametrize("from_anchor", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a variant of the greedy claim: the walk over 2 and 4 slots (CI runs it)
+@pytest.mark.parametrize("from_anchor", [True, False])
 def test_adaptive_dspark_decoding_equals_autoregressive(from_anchor):
     """Adaptive mode switches among drafted blocks of 2, 4 and 8 (the walk over as many slots
     as each needs), plain steps and copied blocks; greedy output stays the target's."""
@@ -102,6 +112,31 @@ def test_adaptive_dspark_decoding_equals_autoregressive(from_anchor):
     np.testing.assert_array_equal(sp.lengths, ar.lengths)
     kinds = set(np.unique(sp.block_sizes).tolist())
     assert {-4, 1, 8} <= kinds and sp.acceptance_lengths.max() > 1, kinds
+
+
+def with_confidence(dp, scale, shift):
+    """The drafter's confidence head with its kernel scaled and its bias shifted (so a cut at
+    0.5 falls inside the block, not past it)."""
+    proj = dp["confidence_head"]["proj"]
+    return dp | {"confidence_head": {"proj": {"kernel": scale * proj["kernel"], "bias": proj["bias"] + shift}}}  # fmt: skip
+
+
+def test_greedy_dspark_decoding_with_a_confidence_cut_equals_autoregressive():
+    """A confidence cut (0.5): each step verifies at the narrowest compiled width holding
+    every row's kept drafts, and at least two widths run; greedy output stays the target's,
+    and no step accepts more drafts than its width offered."""
+    tcfg, tp, dcfg, dp = dspark_pair(*DEFAULT_VARIANT, zeros=True)
+    dp = with_confidence(dp, 1.0, -2.0)
+    cfg = DecodeConfig(max_new_tokens=20, block_size=8, confidence_cut=0.5)
+    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ran = sp.block_sizes[sp.block_sizes > 0]
+    assert set(ran.tolist()) <= set(cut_widths(8)) and len(set(ran.tolist())) >= 2, ran
+    steps = sp.block_sizes > 0
+    # committed per step (drafts accepted + 1) <= the step's width; some drafts accepted
+    assert (sp.acceptance_lengths[steps] <= sp.block_sizes[steps]).all()
+    assert sp.acceptance_lengths.max() > 1
 
 
 def _walk_and_teacher_forced(tcfg, tp, dcfg, dp, cfg, bs):
@@ -122,7 +157,10 @@ def _walk_and_teacher_forced(tcfg, tp, dcfg, dp, cfg, bs):
     return drafts, logp, logits[:, 0]
 
 
-@pytest.mark.parametrize("kind,from_anchor,draft_vocab", VARIANTS)
+@pytest.mark.parametrize(
+    "kind,from_anchor,draft_vocab",
+    [v if v == ("rnn", True, 0) else pytest.param(*v, marks=pytest.mark.slow) for v in VARIANTS],
+)
 def test_the_walk_is_the_teacher_forced_drafter(kind, from_anchor, draft_vocab):
     """Greedy: the teacher-forced logits fed the walk's own drafts have those drafts as argmax
     at every slot. Sampling (temperature 0.7, top-k 20): each slot's recorded log-probs are
@@ -154,29 +192,76 @@ def test_the_walk_is_the_teacher_forced_drafter(kind, from_anchor, draft_vocab):
 def _unbiased_log_probs(head, tcfg, dcfg, cfg, dparams, hidden, anchor_b, key):
     """A broken proposal: the walk's drafts (drawn with the Markov bias), but log-probs
     recorded without the bias, so the rejection step reads the wrong q."""
-    drafts, _ = _PROPOSE(head, tcfg, dcfg, cfg, dparams, hidden, anchor_b, key)
+    drafts, _, kept = _PROPOSE(head, tcfg, dcfg, cfg, dparams, hidden, anchor_b, key)
     first = 0 if dcfg.sample_from_anchor else 1
     base = markov.base_logits(head, tcfg, dcfg, dparams, hidden[:, first:])
-    return drafts, process_logits(base, cfg)
+    return drafts, process_logits(base, cfg), kept
+
+
+def _cut_keeping_q(accept_bg, q_bgv, kept_b):
+    """A broken cut: drafts past it are not accepted, but their q stays, so the token at a
+    cut is drawn from max(p - q, 0) (a rejection's residual) instead of the target's p."""
+    return accept_bg & (jnp.arange(accept_bg.shape[1]) < kept_b[:, None]), q_bgv
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_cut_rows_token_is_a_sample_of_the_target(broken, monkeypatch):
+    """`accept_rejection` with kept_b, on explicit laws (no model): a row cut before its first
+    draft commits a sample of the target's p at the anchor, not of the rejection residual
+    max(p - q, 0), and accepts nothing; a row that keeps its drafts still accepts by the
+    rejection rule. A cut that keeps q (`_cut_keeping_q`) draws from the residual and fails."""
+    if broken:
+        monkeypatch.setattr(sampling, "past_the_cut", _cut_keeping_q)
+    n, g = 20000, 2
+    p_v = np.array([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
+    q_v = np.array([0.7, 0.1, 0.1, 0.05, 0.025, 0.025])  # residual: [0, .67, 0, .17, .08, .08]
+    keys = jax.random.split(jax.random.key(3), 3)
+    drafts = jax.random.categorical(keys[0], jnp.log(q_v), shape=(n, g)).astype(jnp.int32)
+    draft_logp = jnp.broadcast_to(jnp.log(q_v), (n, g, 6)).astype(jnp.float32)
+    target_logits = jnp.broadcast_to(jnp.log(p_v), (n, g + 1, 6)).astype(jnp.float32)
+    kept = jnp.where(jnp.arange(n) % 2 == 0, 0, g).astype(jnp.int32)  # even rows cut at once
+    cfg = DecodeConfig(temperature=1.0)
+    a, new = sampling.accept_rejection(drafts, draft_logp, target_logits, keys[1], cfg, kept)
+    a, first = np.asarray(a), np.asarray(new[:, 0])
+    assert (a[::2] == 0).all() and a[1::2].max() == g
+    tv = 0.5 * np.abs(np.bincount(first[::2], minlength=6) / (n // 2) - p_v).sum()
+    # kept rows: the first token is the draft if accepted, else from the residual: exactly p
+    tv_kept = 0.5 * np.abs(np.bincount(first[1::2], minlength=6) / (n // 2) - p_v).sum()
+    print(f"\nTV cut rows {tv:.3f}, kept rows {tv_kept:.3f}")
+    assert tv_kept < 0.03, tv_kept  # noise over 6 cells at n=10000: ~0.01
+    if broken:
+        assert tv > 0.2, tv
+    else:
+        assert tv < 0.03, tv
 
 
 _PROPOSE = markov.propose
+CUT_SHIFT = -0.6  # 0.5 cuts ~1/6 of the rows before their first draft
 
 
-@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "broken", [None, pytest.param("unbiased", marks=pytest.mark.slow)]  # the control: CI runs it
+)
 def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second from the rejection
     step over the walk's first draft, which the Markov head biases by the anchor) matches the
-    target's exact law; a proposal that records its log-probs without the bias is detected."""
+    target's exact law with the confidence cut on (0.5: about a sixth of the rows, by their
+    anchor, have even the first draft cut and draw the second token from the target itself);
+    a proposal that records its log-probs without the bias is detected. (A cut whose token is
+    drawn as after a rejection shifts this law too little to see here:
+    `test_a_cut_rows_token_is_a_sample_of_the_target` checks that rule alone.)"""
     vocab = 12
     tcfg, tp, dcfg, dp = dspark_pair("rnn", False, vocab=vocab, scale=3.0, seed=4, zero_boost=1.0)
-    if broken:
+    dp = with_confidence(dp, 0.03, CUT_SHIFT)
+    if broken == "unbiased":
         monkeypatch.setattr(markov, "propose", _unbiased_log_probs)
     jax.clear_caches()
     prompt = np.array([3, 1, 4], np.int32)
     n = 6000
     temperature = 2.0  # a flatter target law, where a wrong rule shows more
-    cfg = DecodeConfig(max_new_tokens=2, block_size=4, temperature=temperature)
+    cfg = DecodeConfig(
+        max_new_tokens=2, block_size=4, temperature=temperature, confidence_cut=0.5
+    )
     out = speculative_decode(
         tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
         target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
@@ -193,7 +278,8 @@ def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
 
 def test_dspark_decoding_refusals_and_block_width():
     """Trees and row_settings are refused, naming the way out; with sample_from_anchor the
-    verify may be one wider than the trained block (its anchor slot drafts too), not two."""
+    verify may be one wider than the trained block (its anchor slot drafts too), not two; a
+    confidence cut without a confidence head, or of 1 or more, is refused."""
     tcfg, _, dcfg, _ = dspark_pair("vanilla", True)
     with pytest.raises(ConfigError, match="not implemented for a DSpark drafter .* tree_nodes=0"):
         check_decode_inputs(tcfg, dcfg, DecodeConfig(block_size=8, tree_nodes=8))
@@ -205,6 +291,12 @@ def test_dspark_decoding_refusals_and_block_width():
     no_anchor = dataclasses.replace(dcfg, sample_from_anchor=False)
     with pytest.raises(ConfigError, match="trained block size 8$"):
         check_decode_inputs(tcfg, no_anchor, DecodeConfig(block_size=9))
+    # a confidence cut needs a confidence head, and a cut below 1
+    headless = dataclasses.replace(dcfg, enable_confidence_head=False)
+    with pytest.raises(ConfigError, match="confidence_cut=0.5 .* confidence head"):
+        check_decode_inputs(tcfg, headless, DecodeConfig(block_size=8, confidence_cut=0.5))
+    with pytest.raises(ConfigError, match=r"confidence_cut=1.0 must be in \[0, 1\)"):
+        DecodeConfig(confidence_cut=1.0)
 
 
 _MESH_CHECK = """

@@ -11,6 +11,9 @@ then measures tau with greedy `speculative_decode` on the dev set
 default) every arm shares one tap cache. Rerunning skips finished arms (their results are kept
 in --output) and resumes an interrupted one.
 
+DFlash against DSpark the same way (README, "DSpark"): --arms=base,dspark
+--workdir=workdir/ablate_dspark --output=results/ablation_dspark_smollm2.json.
+
 DFlash against DFlash2 at equal CPU time, both continuing the shipped drafter on its unseen
 records with online taps (README, "DFlash2"):
 
@@ -31,7 +34,9 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from configs.smollm2_135m_b16 import get_config as smollm2_config
 from configs.smollm2_135m_dflash2_b16 import get_config as smollm2_dflash2_config
+from configs.smollm2_135m_dspark_b16 import get_config as smollm2_dspark_config
 from dflash_jax.io.drafter_io import load_drafter
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training import trainer
@@ -46,6 +51,16 @@ def dflash2_overrides() -> dict:
     cfg = smollm2_dflash2_config()
     drafter = {f"drafter.{k}": cfg.drafter[k] for k in DFLASH2_FIELDS}
     return {**drafter, "selector_loss_weight": cfg.selector_loss_weight}
+
+
+def dspark_overrides() -> dict:
+    """configs/smollm2_135m_dspark_b16.py's changes to the DFlash recipe (its heads, loss, lr,
+    anchors, full vocabulary, online taps), as overrides."""
+    base, cfg = smollm2_config(), smollm2_dspark_config()
+    out = {f"drafter.{k}": v for k, v in cfg.drafter.items() if base.drafter.get(k) != v}
+    skip = {"drafter", "init_from"}  # the arm's start comes from --config.init_from
+    out |= {k: v for k, v in cfg.items() if k not in skip and base.get(k) != v}
+    return out
 
 
 # name -> config overrides (dotted keys) relative to the base config.
@@ -69,6 +84,9 @@ ARMS = {
     # DFlash2: with --config.init_from a DFlash drafter, it starts from that drafter, its
     # convolutions and selector fresh.
     "dflash2": dflash2_overrides(),
+    # DSpark: with --config.init_from a DFlash drafter, that drafter plus a fresh Markov and
+    # confidence head, trained with speculators' KL loss.
+    "dspark": dspark_overrides(),
 }
 
 FLAGS = flags.FLAGS

@@ -14,6 +14,12 @@ processed log-probs: the drafter's exact distribution given the drafts before it
 rejection step (`sampling.accept_rejection`) compares with the target's, so decoding stays
 lossless.
 
+With `DecodeConfig.confidence_cut` the walk also runs the confidence head on each draft slot
+(its hidden and, `confidence_head_with_markov`, the Markov embedding of the token before) and
+keeps the drafts while the running product of sigmoid(confidence) stays at or above the cut:
+`propose` then returns how many drafts each row keeps, and the accept step offers only those
+to the target (`sampling.accept_rejection`'s `kept_b`).
+
 Letters: B batch, S drafter slots, G drafts, D model dim, R Markov rank, U the drafter's
 vocabulary (V, or its draft vocabulary), V the target's vocabulary.
 """
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding.sampling import process_logits, row_keys, sample
 from dflash_jax.models.drafter import draft_vocab_logits, finish_logits, on_target_vocab
-from dflash_jax.models.dspark import MarkovHead
+from dflash_jax.models.dspark import ConfidenceHead, MarkovHead
 from dflash_jax.models.target import Head
 from dflash_jax.ops.reductions import argmax_last
 
@@ -56,7 +62,8 @@ def propose(
 ):
     """Drafts of a DSpark block from the drafter's final-normed hidden of every slot [B,S,D]
     and the anchor [B]. -> (drafts [B,G] int32 target ids, draft log-probs [B,G,V] when
-    sampling (-inf off its support), else None)."""
+    sampling (-inf off its support), else None, the drafts each row keeps [B] int32 under
+    `cfg.confidence_cut`, else None)."""
     first = 0 if dcfg.sample_from_anchor else 1
     draft_bgd = hidden_bsd[:, first:]
     base_bgu = base_logits(head, tcfg, dcfg, dparams, draft_bgd)
@@ -66,20 +73,30 @@ def propose(
     variables = {"params": dparams.get("markov_head")}
     dtype = jnp.dtype(dcfg.dtype)
 
-    def bias(state_br, prev_b, h_bd):  # -> (state after the slot, its bias [B,U] or 0)
+    cut = cfg.confidence_cut > 0
+    confidence = ConfidenceHead(dcfg)
+    log_cut = jnp.log(jnp.float32(cfg.confidence_cut)) if cut else None
+
+    def embed(prev_b):
+        return markov.apply(variables, prev_b, method="embed") if dcfg.markov_rank else None
+
+    def bias(state_br, e_br, h_bd):  # -> (state after the slot, its bias [B,U] or 0)
         if not dcfg.markov_rank:
             return state_br, 0.0
-        e_br = markov.apply(variables, prev_b, method="embed")
         return markov.apply(variables, state_br, e_br, h_bd, method="walk_step")
 
     state_br = jnp.zeros((b, max(dcfg.markov_rank, 1)), dtype)
     if not dcfg.sample_from_anchor and dcfg.markov_head_type == "rnn" and dcfg.markov_rank:
-        state_br, _ = bias(state_br, anchor_b, hidden_bsd[:, 0])  # slot 0: the state only
+        state_br, _ = bias(state_br, embed(anchor_b), hidden_bsd[:, 0])  # slot 0: the state only
 
     def step(carry, xs):
-        prev_b, state_br = carry
+        prev_b, state_br, log_conf_b = carry
         g, h_bd, base_bu = xs
-        state_br, bias_bu = bias(state_br, prev_b, h_bd)
+        e_br = embed(prev_b)
+        state_br, bias_bu = bias(state_br, e_br, h_bd)
+        if cut:  # the running log-product of the drafts' predicted acceptance
+            c_b = confidence.apply({"params": dparams["confidence_head"]}, h_bd, e_br)
+            log_conf_b = log_conf_b + jax.nn.log_sigmoid(c_b)
         logits_bu = base_bu + bias_bu
         if cfg.greedy:
             token_b = argmax_last(logits_bu)
@@ -91,10 +108,13 @@ def propose(
                 logits_bu = on_target_vocab(dparams, logits_bu, tcfg.vocab_size)
             logp_bv = process_logits(logits_bu, cfg)
             token_b = sample(row_keys(jax.random.fold_in(key, g), b), logp_bv)
-        return (token_b, state_br), (token_b, logp_bv)
+        return (token_b, state_br, log_conf_b), (token_b, logp_bv, log_conf_b)
 
     first_axis = lambda x: jnp.moveaxis(x, 1, 0)  # scan over the slot axis
     xs = (jnp.arange(draft_bgd.shape[1]), first_axis(draft_bgd), first_axis(base_bgu))
-    _, (drafts_gb, logp_gbv) = jax.lax.scan(step, (anchor_b, state_br), xs)
+    carry = (anchor_b, state_br, jnp.zeros((b,), jnp.float32))
+    _, (drafts_gb, logp_gbv, log_conf_gb) = jax.lax.scan(step, carry, xs)
     drafts_bg = jnp.moveaxis(drafts_gb, 0, 1)
-    return drafts_bg, None if cfg.greedy else jnp.moveaxis(logp_gbv, 0, 1)
+    # The running product only falls, so the drafts at or above the cut are a prefix.
+    kept_b = jnp.sum(log_conf_gb >= log_cut, axis=0, dtype=jnp.int32) if cut else None
+    return drafts_bg, None if cfg.greedy else jnp.moveaxis(logp_gbv, 0, 1), kept_b

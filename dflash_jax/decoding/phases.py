@@ -125,15 +125,25 @@ def draft_hidden(
     return hidden_btd if dcfg.is_dspark else hidden_btd[:, 1:]
 
 
-def draft_tokens(head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=None, anchor_b1=None):
+def draft_tokens(
+    head: Head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params=None, anchor_b1=None, kept=False
+):
     """The target's frozen head on the draft slots (a draft vocabulary's drafter: its own, its
     params needed), then argmax or a sample per slot; a DFlash2 drafter (its params and the
     anchors [B,1] needed) walks its candidates (`selector.py`), a DSpark drafter (likewise;
     hidden: `draft_hidden`'s every slot) its Markov head (`markov.py`).
-    -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None)."""
+    -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None), and with
+    `kept` a third: the drafts each row offers to the verify [B] (a DSpark confidence cut,
+    `DecodeConfig.confidence_cut`) or None (all of them)."""
     if dcfg.is_dspark:
-        return markov.propose(
+        out = markov.propose(
             head, tcfg, dcfg, cfg, drafter_params, hidden_bgd, anchor_b1[:, 0], key
+        )
+        return out if kept else out[:2]
+    if kept:
+        return (
+            *draft_tokens(head, tcfg, dcfg, cfg, hidden_bgd, key, drafter_params, anchor_b1),
+            None,
         )
     if dcfg.is_dflash2:
         selector_params = drafter_params["candidate_selector"]
@@ -183,11 +193,14 @@ def verify_hidden(target_params, tcfg, dcfg, verify_bt, start_b, cache, defer_wr
     )
 
 
-def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key):
-    """The target's head on the verified block, then the longest valid prefix plus one target
-    token. -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
-    greedy = lambda: accept_greedy_choices(drafts_bg, head.argmax(hidden_btd))
-    sampled = lambda: accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg)
+def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key, kept_b=None):
+    """The target's head on the verified block, then the longest valid prefix (of the first
+    `kept_b` drafts, when given) plus one target token.
+    -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
+    greedy = lambda: accept_greedy_choices(drafts_bg, head.argmax(hidden_btd), kept_b)
+    sampled = lambda: accept_rejection(
+        drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg, kept_b
+    )
     if isinstance(cfg, RowSettings):
         return cfg.where_sampled(sampled, greedy())
     return greedy() if cfg.greedy else sampled()

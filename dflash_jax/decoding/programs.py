@@ -286,6 +286,12 @@ def check_decode_inputs(tcfg: TargetConfig, dcfg: DrafterConfig, cfg: DecodeConf
             "after the token before it), which a tree does not run; use tree_nodes=0 (chains, "
             "adaptive included) or a DFlash drafter for trees"
         )
+    if cfg.confidence_cut and not (dcfg.is_dspark and dcfg.enable_confidence_head):
+        raise ConfigError(
+            f"confidence_cut={cfg.confidence_cut} (--confidence_cut) needs a DSpark drafter "
+            "with a confidence head (its predicted acceptance of each draft); this drafter "
+            "has none: use confidence_cut=0"
+        )
     if cfg.row_settings and dcfg.is_dspark:
         raise ConfigError(
             "row_settings (per-row sampling settings, a server's slots) are not implemented "

@@ -222,9 +222,12 @@ def accept_greedy(drafts_bg: jax.Array, target_logits_bgv: jax.Array):
     return accept_greedy_choices(drafts_bg, argmax_last(target_logits_bgv))
 
 
-def accept_greedy_choices(drafts_bg: jax.Array, choice_bt: jax.Array):
-    """`accept_greedy` from the target's greedy tokens [B,G+1] instead of its logits."""
+def accept_greedy_choices(drafts_bg: jax.Array, choice_bt: jax.Array, kept_b=None):
+    """`accept_greedy` from the target's greedy tokens [B,G+1] instead of its logits; with
+    `kept_b` [B], only the first kept_b drafts of each row can be accepted."""
     match_bg = drafts_bg == choice_bt[:, :-1]
+    if kept_b is not None:
+        match_bg &= jnp.arange(drafts_bg.shape[1]) < kept_b[:, None]
     a_b = jnp.sum(jnp.cumprod(match_bg.astype(jnp.int32), axis=-1), axis=-1)
     return a_b, _commit_tokens(drafts_bg, a_b, jnp.take_along_axis(choice_bt, a_b[:, None], 1))
 
@@ -235,6 +238,7 @@ def accept_rejection(
     target_logits_bgv: jax.Array,
     key: jax.Array,
     cfg: DecodeConfig | RowSettings,
+    kept_b: jax.Array | None = None,
 ):
     """Lossless speculative rejection sampling (Leviathan et al.; Chen et al.).
 
@@ -243,6 +247,10 @@ def accept_rejection(
     position. At the first rejection the bonus is drawn from normalise(max(p - q, 0)); if every
     draft is accepted it is drawn from the target's last row. Every committed token is then an
     exact sample of the target given its prefix.
+
+    kept_b [B] (a confidence cut): only the first kept_b drafts are offered. A draft past the
+    cut was never proposed, so its q is 0: it is never accepted and, when every kept draft
+    is, the bonus at the cut is drawn from normalise(max(p - 0, 0)) = p, the target itself.
     """
     b, g = drafts_bg.shape
     target_logp_btv = process_logits(target_logits_bgv, cfg)
@@ -254,6 +262,8 @@ def accept_rejection(
     q_d = jnp.take_along_axis(q_bgv, drafts_bg[..., None], -1)[..., 0]
     u_bg = jax.vmap(lambda k: jax.random.uniform(k, (g,), jnp.float32))(keys_accept)
     accept_bg = u_bg * q_d < p_d
+    if kept_b is not None:
+        accept_bg, q_bgv = past_the_cut(accept_bg, q_bgv, kept_b)
     a_b = jnp.sum(jnp.cumprod(accept_bg.astype(jnp.int32), axis=-1), axis=-1)
 
     q_pad_btv = jnp.concatenate([q_bgv, jnp.zeros_like(q_bgv[:, :1])], axis=1)
@@ -263,6 +273,12 @@ def accept_rejection(
     residual_bv = jnp.where(jnp.sum(residual_bv, -1, keepdims=True) > 0, residual_bv, p_a)
     bonus_b = sample(keys_bonus, jnp.log(residual_bv), cfg)
     return a_b, _commit_tokens(drafts_bg, a_b, bonus_b[:, None])
+
+
+def past_the_cut(accept_bg, q_bgv, kept_b):
+    """The drafts after a row's first kept_b were not offered: never accepted, q = 0 there."""
+    offered_bg = jnp.arange(accept_bg.shape[1]) < kept_b[:, None]
+    return accept_bg & offered_bg, jnp.where(offered_bg[..., None], q_bgv, 0.0)
 
 
 def _commit_tokens(drafts_bg, a_b, bonus_b1):

@@ -14,20 +14,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig, tree_kind
-from dflash_jax.decoding import adaptive, lookup, tree
+from dflash_jax.decoding import adaptive, cut, lookup, tree
 from dflash_jax.decoding.phases import (
-    context_rows,
     draft_hidden,
     draft_tokens,
     init_speculative,
-    next_token,
-    verify_accept,
-    verify_hidden,
 )
 from dflash_jax.decoding.programs import (
     check_decode_inputs,
@@ -46,6 +41,7 @@ from dflash_jax.decoding.state import (
     keep_going,
     step_sampling,
 )
+from dflash_jax.decoding.step import Proposal, verify
 from dflash_jax.models.target import Head, KVCache, commit_states, decoding_head
 from dflash_jax.ops.caches import write_rows
 
@@ -62,30 +58,6 @@ class _StepContext:
     head: Head
     rng: jax.Array
     prompt_lengths: jax.Array  # [B]
-
-
-@flax.struct.dataclass
-class Proposal:
-    """What one step proposes before anything is written, rows padded to the widest kind W:
-    new [B,W]: the tokens to commit (accepted drafts, then the bonus); accepted [B]: drafts
-    accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain, `tree_kind(N)` a
-    tree); k, v: the target's K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k,
-    ctx_v: the drafter's context rows of the verified tokens, likewise; copy [B,W-1], found
-    [B]: the copy proposed before the step (adaptive mode with lookup kinds, else None), which
-    the controller learns from; state: a hybrid target's per-linear-layer `LinearRows`
-    [B,W,...] (else None), from which `_apply` commits each row's recurrent state at its
-    accepted length."""
-
-    new: jax.Array
-    accepted: jax.Array
-    kind: jax.Array
-    k: tuple
-    v: tuple
-    ctx_k: tuple
-    ctx_v: tuple
-    copy: jax.Array | None = None
-    found: jax.Array | None = None
-    state: tuple | None = None
 
 
 def _propose(
@@ -118,54 +90,35 @@ def _propose(
     elif sources == ("draft",):
         copy_flag = jnp.bool_(False)
 
+    cut = cfg.confidence_cut > 0
+
     def copied():
         drafts_bg = copy_bg[:, : bs - 1]
-        return drafts_bg, None if draw.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
+        logp = None if draw.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
+        return (drafts_bg, logp) + ((jnp.full_like(start_b, bs - 1),) if cut else ())
 
     def drafted():
         # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
         hidden_bgd = draft_hidden(
             dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
         )
-        return draft_tokens(head, tcfg, dcfg, draw, hidden_bgd, k_draft, dparams, anchor_b1)
+        return draft_tokens(
+            head, tcfg, dcfg, draw, hidden_bgd, k_draft, dparams, anchor_b1, kept=cut
+        )
 
+    kept_b = drafts_bg = draft_logp_bgv = None
     if bs > 1:
         if sources == ("copy",):
-            drafts_bg, draft_logp_bgv = copied()
+            proposal = copied()
         elif sources == ("draft",):
-            drafts_bg, draft_logp_bgv = drafted()
+            proposal = drafted()
         else:
-            drafts_bg, draft_logp_bgv = jax.lax.cond(copy_flag, copied, drafted)
-        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
-    else:
-        verify_bt = anchor_b1
-    # Verify with the target; its K/V rows for slots start.. come back unwritten.
-    vhidden_btd, taps_btf, kv_rows = verify_hidden(
-        tparams, tcfg, dcfg, verify_bt, start_b, s.cache, defer_write=True
-    )
-    # Accept the longest valid prefix plus one target token.
-    if bs > 1:
-        a_b, new_bt = verify_accept(head, draw, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept)
-    else:
-        new_bt = next_token(head, vhidden_btd[:, 0], k_accept, draw)[:, None]
-        a_b = jnp.zeros_like(start_b)
-    ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
-
-    def pad(x, axis):  # rows of this kind -> `width` rows (the tail is never read)
-        extra = [(0, 0)] * x.ndim
-        extra[axis] = (0, width - x.shape[axis])
-        return jnp.pad(x, extra)
-
-    return Proposal(
-        new=pad(new_bt, 1),
-        accepted=a_b,
-        kind=jnp.where(copy_flag, -bs, bs).astype(jnp.int32),
-        k=tuple(pad(r, 2) for r in kv_rows.k),
-        v=tuple(pad(r, 2) for r in kv_rows.v),
-        ctx_k=tuple(pad(r, 2) for r in ctx_ks),
-        ctx_v=tuple(pad(r, 2) for r in ctx_vs),
-        state=None if kv_rows.state is None else jax.tree.map(lambda r: pad(r, 1), kv_rows.state),
-    )
+            proposal = jax.lax.cond(copy_flag, copied, drafted)
+        drafts_bg, draft_logp_bgv = proposal[:2]
+        if cut:
+            kept_b = proposal[2]
+    kind = jnp.where(copy_flag, -bs, bs).astype(jnp.int32)
+    return verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width, kind)
 
 
 def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> LoopState:
@@ -263,6 +216,8 @@ def _advance_speculative(
     tree_step = lambda s, *_: Proposal(kind=tree_k, **tree.propose(s, ctx, width))
     if cfg.tree_nodes and not cfg.adaptive:  # every step a tree
         propose = tree_step
+    elif cfg.confidence_cut and not cfg.adaptive:  # drafts the block, verifies up to the cut
+        propose = functools.partial(cut.propose, bs=cfg.block_size, ctx=ctx)
     elif not cfg.adaptive:
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
     else:

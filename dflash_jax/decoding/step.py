@@ -1,0 +1,80 @@
+"""The half of a loop step that follows its drafts: the target's verify, the accept rule and
+the drafter context rows of the verified tokens, returned as a `Proposal` that writes nothing
+(`speculative._apply` writes it). `speculative._propose` (drafted or copied blocks) and
+`cut.propose` (a confidence cut's widths) end here.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decoding.phases import context_rows, next_token, verify_accept, verify_hidden
+
+
+@flax.struct.dataclass
+class Proposal:
+    """What one step proposes before anything is written, rows padded to the widest kind W:
+    new [B,W]: the tokens to commit (accepted drafts, then the bonus); accepted [B]: drafts
+    accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain, `tree_kind(N)` a
+    tree); k, v: the target's K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k,
+    ctx_v: the drafter's context rows of the verified tokens, likewise; copy [B,W-1], found
+    [B]: the copy proposed before the step (adaptive mode with lookup kinds, else None), which
+    the controller learns from; state: a hybrid target's per-linear-layer `LinearRows`
+    [B,W,...] (else None), from which `_apply` commits each row's recurrent state at its
+    accepted length."""
+
+    new: jax.Array
+    accepted: jax.Array
+    kind: jax.Array
+    k: tuple
+    v: tuple
+    ctx_k: tuple
+    ctx_v: tuple
+    copy: jax.Array | None = None
+    found: jax.Array | None = None
+    state: tuple | None = None
+
+
+def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width, kind):
+    """The rest of a step of block size `bs` once its drafts [B,bs-1] are known (None when
+    bs == 1, a plain target step): the target's verify (its K/V rows for slots start..
+    returned, not written), the longest valid prefix (of the first `kept_b` drafts, when
+    given) plus one target token, and the drafter context rows of the verified tokens, rows
+    padded to `width`. -> the step's `Proposal`, recorded as `kind`."""
+    tcfg, dcfg = ctx.tcfg, ctx.dcfg
+    tparams, dparams, head = ctx.target_params, ctx.drafter_params, ctx.head
+    start_b = ctx.prompt_lengths + s.n_gen - 1
+    anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
+    if bs > 1:
+        verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
+    else:
+        verify_bt = anchor_b1
+    vhidden_btd, taps_btf, kv_rows = verify_hidden(
+        tparams, tcfg, dcfg, verify_bt, start_b, s.cache, defer_write=True
+    )
+    if bs > 1:
+        a_b, new_bt = verify_accept(
+            head, draw, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept, kept_b
+        )
+    else:
+        new_bt = next_token(head, vhidden_btd[:, 0], k_accept, draw)[:, None]
+        a_b = jnp.zeros_like(start_b)
+    ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
+
+    def pad(x, axis):  # rows of this kind -> `width` rows (the tail is never read)
+        extra = [(0, 0)] * x.ndim
+        extra[axis] = (0, width - x.shape[axis])
+        return jnp.pad(x, extra)
+
+    return Proposal(
+        new=pad(new_bt, 1),
+        accepted=a_b,
+        kind=kind,
+        k=tuple(pad(r, 2) for r in kv_rows.k),
+        v=tuple(pad(r, 2) for r in kv_rows.v),
+        ctx_k=tuple(pad(r, 2) for r in ctx_ks),
+        ctx_v=tuple(pad(r, 2) for r in ctx_vs),
+        state=None if kv_rows.state is None else jax.tree.map(lambda r: pad(r, 1), kv_rows.state),
+    )
