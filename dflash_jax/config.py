@@ -817,8 +817,9 @@ class DecodeConfig:
     # keeps its drafts only while the product of their predicted acceptance probabilities
     # stays >= this; the drafts after the cut are not offered to the verify (the step commits
     # the kept drafts the target accepts, then one target token: at the cut a sample of the
-    # target itself). The verify still covers the whole block (static shapes); what a cut
-    # saves is the tokens a rejected tail would have cost in rejection steps. 0: no cut.
+    # target itself). A fixed-block decode verifies at the narrowest compiled width holding
+    # every active row's kept drafts (`decoding/cut.py`: what a cut saves); adaptive kinds
+    # apply the cut to their own drafts. 0: no cut (the measured default, docs/results.md).
     confidence_cut: float = 0.0
 
     def __post_init__(self):
