@@ -11,7 +11,8 @@ then measures tau with greedy `speculative_decode` on the dev set
 default) every arm shares one tap cache. Rerunning skips finished arms (their results are kept
 in --output) and resumes an interrupted one.
 
-DFlash against DSpark the same way (README, "DSpark"): --arms=base,dspark
+DFlash against DSpark the same way (docs/results.md, "DSpark against DFlash at equal CPU
+time"): the command below with --arms=base,dspark --minutes=10 --eval_block_sizes=16
 --workdir=workdir/ablate_dspark --output=results/ablation_dspark_smollm2.json.
 
 DFlash against DFlash2 at equal CPU time, both continuing the shipped drafter on its unseen
