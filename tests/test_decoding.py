@@ -197,7 +197,7 @@ def test_sampling_is_lossless(broken, monkeypatch):
     dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.5)
     if broken:
 
-        def accept_all(drafts, draft_logp, target_logits, key, cfg):
+        def accept_all(drafts, draft_logp, target_logits, key, cfg, kept=None):
             g = drafts.shape[1]
             a, new = sampling.accept_rejection(drafts, draft_logp, target_logits, key, cfg)
             full = jnp.full_like(a, g)

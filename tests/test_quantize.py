@@ -83,7 +83,7 @@ def test_quantized_sampling_is_lossless(broken, monkeypatch):
     dp = {**dp, "norm": {"scale": jnp.full_like(dp["norm"]["scale"], 0.5)}}
     if broken:
 
-        def accept_all(drafts, draft_logp, target_logits, key, cfg):
+        def accept_all(drafts, draft_logp, target_logits, key, cfg, kept=None):
             a, _ = sampling.accept_rejection(drafts, draft_logp, target_logits, key, cfg)
             bonus = jnp.argmax(target_logits[:, -1], -1).astype(jnp.int32)[:, None]
             return jnp.full_like(a, drafts.shape[1]), jnp.concatenate([drafts, bonus], 1)
