@@ -857,9 +857,7 @@ class DecodeConfig:
         if self.probe_every < 1:
             raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
         if not 0.0 <= self.confidence_cut < 1.0:
-            raise ConfigError(
-                f"confidence_cut={self.confidence_cut} must be in [0, 1) (0: no cut)"
-            )
+            raise ConfigError(f"confidence_cut={self.confidence_cut} must be in [0, 1) (0: no cut)")
         lookup = tuple(sorted({int(b) for b in self.lookup_kinds}))
         if lookup and (not self.adaptive or min(lookup) < 2 or max(lookup) > self.block_size):
             raise ConfigError(

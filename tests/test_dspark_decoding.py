@@ -240,7 +240,8 @@ CUT_SHIFT = -0.6  # 0.5 cuts ~1/6 of the rows before their first draft
 
 
 @pytest.mark.parametrize(
-    "broken", [None, pytest.param("unbiased", marks=pytest.mark.slow)]  # the control: CI runs it
+    "broken",
+    [None, pytest.param("unbiased", marks=pytest.mark.slow)],  # the control: CI runs it
 )
 def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second from the rejection
@@ -259,9 +260,7 @@ def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
     prompt = np.array([3, 1, 4], np.int32)
     n = 6000
     temperature = 2.0  # a flatter target law, where a wrong rule shows more
-    cfg = DecodeConfig(
-        max_new_tokens=2, block_size=4, temperature=temperature, confidence_cut=0.5
-    )
+    cfg = DecodeConfig(max_new_tokens=2, block_size=4, temperature=temperature, confidence_cut=0.5)
     out = speculative_decode(
         tp, dp, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
         target_config=tcfg, drafter_config=dcfg, decode_config=cfg,
