@@ -3,7 +3,9 @@
 `sample_from_anchor` settings; the walk's drafts and recorded log-probs are the teacher-forced
 drafter's (`dspark_draft_logits` fed the walk's own drafts) at every slot; sampled decoding
 matches the target's exact law, and a proposal that records its log-probs without the Markov
-bias is caught.
+bias is caught. The confidence cut (`decoding/cut.py`): greedy output stays the target's over
+narrower verifies, the sampled law holds with the cut on, and a cut row's token is a sample of
+the target itself (a cut that kept q is caught).
 """
 
 from __future__ import annotations
