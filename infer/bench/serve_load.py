@@ -44,6 +44,9 @@ flags.DEFINE_float(
     "sampled_temperature", 0.7, "Temperature of the sampled requests.", lower_bound=0.0
 )
 flags.DEFINE_integer("port", 8011, "Loopback port for the server.")
+flags.DEFINE_list(
+    "server_flags", [], "More flags for the server, e.g. --server_flags=--chunk_steps=16."
+)
 flags.DEFINE_integer(
     "max_prompt_tokens", 256, "The server's --max_prompt_tokens (one insert compiled per bucket)."
 )
@@ -84,7 +87,7 @@ def start_server(dtype: str, log_path: str) -> tuple[subprocess.Popen, float]:
         sys.executable, "-m", "infer.serve", f"--port={FLAGS.port}", f"--slots={FLAGS.slots}",
         f"--max_new_tokens={FLAGS.max_new_tokens}", f"--target={FLAGS.target}",
         f"--drafter={FLAGS.drafter}", f"--dtype={dtype}",
-        f"--max_prompt_tokens={FLAGS.max_prompt_tokens}",
+        f"--max_prompt_tokens={FLAGS.max_prompt_tokens}", *FLAGS.server_flags,
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
