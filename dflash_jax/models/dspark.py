@@ -99,12 +99,7 @@ class MarkovHead(nn.Module):
     def __call__(self, e_bnsr, h_bnsd) -> jax.Array:
         """Teacher-forced blocks: e [B,N,S,R] each slot's previous-token embedding, h [B,N,S,D]
         -> bias fp32 [B,N,S,U], the walk run slot by slot from slot 0."""
-        state_bnr = jnp.zeros_like(e_bnsr[:, :, 0])
-        biases = []
-        for s in range(e_bnsr.shape[2]):
-            state_bnr, bias_bnu = self.walk_step(state_bnr, e_bnsr[:, :, s], h_bnsd[:, :, s])
-            biases.append(bias_bnu)
-        return jnp.stack(biases, axis=2)
+        return self.bias(self.block_z(e_bnsr, h_bnsd))
 
 
 class ConfidenceHead(nn.Module):

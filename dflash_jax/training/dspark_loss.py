@@ -34,7 +34,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models import dspark
 from dflash_jax.models.drafter import hidden_to_logits
 from dflash_jax.ops.reductions import argmax_last
-from dflash_jax.training.loss import map_row_chunks
+from dflash_jax.training.loss import block_stats, map_row_chunks
 
 KL_EPS = 1e-5  # the reference's _LOSS_REDUCTION_EPS
 CONFIDENCE_EPS = 1e-8  # its metrics._EPS
@@ -137,14 +137,8 @@ def dspark_loss(
         extra["confidence_loss"] = conf_loss
     first = 0 if c.sample_from_anchor else 1
     hits_bnk = hit_r.reshape(b, n, j)[:, :, first:] & mask_bnj[:, :, first:]
-    valid_bnk = mask_bnj[:, :, first:]
-    full_bn = jnp.all(valid_bnk, axis=-1)
-    run_bn = jnp.sum(jnp.cumprod(hits_bnk.astype(jnp.int32), axis=-1), axis=-1)
     stats = {
-        "correct": jnp.sum(hits_bnk, axis=(0, 1)).astype(jnp.float32),
-        "count": jnp.sum(valid_bnk, axis=(0, 1)).astype(jnp.float32),
-        "forced_accepted": jnp.sum(jnp.where(full_bn, run_bn, 0)).astype(jnp.float32),
-        "full_blocks": jnp.sum(full_bn).astype(jnp.float32),
+        **block_stats(hits_bnk, mask_bnj[:, :, first:]),
         "accept_rate": jnp.sum(accept_bnj * m_bnj) / jnp.maximum(jnp.sum(m_bnj), 1.0),
         **extra,
     }

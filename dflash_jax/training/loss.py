@@ -316,16 +316,21 @@ def block_diffusion_loss(
         loss = (1.0 - a) * hard + a * soft
         extra = {"hard_ce": hard, "soft_ce": soft}
     hits_bnk = correct_r.reshape(labels_bnk.shape) & valid_bnk
+    return loss, {**block_stats(hits_bnk, valid_bnk), **extra}
+
+
+def block_stats(hits_bnk: jax.Array, valid_bnk: jax.Array) -> dict:
+    """The step's accuracy counts from each block slot's hit [B,N,K] (a valid slot whose draft
+    is the label) and validity: per slot "correct" and "count", and over full blocks the
+    leading hits ("forced_accepted") and how many there were ("full_blocks"), as fp32."""
     full_bn = jnp.all(valid_bnk, axis=-1)
     run_bn = jnp.sum(jnp.cumprod(hits_bnk.astype(jnp.int32), axis=-1), axis=-1)
-    stats = {
+    return {
         "correct": jnp.sum(hits_bnk, axis=(0, 1)).astype(jnp.float32),
         "count": jnp.sum(valid_bnk, axis=(0, 1)).astype(jnp.float32),
         "forced_accepted": jnp.sum(jnp.where(full_bn, run_bn, 0)).astype(jnp.float32),
         "full_blocks": jnp.sum(full_bn).astype(jnp.float32),
-        **extra,
     }
-    return loss, stats
 
 
 def implied_acceptance(accuracy_k: np.ndarray) -> float:
