@@ -271,6 +271,73 @@ def test_per_row_cuts_equal_the_sorted_cuts():
         assert (got[r] == want).all(), (r, t, k, p)
 
 
+def test_rows_with_their_own_settings_run_the_head_once(fp32_pair):
+    """A pass over rows with their own settings needs the greedy tokens for every row and, if a
+    row samples, the logits: under a row rule (the server's, batch-invariant) the argmax reads
+    the full logits anyway, so the sampled branch takes those instead of running the head's
+    [rows, V] product again (~5 ms of an 8-slot fp32 SmolLM2 step on 2 cores). Counted in the
+    lowered programs of a plain step's token and a block's verify: one head product each
+    (two before)."""
+    from dflash_jax.decoding import phases
+    from dflash_jax.models.target import decoding_head
+
+    target, _ = fp32_pair
+    vocab = target.config.vocab_size
+    rows = sampling.RowSettings(
+        temperature=jnp.asarray([0.0, 0.7, 0.0, 0.0], jnp.float32),
+        top_k=jnp.zeros((4,), jnp.int32),
+        top_p=jnp.ones((4,), jnp.float32),
+        key_data=jnp.zeros((4, 2), jnp.uint32),
+        max_new=jnp.ones((4,), jnp.int32),
+    )
+    head_of = lambda p: decoding_head(p, target.config)
+    key = jax.random.key(0)
+    token = lambda p, h: phases.next_token(head_of(p), h, key, rows)
+    drafts, logp = jnp.zeros((4, 3), jnp.int32), jnp.zeros((4, 3, vocab), jnp.float32)
+    verify = lambda p, h: phases.verify_accept(head_of(p), rows, h, drafts, logp, key)
+    for fn, hidden in ((token, jnp.ones((4, 32))), (verify, jnp.ones((4, 4, 32)))):
+        text = jax.jit(fn).lower(target.params, hidden).as_text()
+        heads = [
+            line for line in text.splitlines()
+            if "dot_general" in line and f"x{vocab}xf32>" in line.split("->")[-1]
+        ]  # fmt: skip
+        assert len(heads) == 1, heads
+
+
+def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch):
+    """An adaptive server's step costs come in two tables (`SlotDecoder.calibrate`): drafted
+    steps cost far more once any row samples (every row then runs the sampling arithmetic).
+    Each advance hands the loop the table of its busy rows: sampled from the insert of a
+    sampling request until its row is released, greedy otherwise. The decoder's programs are
+    stood in for: what is checked is which table each advance passes."""
+    from dflash_jax.decoding import slots as slots_lib
+
+    dec = object.__new__(slots_lib.SlotDecoder)
+    dec.cfg, dec.slots, dec.max_prompt, dec.buckets = decode_config(True), 2, 32, (32,)
+    dec.params, dec._rng, dec.state = (None, None), None, None
+    dec.prompt, dec.lengths = np.zeros((2, 32), np.int32), np.ones((2,), np.int32)
+    dec.step_costs, dec.sampled_step_costs = "greedy", "sampled"
+    dec._sampling = np.zeros((2,), bool)
+    passed = []
+    dec._inserts = {32: lambda *args: None}
+    dec._release = lambda state, mask: None
+    dec._advance = lambda *args: passed.append(args[5])
+    zeros = lambda *shape: np.zeros(shape, np.int32)
+    monkeypatch.setattr(
+        slots_lib, "_peek", lambda state: (zeros(2, 4), zeros(2), zeros(2), zeros(2),
+                                           zeros(2, 1), zeros(2, 1), 0)
+    )  # fmt: skip
+    dec.insert(0, [5, 6], max_new=4)
+    dec.advance(1)
+    dec.insert(1, [7], max_new=4, temperature=0.7)
+    dec.advance(1)
+    dec.release([0])
+    dec.advance(1)
+    dec.release([1])
+    dec.advance(1)
+    assert passed == ["greedy", "sampled", "sampled", "greedy"]
+
+
 def test_inverse_cdf_draws_follow_the_distribution():
     """The server's sampler (`sampling.sample_inverse_cdf`): 60k draws follow the probabilities
     (total variation under 0.03, a vocabulary that is not a multiple of its chunk), and an id of

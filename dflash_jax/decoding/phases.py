@@ -23,7 +23,13 @@ from dflash_jax.decoding.sampling import (
     sample,
 )
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
-from dflash_jax.models.drafter import Drafter, draft_vocab_argmax, drafter_logits, embed_block
+from dflash_jax.models.drafter import (
+    Drafter,
+    draft_vocab_argmax,
+    drafter_logits,
+    embed_block,
+    finish_logits,
+)
 from dflash_jax.models.target import Head, Transformer, init_cache
 from dflash_jax.ops.attention import KEY_TILE
 from dflash_jax.ops.caches import write_rows
@@ -155,8 +161,13 @@ def draft_tokens(
     greedy = lambda: _greedy_drafts(head, dcfg, drafter_params, hidden_bgd, logits)
     if isinstance(cfg, RowSettings):  # greedy rows' drafts as greedy; logp read only if sampled
         no_logp_bgv = jnp.zeros((*hidden_bgd.shape[:2], tcfg.vocab_size), jnp.float32)
+        if dcfg.draft_vocab_size or dcfg.final_logit_softcapping:
+            drafts_bg = greedy()
+        else:  # the target's head: one product for the argmax and the sampled rows' logits
+            drafts_bg, raw = head.argmax_and_logits(hidden_bgd)
+            logits = lambda: finish_logits(dcfg, raw())
         sampled = lambda: _sampled_drafts(logits(), key, cfg)
-        return cfg.where_sampled(sampled, (greedy(), no_logp_bgv))
+        return cfg.where_sampled(sampled, (drafts_bg, no_logp_bgv))
     if cfg.greedy:
         return greedy(), None
     return _sampled_drafts(logits(), key, cfg)
@@ -197,13 +208,16 @@ def verify_accept(head: Head, cfg, hidden_btd, drafts_bg, draft_logp_bgv, key, k
     """The target's head on the verified block, then the longest valid prefix (of the first
     `kept_b` drafts, when given) plus one target token.
     -> (accepted drafts a [B], committed tokens [B,T]: a drafts, then the bonus)."""
-    greedy = lambda: accept_greedy_choices(drafts_bg, head.argmax(hidden_btd), kept_b)
-    sampled = lambda: accept_rejection(
-        drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg, kept_b
-    )
-    if isinstance(cfg, RowSettings):
-        return cfg.where_sampled(sampled, greedy())
-    return greedy() if cfg.greedy else sampled()
+    if isinstance(cfg, RowSettings):  # one head product for both, where argmax reads logits
+        choice_bt, logits = head.argmax_and_logits(hidden_btd)
+        greedy = accept_greedy_choices(drafts_bg, choice_bt, kept_b)
+        sampled = lambda: accept_rejection(
+            drafts_bg, draft_logp_bgv, logits(), key, cfg, kept_b
+        )  # fmt: skip
+        return cfg.where_sampled(sampled, greedy)
+    if cfg.greedy:
+        return accept_greedy_choices(drafts_bg, head.argmax(hidden_btd), kept_b)
+    return accept_rejection(drafts_bg, draft_logp_bgv, head.logits(hidden_btd), key, cfg, kept_b)
 
 
 def next_token(head: Head, hidden_bd, key, cfg: DecodeConfig) -> jax.Array:
@@ -211,8 +225,8 @@ def next_token(head: Head, hidden_bd, key, cfg: DecodeConfig) -> jax.Array:
     (`Head.argmax`, the one function every greedy target token goes through) or a sample
     (`sampling.pick`); with a RowSettings, each row as its own settings say. -> [B] int32."""
     if isinstance(cfg, RowSettings):
-        sampled = lambda: pick(head.logits(hidden_bd), key, cfg)
-        return cfg.where_sampled(sampled, head.argmax(hidden_bd))
+        greedy_b, logits = head.argmax_and_logits(hidden_bd)
+        return cfg.where_sampled(lambda: pick(logits(), key, cfg), greedy_b)
     if cfg.greedy:
         return head.argmax(hidden_bd)
     return pick(head.logits(hidden_bd), key, cfg)
