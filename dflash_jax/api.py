@@ -164,7 +164,12 @@ class TokenStream:
 
 
 def fastest_dtype(
-    target, drafter, block_size: int, batch_invariant: bool | None = None, remember: str = ""
+    target,
+    drafter,
+    block_size: int,
+    batch_invariant: bool | None = None,
+    remember: str = "",
+    slots: int = 0,
 ) -> tuple[str, dict[str, float]]:
     """The precision to decode in when the user does not say: the one whose DFlash step floor
     (`block_size` rows through the target's and the drafter's matrices and the head, weights
@@ -177,7 +182,10 @@ def fastest_dtype(
     shapes and setting, kept in <cache_root>/dtype_floors.json. The target alone (drafter
     None): float32, whose one-row pass is the fast one everywhere measured. `remember` (the
     request as the caller names it, e.g. its sources and flags): the choice is also kept under
-    that name, for `remembered_dtype` to tell the next run which dtype to load first.
+    that name, for `remembered_dtype` to tell the next run which dtype to load first. A
+    server (`slots` > 1 busy rows a step, `infer.serve`) is judged instead by the plain step
+    of its slots, attention included (`floors.served_step_floor`): there the rows' attention
+    weighs as much as the matrices.
     -> (dtype, {setting, e.g. "bfloat16 batch-invariant": its step floor in seconds})."""
     if drafter is None:
         return "float32", {}
@@ -194,7 +202,8 @@ def fastest_dtype(
         [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), software_name(),
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
-         repr(drafter.config.num_layers), str(block_size),
+         repr(drafter.config.num_layers),
+         f"served{slots}" if slots > 1 else str(block_size),
          *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
          *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
@@ -210,10 +219,13 @@ def fastest_dtype(
                 tree,
                 is_leaf=lambda w: isinstance(w, QWeight),
             )  # quantized kernels as stored: the dot dequantizes them to dt
-            out = floors_lib.gemm_floors(
-                cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
-            )
-            floors[floors_lib.setting_name(tcfg)] = out["gemm_floor_step_s"]
+            if slots > 1:
+                floor = floors_lib.served_step_floor(cast(target.params), tcfg, slots)
+            else:
+                floor = floors_lib.gemm_floors(
+                    cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
+                )["gemm_floor_step_s"]
+            floors[floors_lib.setting_name(tcfg)] = floor
         table[key] = floors
         write_json_atomic(path, table)  # a read-only cache: measured again next time
     floors = table[key]

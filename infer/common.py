@@ -30,7 +30,8 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "dtype", "auto", ["auto", "float32", "bfloat16"],
     "Compute/parameter dtype. 'auto': the one whose DFlash step floor (a block of rows through "
-    "the target's and drafter's matrices and the head, each product computed as the model "
+    "the target's and drafter's matrices and the head; infer.serve: the plain step of its "
+    "--slots busy rows, attention included; each product computed as the model "
     "computes it in the --batch_invariant setting that dtype runs) is lower on this machine, "
     "measured once and cached (api.fastest_dtype), its choice and the floors printed on one "
     "line: bfloat16 where bf16 units make it cheap (avx512_bf16, AMX), else float32.",
@@ -190,16 +191,17 @@ def decode_config(
     )  # fmt: skip
 
 
-def load_models(block_size: int = 0):
+def load_models(slots: int = 0):
     """(target, drafter, dtype, why) as the flags ask, on the mesh of --mesh (`distributed`),
-    with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` at `block_size` (0: the
-    default block size) and --batch_invariant, `why` saying what it chose and the floors it
-    compared, on one line, which is also printed (None when --dtype was given)."""
+    with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` (a stream's step at
+    the default block size; with `slots` > 1, a server's plain step over that many busy
+    slots) and --batch_invariant, `why` saying what it chose and the floors it compared, on
+    one line, which is also printed (None when --dtype was given)."""
     mesh = distributed.mesh()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
     # --dtype=auto: the request as named here; the dtype it chose last time is loaded first
     request = "|".join(
-        str(v) for v in (FLAGS.target, FLAGS.drafter, block_size, FLAGS.batch_invariant,
+        str(v) for v in (FLAGS.target, FLAGS.drafter, slots, FLAGS.batch_invariant,
                          FLAGS.quantize, FLAGS.mesh)
     )  # fmt: skip
     if FLAGS.dtype == "auto":
@@ -212,15 +214,16 @@ def load_models(block_size: int = 0):
     target, drafter = load(dtype)
     why = None
     if FLAGS.dtype == "auto":
-        block = block_size or (api.default_block_size(target, drafter) if drafter else 1)
+        block = api.default_block_size(target, drafter) if drafter else 1
         loaded = dtype
         dtype, floors = api.fastest_dtype(
-            target, drafter, block, FLAGS.batch_invariant, remember=request
+            target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots
         )
         if floors:  # each as the model computes it in the setting it would run
             short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
             costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())
-            why = f"{dtype}: {block}-row step floors {costs}"
+            what = f"{slots}-slot served step" if slots > 1 else f"{block}-row step floors"
+            why = f"{dtype}: {what} {costs}"
         else:
             why = "float32: the target alone runs one row per step, fastest in float32"
         if distributed.is_primary():

@@ -81,7 +81,7 @@ def main(argv):
     if FLAGS.batch_invariant is None:
         FLAGS.batch_invariant = True  # also what --dtype=auto compares dtypes under
     with common.usage_errors():
-        target, drafter, _, _ = common.load_models()
+        target, drafter, _, _ = common.load_models(slots=FLAGS.slots)
         if drafter is None:
             raise ValueError("--drafter=none: the server decodes with a drafter")
         if target.tokenizer is None:

@@ -227,5 +227,21 @@ def test_dtype_auto_measures_once_and_remembers_the_choice(tmp_path, monkeypatch
     timings.update(float32=0.5)  # not measured again: the first measurement stands
     assert api.fastest_dtype(*pair, 8, False, remember="smol|default")[0] == "bfloat16"
     assert api.remembered_dtype("other|request") is None
+    # A server (slots > 1) is judged by its served plain step instead, kept under its own key.
+    served = {"float32": 1.0, "bfloat16": 3.0}
+    monkeypatch.setattr(floors, "served_step_floor", lambda t, cfg, n: served[cfg.dtype] * n)
+    choice, measured = api.fastest_dtype(*pair, 8, False, slots=4)
+    assert choice == "float32" and sorted(measured.values()) == [4.0, 12.0]
+    assert api.fastest_dtype(*pair, 8, False)[0] == "bfloat16"  # a stream's choice stands
     (tmp_path / "dtype_floors.json").write_text("{not json")
     assert api.remembered_dtype("smol|default") is None
+
+
+def test_served_step_floor_times_a_plain_step_over_the_slots():
+    """`floors.served_step_floor` (what --dtype=auto compares for infer.serve) runs a real
+    target's one-token forward over its slots' caches and head: a positive time, and the
+    shapes are the ones asked for (a small cache here)."""
+    from dflash_jax.decoding import floors
+
+    tcfg, tp, _, _ = make_pair()
+    assert 0 < floors.served_step_floor(tp, tcfg, 3, repeats=2, cache_len=64, live=20) < 5

@@ -16,6 +16,8 @@ operands, 2-8x slower than the model's bf16 GEMMs on a CPU with bf16 units.)
     draft rows;
   * `gemm_floor_tree_step_s` (with a tree of N tokens): the step with N rows through the target.
 Their ratio is the physical break-even: DFlash wins only when tau exceeds it.
+`served_step_floor` is not a GEMM floor: a server's plain step over its busy slots, attention
+included, which is what `api.fastest_dtype` compares for `infer.serve`.
 """
 
 from __future__ import annotations
@@ -272,3 +274,41 @@ def bracket_floors(before: dict, after: dict) -> dict:
 def _float_to(w, dtype):
     """A weight cast to `dtype`; integer leaves (a draft vocabulary's target ids) kept."""
     return w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+
+
+# The shapes `served_step_floor` times a busy server's plain step at: `infer.serve`'s default
+# prompt buffer (512) and new tokens (128) with a block past them, rows this far in.
+SERVED_CACHE_LEN, SERVED_LIVE = 704, 160
+
+
+def served_step_floor(
+    target_params,
+    tcfg: TargetConfig,
+    slots: int,
+    repeats: int = 5,
+    cache_len: int = SERVED_CACHE_LEN,
+    live: int = SERVED_LIVE,
+) -> float:
+    """Seconds of a server's plain step with `slots` busy rows (`decoding.slots`): one token per
+    row through the target's whole forward as the decode runs it (`tcfg` from
+    `run_target_config`: its dtype, row rule and attention over `live` of a row's `cache_len`
+    cached slots, norms, RoPE, the cache write), then the head's greedy token. Not a GEMM floor:
+    with many rows attention is a large part of a step (at 8 slots on a 2-core CPU, the bf16
+    row rule's attention cost ~2.5x fp32's, more than its GEMMs save), and the server's steps
+    are mostly plain ones. Timed as `loop_time` times the floors."""
+    from dflash_jax.models.target import Transformer, init_cache
+
+    head = jax.jit(decoding_head, static_argnums=1)(target_params, tcfg)
+    lengths_b = jnp.full((slots,), live, jnp.int32)
+    positions_b1 = lengths_b[:, None]
+
+    def step(carry, params, head):
+        tokens_b1, cache, sink = carry
+        hidden, _, cache = Transformer(tcfg).apply(
+            {"params": params}, tokens_b1, positions_b1, cache, lengths_b, method="hidden"
+        )
+        token_b = head.argmax(hidden[:, 0])
+        return jnp.minimum(token_b[:, None], 0) + tokens_b1, cache, sink + token_b.sum()
+
+    carry = (jnp.ones((slots, 1), jnp.int32), init_cache(tcfg, slots, cache_len), jnp.int32(0))
+    return loop_time(step, carry, (target_params, head), repeats, compile_options(tcfg))

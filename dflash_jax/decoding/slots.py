@@ -136,7 +136,12 @@ class SlotDecoder:
         width = self.buckets[-1]
         self.prompt = np.zeros((slots, width), np.int32)
         self.lengths = np.ones((slots,), np.int32)
+        # The controller's step costs: one table while every busy row is greedy, one while
+        # some row samples (then every row runs the sampling arithmetic: a drafted step
+        # costs far more, e.g. block 4 at 8 slots 1.7x a plain step greedy, 2.1x sampling).
         self.step_costs = speculative.step_cost_array(cfg)
+        self.sampled_step_costs = self.step_costs
+        self._sampling = np.zeros((slots,), bool)  # which rows' requests sample
         self.compile_s = 0.0
         self._rng = jax.random.key(0)  # the loop's own key: unused, each row has its own
         self.state = self._empty_state()
@@ -210,16 +215,20 @@ class SlotDecoder:
         self.prompt[slot, :n] = token_ids
         self.lengths[slot] = n
         row = self._row_settings(temperature, top_k, top_p, seed, max_new)
+        self._sampling[slot] = temperature > 0
         self.state = self._inserts[width](
             *self.params, prompt, np.asarray([n], np.int32), row, np.int32(slot), self.state
         )
 
     def advance(self, steps: int, forced_kind: int = -1) -> Chunk:
         """Runs up to `steps` loop steps (fewer when every row is done), then releases nothing:
-        call `release` next, which also restarts the step count. -> the chunk's records."""
+        call `release` next, which also restarts the step count. The controller steers by
+        `sampled_step_costs` while some row samples, else by `step_costs`.
+        -> the chunk's records."""
         t0 = time.perf_counter()
+        costs = self.sampled_step_costs if self._sampling.any() else self.step_costs
         self.state = self._advance(
-            *self.params, self.prompt, self.lengths, self._rng, self.step_costs,
+            *self.params, self.prompt, self.lengths, self._rng, costs,
             np.int32(forced_kind), np.int32(min(steps, max_steps(self.cfg))), self.state,
         )  # fmt: skip
         gen, n_gen, done, num_steps, acc, kinds, step = jax.device_get(_peek(self.state))
@@ -231,33 +240,52 @@ class SlotDecoder:
         """Marks the rows `rows` (indices) free (done), and restarts the step count."""
         mask = np.zeros((self.slots,), bool)
         mask[list(rows)] = True
+        self._sampling[mask] = False
         self.state = self._release(self.state, mask)
 
     # -- start-up ------------------------------------------------------------------------
     def warm_up(self, token_ids, steps: int = 1) -> None:
-        """Runs every step kind once over all rows (XLA:CPU sets each fusion up at its first
-        execution; `api._warm`), then frees the rows."""
+        """Runs every step kind once over all rows, every other one sampling, so that the
+        sampling branches run too (XLA:CPU sets each fusion up at its first execution;
+        `api._warm`), then frees the rows."""
         kinds = range(len(self.cfg.all_kinds)) if self.cfg.adaptive else (-1,)
         for kind in kinds:
-            for slot in range(self.slots):
-                self.insert(slot, token_ids, max_new=self.cfg.max_new_tokens)
+            self._fill(token_ids, sampled=True)
             self.advance(steps, forced_kind=kind)
             self.release(range(self.slots))
 
-    def calibrate(self, token_ids, steps: int = 8, repeats: int = 2) -> np.ndarray:
+    def _fill(self, token_ids, sampled: bool) -> None:
+        """Every slot busy with `token_ids`; with `sampled`, the odd ones sample (temperature
+        0.7, top_p 0.95, a seed each), the others greedy."""
+        for slot in range(self.slots):
+            sample = sampled and slot % 2 == 1
+            self.insert(
+                slot, token_ids, max_new=self.cfg.max_new_tokens,
+                temperature=0.7 if sample else 0.0, top_p=0.95 if sample else 1.0, seed=slot,
+            )  # fmt: skip
+
+    def calibrate(
+        self, token_ids, steps: int = 8, repeats: int = 2, sampled_steps: int = 4
+    ) -> np.ndarray:
         """The adaptive controller's step costs measured on this decode's own program, every
         row busy: each kind forced for `steps` steps, the fastest of `repeats` rounds, in units
-        of a plain step's (only their ratios steer the controller). Sets and returns them."""
+        of a plain step's (only their ratios steer the controller). Then the same with every
+        other row sampling (temperature 0.7, top_p 0.95; `sampled_steps` steps, one round) for
+        `sampled_step_costs`. Sets both and returns the greedy table."""
         if not self.cfg.adaptive:
             return self.step_costs
+        self.step_costs = self._measure_costs(token_ids, steps, repeats, sampled=False)
+        self.sampled_step_costs = self._measure_costs(token_ids, sampled_steps, 1, sampled=True)
+        return np.asarray(self.step_costs)
+
+    def _measure_costs(self, token_ids, steps: int, repeats: int, sampled: bool) -> jax.Array:
         best = np.full(len(self.cfg.all_kinds), np.inf)
         for _ in range(repeats):
             for kind in range(len(self.cfg.all_kinds)):
-                for slot in range(self.slots):
-                    self.insert(slot, token_ids, max_new=self.cfg.max_new_tokens)
+                self._fill(token_ids, sampled)
+                jax.block_until_ready(self.state)  # the inserts' prefills are not the kind's
                 chunk = self.advance(steps, forced_kind=kind)
                 self.release(range(self.slots))
                 best[kind] = min(best[kind], chunk.seconds / max(chunk.acc.shape[1], 1))
         unit = best[self.cfg.all_kinds.index(1)] if 1 in self.cfg.all_kinds else best.min()
-        self.step_costs = jnp.asarray(np.maximum(best / unit, 1.0), jnp.float32)
-        return np.asarray(self.step_costs)
+        return jnp.asarray(np.maximum(best / unit, 1.0), jnp.float32)

@@ -167,7 +167,8 @@ def main(argv):
     common.quiet_library_logs()
     started = time.perf_counter()
     with common.usage_errors():
-        target, drafter, dtype, _ = common.load_models()
+        # --dtype=auto as the server resolves it (its --slots busy rows), passed to it
+        target, drafter, dtype, _ = common.load_models(slots=FLAGS.slots)
         if drafter is None:
             raise ValueError("--drafter=none: the server decodes with a drafter")
     reqs = requests_to_send()

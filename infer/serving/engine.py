@@ -159,16 +159,19 @@ class Engine:
             "tau": self.stats["step_tokens"] / row_steps if row_steps else None,
             "loop_steps": self.stats["steps"],
             "steps_by_kind": dict(self.kinds),
-            "step_costs": self._step_costs(),
+            "step_costs": self._step_costs("step_costs"),
+            "sampled_step_costs": self._step_costs("sampled_step_costs"),
             "uptime_s": round(time.time() - self.started, 1),
         }
 
-    def _step_costs(self) -> dict:
-        """The adaptive controller's cost of each step kind (in plain steps), as calibrated."""
+    def _step_costs(self, table: str) -> dict:
+        """The adaptive controller's cost of each step kind (in plain steps), as calibrated:
+        `table` "step_costs" while every row is greedy, "sampled_step_costs" while one
+        samples."""
         dec = self.decoder
         if dec is None or not dec.cfg.adaptive:
             return {}
-        costs = np.asarray(dec.step_costs).tolist()
+        costs = np.asarray(getattr(dec, table)).tolist()
         return {kind_label(k): c for k, c in zip(dec.cfg.all_kinds, costs, strict=True)}
 
     def _retry_after(self) -> int:
