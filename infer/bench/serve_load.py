@@ -166,6 +166,8 @@ def main(argv):
 
     common.quiet_library_logs()
     started = time.perf_counter()
+    if FLAGS.batch_invariant is None:
+        FLAGS.batch_invariant = True  # as infer.serve: --dtype=auto judges its setting
     with common.usage_errors():
         # --dtype=auto as the server resolves it (its --slots busy rows), passed to it
         target, drafter, dtype, _ = common.load_models(slots=FLAGS.slots)
