@@ -154,3 +154,50 @@ def test_the_checks_see_a_plain_bf16_product():
         policy = jax.jit(dots.matmul).lower(x, w)
         assert not bf16_products_asked(policy.as_text())
         assert not bad_dots(policy.compile().as_text(), {(64, 96)})
+
+
+def widened_buffers(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """The optimized HLO's instructions that make an f32 array of `shape` (a bf16 buffer's
+    widened copy)."""
+    dims = ",".join(str(d) for d in shape)
+    return [line.strip()[:140] for line in hlo.splitlines() if f"= f32[{dims}]" in line]
+
+
+def test_a_bf16_cache_is_written_and_read_without_widening_it():
+    """XLA:CPU widened a bf16 cache buffer to f32 as a whole: for the scatter that writes new
+    rows (and narrowed it back), and, hoisted out of the invariant attention's loops, for the
+    tiles' f32 products: K and V of every layer, every step (~9 ms of a 26 ms bf16 SmolLM2 step
+    at one row on 2 cores). A cache write and an invariant attention over a bf16 cache [B,K,S,H]
+    compile to no f32 [B,K,S,H] value (both had it on the code before); the write holds the
+    float32 write's values, and the attention a float32 reference's within bf16 rounding."""
+    from dflash_jax.ops.attention import tiled_attention
+    from dflash_jax.ops.caches import write_rows
+    from dflash_jax.ops.invariance import RowRule
+
+    b, k, s, h, t = 2, 2, 256, 16, 3
+    rng = np.random.default_rng(0)
+    cache = tuple(jnp.asarray(rng.normal(size=(b, k, s, h)), jnp.bfloat16) for _ in range(2))
+    new = tuple(jnp.asarray(rng.normal(size=(b, k, t, h)), jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(b, t, 4, h)), jnp.bfloat16)
+    start = jnp.array([70, 130], jnp.int32)
+    write = jax.jit(write_rows)
+    attend = jax.jit(lambda q, c, n, st: tiled_attention(q, c, n, st, RowRule(*RULE)))
+    for fn, args in ((write, (cache[0], new[0], start)), (attend, (q, cache, new, start))):
+        widened = widened_buffers(fn.lower(*args).compile().as_text(), (b, k, s, h))
+        assert not widened, "\n".join(widened[:3])
+    written = write(cache[0], new[0], start)
+    want = write(cache[0].astype(jnp.float32), new[0].astype(jnp.float32), start)
+    assert (written == want.astype(jnp.bfloat16)).all()
+    out = np.asarray(attend(q, cache, new, start), np.float32)  # [B,T,N,H]
+    f = lambda x: np.asarray(x, np.float32)
+    for r in range(b):
+        n0 = int(start[r])
+        keys = np.concatenate([f(cache[0])[r, :, :n0], f(new[0])[r]], 1)  # [K, n0 + T, H]
+        vals = np.concatenate([f(cache[1])[r, :, :n0], f(new[1])[r]], 1)
+        for i in range(t):
+            for head in range(4):
+                kv = head // 2
+                score = keys[kv, : n0 + i + 1] @ f(q)[r, i, head] / np.sqrt(h)
+                p = np.exp(score - score.max())
+                want = (p / p.sum()) @ vals[kv, : n0 + i + 1]
+                np.testing.assert_allclose(out[r, i, head], want, atol=3e-2, rtol=3e-2)
