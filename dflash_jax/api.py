@@ -203,7 +203,7 @@ def fastest_dtype(
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
          repr(drafter.config.num_layers),
-         f"served{slots}" if slots > 1 else str(block_size),
+         f"served{slots}v{floors_lib.SERVED_VERSION}" if slots > 1 else str(block_size),
          *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
          *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
