@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops import platform
+from dflash_jax.ops.caches import bits16
 from dflash_jax.ops.invariance import RowRule
 
 NEG_INF = -1e30
@@ -385,11 +387,11 @@ def _tiled_lanes(
         raise ValueError(f"cache length {s} is not a multiple of the key tile {key_tile}")
     scale = h**-0.5
     dtype = cache[0].dtype
-    # A 16-bit float cache is read as its bits and each tile turned back into floats inside
-    # the loop: otherwise XLA:CPU widens the whole cache to f32 once per pass for the tiles'
+    # On a CPU a 16-bit float cache is read as its bits and each tile turned back into floats
+    # inside the loop: otherwise XLA:CPU widens the whole cache to f32 once per pass for the tiles'
     # f32 products, hoisted out of the loop (K and V of every layer, every step: ~5 ms of a
     # 26 ms bf16 SmolLM2 step at one row, 2026-12-04). Same values, same products.
-    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+    if platform.is_cpu() and bits16(dtype):
         cache_bits = tuple(jax.lax.bitcast_convert_type(c, jnp.uint16) for c in cache)
     else:
         cache_bits = cache

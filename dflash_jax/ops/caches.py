@@ -7,6 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops import platform
+
+
+def bits16(dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (bf16, f16), which XLA:CPU widens to f32 for a
+    scatter, or for products, as a whole buffer."""
+    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
 
 def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> jax.Array:
     """Writes new[b, :, t] at buf[b, :, start[b] + t]; writes past the end are dropped, never
@@ -16,7 +24,7 @@ def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> 
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
     update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
-    if buf_bksh.dtype.itemsize == 2 and jnp.issubdtype(buf_bksh.dtype, jnp.floating):
+    if platform.is_cpu() and bits16(buf_bksh.dtype):
         # A 16-bit float cache is scattered as its bits: XLA:CPU widens a bf16 scatter's whole
         # operand to f32 and narrows it back (two converts of the full cache per layer, K and
         # V, every step: ~9 ms of a 26 ms bf16 SmolLM2 step at one row, 2026-12-04); an
