@@ -32,7 +32,7 @@ import numpy as np
 from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
-from dflash_jax.models.target import decoding_head, row_rule
+from dflash_jax.models.target import Transformer, decoding_head, init_cache, row_rule
 from dflash_jax.ops import dots, invariance
 
 # Part of the key of the floors kept on disk (`api.fastest_dtype`): 2 computes every product as
@@ -299,8 +299,6 @@ def served_step_floor(
     with many rows attention is a large part of a step (at 8 slots on a 2-core CPU, the bf16
     row rule's attention cost ~2.5x fp32's, more than its GEMMs save), and the server's steps
     are mostly plain ones. Timed as `loop_time` times the floors."""
-    from dflash_jax.models.target import Transformer, init_cache
-
     head = jax.jit(decoding_head, static_argnums=1)(target_params, tcfg)
     lengths_b = jnp.full((slots,), live, jnp.int32)
     positions_b1 = lengths_b[:, None]

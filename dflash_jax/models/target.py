@@ -347,9 +347,7 @@ class Head:
 
     def argmax(self, hidden: jax.Array) -> jax.Array:
         """The greedy token of every final-normed hidden [..., D] -> int32 [...]."""
-        if self.argmax_reads_logits:
-            return argmax_last(self.logits(hidden))
-        return head_argmax(hidden, self.dv, self.vd)
+        return self.argmax_and_logits(hidden)[0]
 
     def argmax_and_logits(self, hidden: jax.Array):
         """(`argmax(hidden)`, a function giving `logits(hidden)`) for a pass that may need
