@@ -77,6 +77,36 @@ def default_adaptive(target, drafter, platform: str | None = None) -> bool:
     return drafter is not None and (platform or jax.default_backend()) == "cpu"
 
 
+def default_step_kinds(block_size: int, plain: bool = True) -> tuple[int, ...]:
+    """The drafter's step kinds of an adaptive decode whose user names none: a plain step (1;
+    unless `plain` is False and two drafting kinds remain), the blocks of 4 and 8 below the
+    block size, and the block size."""
+    drafts = tuple(b for b in (4, 8) if b < block_size) + (block_size,)
+    return ((1,) if plain or len(drafts) < 2 else ()) + drafts
+
+
+def plain_steps_pay(target, batch_invariant: bool | None, platform: str | None = None) -> bool:
+    """Whether an adaptive decode's default kinds include a plain step: not under a row rule
+    (`batch_invariant`; None: by dtype, `programs.default_invariant`) on a CPU (`platform`;
+    None: this process's backend). There a one-row target pass costs what a pass of a few rows
+    does: its products pad the row to the rule's minimum, its attention runs whole query tiles
+    and its norms whole row tiles, so a block of 4 costs no more than a plain step and drafts
+    besides, and the controller never picks the plain step (bf16, SmolLM2 and its drafter, in
+    AR steps: block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16, 0.97
+    on an Intel Xeon with AMX). Leaving it out takes one of the loop's four target passes out
+    of the compiled program: on the Intel Xeon a fresh compile of the default loop takes 16.0 s
+    instead of 23.6, a load from the persistent cache 2.5 s instead of 3.4-3.6, and 256 tokens
+    decode as fast (3.36-3.50 s against 3.36-3.44; docs/results.md)."""
+    from dflash_jax.decoding import programs
+
+    if (platform or jax.default_backend()) != "cpu":
+        return True
+    invariant = batch_invariant
+    if invariant is None:
+        invariant = programs.default_invariant(target.config)
+    return not invariant
+
+
 def decode_mode(
     target,
     drafter,
@@ -131,6 +161,20 @@ def load_pair(
     target = load_target(
         target_source, dtype=dtype, cache=target_cache, mesh=mesh, quantize=quantize
     )
+    drafter = None if drafter_source == "none" else load_drafter(drafter_source, target, mesh=mesh)
+    return target, drafter
+
+
+def recast_pair(target, drafter_source: str, dtype: str, target_cache: bool = True, mesh=None):
+    """(target, drafter or None) as `load_pair(target.source, drafter_source, dtype, ...)` would
+    load them, from a float32 `target` already loaded: its params cast (the same bits,
+    `io.target_loader.recast`, which also fills the target cache for `dtype`), the drafter
+    loaded for it. What `--dtype=auto` does when the dtype it chose is not the one it loaded
+    first (a first run on a machine): the source is not read and converted twice."""
+    from dflash_jax.io.drafter_io import load_drafter
+    from dflash_jax.io.target_loader import recast
+
+    target = recast(target, dtype, target_cache)
     drafter = None if drafter_source == "none" else load_drafter(drafter_source, target, mesh=mesh)
     return target, drafter
 
@@ -223,8 +267,9 @@ def fastest_dtype(
                 floor = floors_lib.served_step_floor(cast(target.params), tcfg, slots)
             else:
                 floor = floors_lib.gemm_floors(
-                    cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5
-                )["gemm_floor_step_s"]
+                    cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5,
+                    only=("gemm_floor_step_s",),
+                )["gemm_floor_step_s"]  # fmt: skip
             floors[floors_lib.setting_name(tcfg)] = floor
         table[key] = floors
         write_json_atomic(path, table)  # a read-only cache: measured again next time
@@ -372,11 +417,15 @@ def generate_config(
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
     block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
-    process's backend), None lookup kinds `DEFAULT_LOOKUP_KINDS`; the target's stop tokens
+    process's backend), no step kinds `default_step_kinds` (a plain step where
+    `plain_steps_pay`), None lookup kinds `DEFAULT_LOOKUP_KINDS`; the target's stop tokens
     (`stop_token_ids`). The one builder of decode configs: `infer.generate`,
     `infer.benchmark`, `infer.serve`, `infer.lower` and `infer.memory_plan` call it too.
     `target` and `drafter` need only `.config` (and the target a `.tokenizer`, if any)."""
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
+    if adaptive and not step_kinds:
+        plain = plain_steps_pay(target, batch_invariant, platform)
+        step_kinds = default_step_kinds(block_size, plain)
     return decode_config(
         block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -228,8 +228,12 @@ def load_models(slots: int = 0):
             why = "float32: the target alone runs one row per step, fastest in float32"
         if distributed.is_primary():
             print(f"--dtype=auto chose {why}", file=sys.stderr, flush=True)
-        if dtype != loaded:
+        if dtype != loaded and (FLAGS.quantize or loaded != "float32"):
             target, drafter = load(dtype)
+        elif dtype != loaded:  # the float32 target as loaded, cast: its source read once
+            target, drafter = with_attention_impl(
+                *api.recast_pair(target, FLAGS.drafter, dtype, FLAGS.target_cache, mesh=mesh)
+            )
     return target, drafter, dtype, why
 
 

@@ -68,9 +68,15 @@ def server_config(target, drafter) -> api.DecodeConfig:
     --nobatch_invariant."""
     cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
+    # A plain step stays among the default kinds: with several busy slots a drafted step costs
+    # a few plain ones (block 4 at 8 slots ~1.7x greedy, `decoding.slots`), unlike a stream's.
+    kinds = cfg.step_kinds
+    if cfg.adaptive and not FLAGS.step_kinds:
+        kinds = api.default_step_kinds(cfg.block_size)
     return dataclasses.replace(
-        cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True
-    )
+        cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True,
+        step_kinds=kinds,
+    )  # fmt: skip
 
 
 def main(argv):

@@ -141,6 +141,14 @@ def test_decisions_follow_the_platform_compiled_for(monkeypatch):
     cpu = api.generate_config(target, drafter, platform="cpu")
     tpu = api.generate_config(target, drafter, platform="tpu", tree_nodes=8)
     assert (cpu.block_size, cpu.adaptive, cpu.lookup_kinds) == (16, True, (8, 16))
+    # Under a CPU's row rule (bf16 by default) the default kinds leave the plain step out
+    # (`api.plain_steps_pay`); in fp32, or without the rule, it stays.
+    assert cpu.step_kinds == (4, 8, 16)
+    fp32 = types.SimpleNamespace(config=dataclasses.replace(tcfg, dtype="float32"))
+    assert api.generate_config(fp32, drafter, platform="cpu").step_kinds == (1, 4, 8, 16)
+    loose = api.generate_config(target, drafter, platform="cpu", batch_invariant=False)
+    assert loose.step_kinds == (1, 4, 8, 16)
+    assert api.generate_config(target, drafter, platform="cpu", block_size=4).step_kinds == (1, 4)
     assert (tpu.block_size, tpu.adaptive, tpu.lookup_kinds, tpu.tree_nodes) == (32, False, (), 8)
     assert cpu.stop_token_ids == tpu.stop_token_ids == (2,)
 

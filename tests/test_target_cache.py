@@ -91,6 +91,23 @@ def test_gguf_hit_is_identical(tmp_path, cache_dir, monkeypatch):
     _assert_same(cached, reference)
 
 
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_recast_is_a_fresh_load_in_that_dtype(tmp_path, cache_dir, monkeypatch, kind):
+    """`--dtype=auto` on a first run casts the float32 target it loaded to the dtype it chose
+    (`target_loader.recast`) instead of converting the source again: bit for bit the fresh
+    bf16 load, and the cache entry it leaves is what the next bf16 load reads."""
+    if kind == "hf":
+        path = make_tiny_hf_target(tmp_path, "qwen3")
+    else:
+        path = make_tiny_gguf(tmp_path, make_tiny_hf_model("llama", tie=True))
+    reference = load_target(str(path), "bfloat16", cache=False)
+    recast = target_loader.recast(load_target(str(path)), "bfloat16")
+    _assert_same(recast, reference)
+    assert sum("bfloat16" in e.name for e in _entries(cache_dir)) == 1
+    _no_conversion(monkeypatch)
+    _assert_same(load_target(str(path), "bfloat16"), reference)
+
+
 def _flip_a_byte(file):
     with open(file, "r+b") as f:
         f.seek(os.path.getsize(file) // 2)

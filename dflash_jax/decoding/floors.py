@@ -195,13 +195,18 @@ def gemm_floors(
     repeats=20,
     ar_rows: int = 1,
     tree_rows: int = 0,
+    only: tuple[str, ...] = (),
 ) -> dict:
     """{"gemm_floor_ar_s", "gemm_floor_step_s"} (and "gemm_floor_tree_step_s" with tree_rows)
     (`floor_fns`; `tcfg` as the decode runs it), timed like the phases (`loop_time`, weights as
-    arguments, the decode's compiler options)."""
+    arguments, the decode's compiler options); `only` these names when given."""
     fns = floor_fns(target_params, tcfg, drafter_params, rows, ar_rows, tree_rows)
     options = compile_options(tcfg)
-    return {name: loop_time(*fn, repeats, options) for name, fn in fns.items()}
+    return {
+        name: loop_time(*fn, repeats, options)
+        for name, fn in fns.items()
+        if not only or name in only
+    }
 
 
 def setting_name(tcfg: TargetConfig) -> str:

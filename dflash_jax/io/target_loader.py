@@ -95,6 +95,39 @@ def load_target(
     return _quantized(target, quantize, mesh)
 
 
+def recast(target: LoadedTarget, dtype: str, cache: bool = True) -> LoadedTarget:
+    """`target` (a float target `load_target` returned) in `dtype`: the same values as a fresh
+    `load_target(target.source, dtype)`, without reading the source again. Each param was made
+    as cast(layout(tensor as read)) (`hf.convert_to_params`), the tensor as read in at most
+    float32 precision, so the target in float32 cast to `dtype` holds exactly those bits (one
+    rounding either way). The converted target is also stored in the target cache under
+    `dtype` (when `cache` and a GGUF or HF directory source), for a later load to read. A
+    quantized target is refused (ValueError): its kernels were quantized from the float values
+    in the dtype it was loaded in."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if target.config.quantize:
+        raise ValueError(f"recast: a quantized ({target.config.quantize}) target loads anew")
+    if jnp.dtype(target.config.dtype) != jnp.float32:
+        raise ValueError(f"recast: from a float32 target only, not {target.config.dtype}")
+    if jnp.dtype(dtype) == jnp.float32:
+        return target
+    floating = lambda w: jnp.issubdtype(w.dtype, jnp.floating)
+    params = jax.tree.map(lambda w: w.astype(dtype) if floating(w) else w, target.params)
+    config = dataclasses.replace(target.config, dtype=dtype)
+    path = Path(target.source)
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    is_hf = path.is_dir() and (path / "config.json").is_file()
+    is_hf = is_hf and not target_orbax.is_saved_target(path)
+    if target_cache.enabled(cache) and jax.process_count() == 1 and (is_gguf or is_hf):
+        files = [path] if is_gguf else _hf_files(path)
+        entry = target_cache.entry_for(path, files, dtype, _GGUF_CONVERTERS if is_gguf else ())
+        if not entry.directory.is_dir():
+            tokenizer = target.tokenizer if is_gguf else None
+            target_cache.write(entry, config, params, tokenizer)
+    return dataclasses.replace(target, config=config, params=params)
+
+
 def _gguf_path(source: str) -> Path:
     if source.lower() == assets.SMOLLM2_NAME:
         return assets.smollm2_gguf_path()
