@@ -31,6 +31,7 @@ bitwise for every pass kind, in fp32 and bf16.
 from __future__ import annotations
 
 import dataclasses
+import concurrent.futures
 import functools
 
 import jax
@@ -223,18 +224,27 @@ def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str
     dims = (((1,), (0,)), ((), ()))
     f = jax.jit(lambda x, w: dot(jnp.tanh(x).astype(dt), w, dims))
     f_t = jax.jit(lambda x, w_nk: transposed_matmul(unbounded, jnp.tanh(x).astype(dt), w_nk))
+    runs = []  # (shape, m, lowered program, its arguments)
     for shape in shapes:
         k, n = shape[:2]
         transposed = len(shape) > 2 and shape[2]
         w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)) / np.sqrt(k), dt)
-        x = jnp.asarray(rng.standard_normal((m_max, k)), jnp.float32)
+        # Sliced on the host: an eager slice of a device array compiles a program per m.
+        x = rng.standard_normal((m_max, k)).astype(np.float32)
         g = f_t if transposed else f
+        runs += [(shape, m, g.lower(x[:m], w), (x[:m], w)) for m in _PROBE_ROWS]
+    # Compiled two at a time (XLA compiles outside the GIL; most of the probe's time), each
+    # the program `g(x[:m], w)` would compile; then run one after the other.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        compiled = list(pool.map(lambda run: run[2].compile(), runs))
+    results = {}
+    for (shape, m, _, args), program in zip(runs, compiled, strict=True):
         # Every row up to the anchor's, not only the first: a kernel's remainder rows may round
         # apart from its full tiles.
-        results = {
-            m: np.asarray(g(x[:m], w)[:_ANCHOR_ROWS].astype(jnp.float32)) for m in _PROBE_ROWS
-        }
-        found = _row_classes(results)
+        out = np.asarray(program(*args))[:_ANCHOR_ROWS].astype(np.float32)
+        results.setdefault(shape, {})[m] = out
+    for shape in shapes:
+        found = _row_classes(results[shape])
         rule = found if rule is None else _intersect(rule, found)
     return rule
 
