@@ -211,6 +211,28 @@ def test_verify_kernel_reads_live_slots_with_splits():
     assert not blind[1].any() and _max_err(want[0], blind[0]) <= 1e-5
 
 
+def test_tree_verify_kernel_matches_xla():
+    """A token tree's verify (each query's ancestors as a bitmask over the new rows) through
+    the GPU kernel, with and without splits, rows whose new tokens start at 0, across a key
+    tile edge and at the buffer's end; slots past the new rows hold NaN: XLA's tree values."""
+    rng = np.random.default_rng(6)
+    b, t, s, kh, g, h = 3, 8, 50, 2, 3, 64
+    q = _normal(rng, (b, t, kh * g, h))
+    k, v = _normal(rng, (b, kh, s, h)), _normal(rng, (b, kh, s, h))
+    new_k, new_v = _normal(rng, (b, kh, t, h)), _normal(rng, (b, kh, t, h))
+    lengths = jnp.array([0, 13, s - t], jnp.int32)
+    parents = [[0] + [int(rng.integers(0, i)) for i in range(1, t)] for _ in range(b)]
+    tree_mask = xla.tree_attention_mask(jnp.asarray(parents, jnp.int32))
+    want = xla.append_attention(q, k, v, new_k, new_v, lengths, tree_mask)
+    live = jnp.arange(s)[None, None, :, None] < lengths[:, None, None, None]
+    k, v = jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan)
+    for tiles in (pallas_gpu.Tiles(rows=16, keys=16, splits=3), SMALL):
+        got = pallas_gpu.appended_attention(
+            q, k, v, new_k, new_v, lengths, tree_mask, interpret=True, tiles=tiles
+        )
+        assert _max_err(want, got) <= 1e-5
+
+
 def test_prefill_kernel_matches_xla_values_and_gradients():
     rng = np.random.default_rng(5)
     b, t, kh, g, h = 2, 40, 2, 3, 64
@@ -306,8 +328,8 @@ def test_gpu_kernels_visit_only_live_tiles_split_by_the_live_length():
 
 
 def test_gpu_kernels_lower_to_triton():
-    """Training fwd+bwd (bf16, head_dim 128, GQA 4), drafting with splits, verify: every
-    kernel lowers to a Triton custom call for "cuda" (the lowering H200 compiles)."""
+    """Training fwd+bwd (bf16, head_dim 128, GQA 4), drafting with splits, verify, a tree's
+    verify: every kernel lowers to a Triton custom call for "cuda" (the lowering H200 compiles)."""
     b, j, nb, s, kh, g, h = 2, 16, 3, 100, 2, 4, 128
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     lengths, anchors = jnp.array([100, 40]), jnp.array([[0, 10, 99], [3, 19, 30]])
@@ -327,6 +349,11 @@ def test_gpu_kernels_lower_to_triton():
     def verify(q, k, v):
         return pallas_gpu.causal_attention(q, k, v, xla.causal_cache_bounds(lengths, j))
 
+    def tree_verify(q, k, v, new_k, new_v):
+        parents = jnp.broadcast_to(jnp.maximum(jnp.arange(j) - 2, 0), (b, j)).astype(jnp.int32)
+        tree_mask = xla.tree_attention_mask(parents)
+        return pallas_gpu.appended_attention(q, k, v, new_k, new_v, lengths, tree_mask)
+
     cases = [
         (
             train_grads,
@@ -335,6 +362,7 @@ def test_gpu_kernels_lower_to_triton():
         ),
         (draft, (sd(b, j, kh * g, h), *[sd(b, kh, 1000, h)] * 2, *[sd(b, kh, j, h)] * 2), 1),
         (verify, (sd(b, j, kh * g, h), *[sd(b, kh, 1000, h)] * 2), 1),
+        (tree_verify, (sd(b, j, kh * g, h), *[sd(b, kh, 1000, h)] * 2, *[sd(b, kh, j, h)] * 2), 1),
     ]
     for fn, shapes, kernels in cases:
         text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
@@ -430,9 +458,13 @@ def _tiny_pair(impl: str):
 
 
 @pytest.mark.slow
-def test_greedy_speculative_decode_with_kernels_gives_the_ar_tokens():
+@pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])
+def test_greedy_speculative_decode_with_kernels_gives_the_ar_tokens(tree_nodes):
+    """Chains, and token trees (the verify's attention through the kernel's ancestor bits)."""
     tcfg, dcfg = _tiny_pair("pallas")
-    assert_greedy_speculative_equals_ar(tcfg, dcfg, _tiny_pair("xla")[0], max_new_tokens=12)
+    assert_greedy_speculative_equals_ar(
+        tcfg, dcfg, _tiny_pair("xla")[0], max_new_tokens=12, tree_nodes=tree_nodes
+    )
 
 
 @pytest.mark.slow

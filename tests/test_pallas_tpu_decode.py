@@ -148,6 +148,34 @@ def test_each_row_fetches_and_computes_only_its_live_tiles():
             assert computed.tolist() == live, (b, computed, live)
 
 
+def _random_tree(rng, b, t):
+    """Each token's parent among the earlier ones (token 0 the root) -> tree_mask [B,T,T]."""
+    parents = np.stack([[0] + [int(rng.integers(0, i)) for i in range(1, t)] for _ in range(b)])
+    return xla.tree_attention_mask(jnp.asarray(parents, jnp.int32))
+
+
+def test_tree_verify_kernel_matches_xla():
+    """A token tree's verify through the kernel (each query's ancestors as a bitmask over the
+    new rows): the XLA tree attention's values, rows whose new tokens start inside a tile,
+    across a tile edge and at the buffer's end, with every tile past them poisoned."""
+    rng = np.random.default_rng(5)
+    b, t, groups, h, dtype = 4, 8, 3, 64, jnp.float32
+    q = _normal(rng, (b, t, KV_HEADS * groups, h), dtype)
+    k, v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
+    new_k, new_v = (_normal(rng, (b, KV_HEADS, t, h), dtype) for _ in range(2))
+    lengths = jnp.array([0, TILE - 3, S - t, 77], jnp.int32)
+    tree_mask = _random_tree(rng, b, t)
+    assert not np.asarray(tree_mask == jnp.tril(jnp.ones((t, t), bool))).all()  # not a chain
+    want = xla.append_attention(q, k, v, new_k, new_v, lengths, tree_mask)
+    seen = jnp.arange(S)[None, :] < lengths[:, None] + t
+    kernel = jax.jit(
+        lambda *a: pallas_tpu_decode.appended_attention(*a, interpret=pallas_tpu_decode.INTERPRET)
+    )
+    poisoned = [_poison_unseen_tiles(x, seen) for x in (k, v)]
+    got = kernel(q, *poisoned, new_k, new_v, lengths, tree_mask)
+    _check(got, want, dtype)
+
+
 def test_kernels_lower_to_mosaic_for_tpu():
     """The Pallas TPU lowering (block shapes, scalar prefetch, the body's ops) accepts the
     kernels for both head dims and dtypes; Mosaic's own compilation needs a TPU."""
@@ -159,6 +187,11 @@ def test_kernels_lower_to_mosaic_for_tpu():
 
     def appended(q, k, v, bk, bv, lengths):
         return pallas_tpu_decode.appended_attention(q, k, v, bk, bv, lengths)
+
+    def tree(q, k, v, bk, bv, lengths):
+        parents = jnp.broadcast_to(jnp.maximum(jnp.arange(t) - 2, 0), (b, t)).astype(jnp.int32)
+        tree_mask = xla.tree_attention_mask(parents)
+        return pallas_tpu_decode.appended_attention(q, k, v, bk, bv, lengths, tree_mask)
 
     def draft(q, k, v, bk, bv, lengths, anchors):
         lo, hi = xla.context_bounds(lengths, anchors, t, 40)
@@ -174,6 +207,7 @@ def test_kernels_lower_to_mosaic_for_tpu():
             for fn, args in (
                 (verify, (q, cache, cache, vec)),
                 (appended, (q, cache, cache, block, block, vec)),
+                (tree, (q, cache, cache, block, block, vec)),
                 (draft, (q, cache, cache, block, block, vec, col)),
             ):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()

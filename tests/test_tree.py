@@ -98,17 +98,6 @@ def test_tree_mask_and_attention():
         q, (k_cache, v_cache), (k_new, v_new), lengths, RowRule(1, 4), 16, tree_mask=mask
     )
     np.testing.assert_allclose(tiled, ref, atol=2e-6)
-    # The kernels take no tree mask: refused under "pallas" (xla with one log line under auto).
-    with pytest.raises(ConfigError, match="tree"):
-        dispatch.cached_attention(
-            jnp.zeros((b, t, n, 16)),
-            (jnp.zeros((b, kh, s, 16)),) * 2,
-            None,
-            (jnp.zeros((b, kh, t, 16)),) * 2,
-            lengths,
-            impl="pallas",
-            tree_mask=jnp.asarray(mask),
-        )
 
 
 @pytest.mark.parametrize(
@@ -346,18 +335,20 @@ def test_adaptive_sampling_through_a_tree_step_is_lossless():
     assert tv < 0.08, tv  # sampling noise ~0.03 (test_sampled_tree_is_lossless)
 
 
-def test_a_tree_under_invariance_is_refused_where_the_ar_step_runs_a_kernel():
-    """The attention kernels take no tree mask: under a row rule, where the AR step and chains
-    run a kernel (here the GPU kernels in interpret mode), a tree verify would run XLA's
-    attention and round apart, so it is refused, naming the ways out; without a rule it
-    falls back to XLA as before."""
-    from dflash_jax.ops import dispatch
-    from dflash_jax.ops.invariance import RowRule
-
-    q, cache, new = jnp.zeros((1, 4, 4, 64)), jnp.zeros((1, 2, 64, 64)), jnp.zeros((1, 2, 4, 64))
+def test_a_tree_verify_runs_the_kernel_and_is_refused_under_invariance():
+    """Through the dispatch a tree verify runs the target's attention kernel (here the GPU
+    kernels in interpret mode) with its ancestor bits: XLA's tree values. Under a row rule,
+    where the AR step and chains run that kernel too, it is refused, naming the ways out: the
+    kernel reads a node's ancestors where the tree holds them, not at the depths the AR step
+    reads them, so it would round apart from the AR step."""
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, cache, new = normal(1, 4, 4, 64), normal(1, 2, 64, 64), normal(1, 2, 4, 64)
     mask = attention.tree_attention_mask(jnp.array([[0, 0, 0, 1]], jnp.int32))
-    args = (q, (cache, cache), None, (new, new), jnp.array([8], jnp.int32))
+    lengths = jnp.array([8], jnp.int32)
+    args = (q, (cache, cache), None, (new, new), lengths)
     with pytest.raises(ConfigError, match="attention_impl=xla"):
         dispatch.cached_attention(*args, impl="pallas", rows=RowRule(2, 32), tree_mask=mask)
-    with pytest.raises(ConfigError, match="no kernel"):  # pallas alone: no fallback either
-        dispatch.cached_attention(*args, impl="pallas", tree_mask=mask)
+    got = dispatch.cached_attention(*args, impl="pallas", tree_mask=mask)
+    want = attention.append_attention(q, cache, cache, new, new, lengths, mask)
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -121,6 +121,23 @@ def tree_attention_mask(parent_bt: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, t, add, jnp.broadcast_to(eye_tt, (b, t, t)))
 
 
+# The most tokens a tree verify may hold in the decode kernels: one int32 of ancestor bits per
+# query (`ancestor_bits`).
+MAX_TREE = 32
+
+
+def ancestor_bits(tree_mask: jax.Array) -> jax.Array:
+    """How the decode kernels take a token tree's mask: tree_mask [B,T,T] bool (T <= MAX_TREE)
+    -> [B,T] int32, bit t' of row t set iff tree_mask[b,t,t'] (bit 31 is the sign bit: read
+    with a logical shift)."""
+    t = tree_mask.shape[-1]
+    if t > MAX_TREE:
+        raise ValueError(f"a tree of {t} tokens: the attention kernels take at most {MAX_TREE}")
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(t, dtype=jnp.uint32))
+    bits = jnp.sum(jnp.where(tree_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits, jnp.int32)
+
+
 def block_mask(block_size: int, causal: bool = False, window: int | None = None) -> jax.Array:
     """Inside one block (the same for every block, since slot j sits at anchor + j): all slots
     see each other (bidirectional), or only earlier ones (causal); with `window`, only slots

@@ -317,7 +317,7 @@ def cached_attention(
     """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
     query t sees the cache slots before cache_lengths[b] and the new tokens up to itself
     (with tree_mask [B,T,T], `attention.tree_attention_mask`: the new tokens it marks, its
-    ancestors in a token tree; xla only, the kernels take causal blocks and refuse it).
+    ancestors in a token tree; the kernels take it as ancestor bits, up to `MAX_TREE` tokens).
 
     q [B,T,N,H]; old_cache / new_cache: (k, v) [B,K,S,H] before and after the write (None: not
     written yet, see `Transformer.hidden(defer_cache_write=True)`); new_kv: the new tokens'
@@ -338,16 +338,22 @@ def cached_attention(
         if rows is not None:  # the AR step and chains run the kernel: a tree's bits would differ
             raise ConfigError(
                 f"a token tree under batch invariance with attention_impl={impl}: the AR step "
-                f"runs the {kernel} attention kernel, which takes no tree mask, so a tree "
-                "verify's logits would not be the AR step's bits and greedy output could "
-                "differ from the target's; use --attention_impl=xla, --nobatch_invariant "
-                "(not bitwise lossless), or --tree_nodes=0"
+                f"runs the {kernel} attention kernel, whose tree verify reads a node's "
+                "ancestors where the tree holds them (not at the depths the AR step does), so "
+                "its logits would not be the AR step's bits and greedy output could differ "
+                "from the target's; use --attention_impl=xla, --nobatch_invariant (not bitwise "
+                "lossless), or --tree_nodes=0"
             )
-        kernel = _fall_back(impl, "target attention", "a token-tree mask (kernels: causal only)")
+        if tree_mask.shape[-1] > xla.MAX_TREE:
+            kernel = _fall_back(
+                impl, "target attention", f"a tree of more than {xla.MAX_TREE} tokens"
+            )
     if kernel != "xla":
         fn = _decode_kernel(kernel, "appended_attention")
         keys = map(_keys, (*old_cache, *new_kv))
-        return _per_device(fn, _queries(q), *keys, _rows(cache_lengths))
+        if tree_mask is None:
+            return _per_device(fn, _queries(q), *keys, _rows(cache_lengths))
+        return _per_device(fn, _queries(q), *keys, _rows(cache_lengths), _rows(tree_mask))
     if rows is not None:
         return xla.tiled_attention(q, old_cache, new_kv, cache_lengths, rows, tree_mask=tree_mask)
     return live_window(

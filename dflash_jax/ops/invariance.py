@@ -30,8 +30,8 @@ bitwise for every pass kind, in fp32 and bf16.
 
 from __future__ import annotations
 
-import dataclasses
 import concurrent.futures
+import dataclasses
 import functools
 
 import jax

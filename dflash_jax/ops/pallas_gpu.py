@@ -63,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.ops.attention import NEG_INF, causal_cache_bounds
+from dflash_jax.ops.attention import MAX_TREE, NEG_INF, ancestor_bits, causal_cache_bounds
 from dflash_jax.ops.caches import patched_tiles
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
@@ -125,6 +125,7 @@ class _Spec:
     tiles: Tiles
     interpret: bool
     patch_tiles: int = 0  # context key tiles read from a patch (`appended_attention`)
+    tree: bool = False  # a token tree's verify: new rows seen by ancestor bits (`ancestor_bits`)
 
 
 def block_attention(
@@ -187,6 +188,7 @@ def appended_attention(
     new_k: jax.Array,
     new_v: jax.Array,
     cache_lengths: jax.Array,
+    tree_mask: jax.Array | None = None,
     *,
     interpret: bool = False,
     tiles: Tiles | None = None,
@@ -196,6 +198,9 @@ def appended_attention(
 
     q [B,T,N,H]; k/v [B,K,S,H] (the cache before the write); new_k/new_v [B,K,T,H];
     cache_lengths [B]. -> [B,T,N,H] in q's dtype. Forward only (decoding).
+    tree_mask [B,T,T] bool (a token tree's verify, `attention.tree_attention_mask`; T <=
+    MAX_TREE): query t sees new row t' iff tree_mask[b,t,t'] instead of t' <= t, through each
+    query's ancestor bitmask (`ancestor_bits`) tested against the new rows' slots.
     """
     t, n = q_btnh.shape[1], q_btnh.shape[2]
     kh = k_bksh.shape[1]
@@ -203,14 +208,23 @@ def appended_attention(
     rows, keys = spec.tiles.rows, spec.tiles.keys
     patch_k, first_b = patched_tiles(k_bksh, new_k, cache_lengths, keys)
     patch_v, _ = patched_tiles(v_bksh, new_v, cache_lengths, keys)
-    spec = dataclasses.replace(spec, patch_tiles=patch_k.shape[2] // keys)
+    spec = dataclasses.replace(
+        spec, patch_tiles=patch_k.shape[2] // keys, tree=tree_mask is not None
+    )
     hi_bt = causal_cache_bounds(cache_lengths, t)
+    tree = ()
+    if tree_mask is not None:  # every new row in range; the bits decide which are seen
+        hi_bt = jnp.broadcast_to(cache_lengths[:, None] + t, hi_bt.shape).astype(hi_bt.dtype)
+        base_bt = jnp.broadcast_to(cache_lengths[:, None], hi_bt.shape)
+        tree = tuple(
+            _fold_bounds(x, spec.groups, rows) for x in (base_bt, ancestor_bits(tree_mask))
+        )
     first_bt = jnp.broadcast_to(first_b[:, None] * keys, hi_bt.shape)
     patch = (_fold_bounds(first_bt, spec.groups, rows), patch_k, patch_v)
     bounds = (_fold_bounds(jnp.zeros_like(hi_bt), spec.groups, rows),)
     bounds += (_fold_bounds(hi_bt, spec.groups, rows),)
     q_bkmh = _fold_rows(q_btnh, kh, rows)
-    out = _forward(q_bkmh, k_bksh, v_bksh, *bounds, None, None, spec, patch)
+    out = _forward(q_bkmh, k_bksh, v_bksh, *bounds, None, None, spec, patch, tree)
     return out[2] if spec.tiles.count_visits else _unfold_rows(out[0], t, n)
 
 
@@ -463,6 +477,8 @@ def _probs_and_grads(q, k, v, do, lse, delta, visible, scale: float):
 def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_keys: int):
     if spec.patch_tiles:
         first_ref, pk_ref, pv_ref, *refs = refs
+    if spec.tree:
+        base_ref, bits_ref, *refs = refs
     if spec.block_size:
         bk_ref, bv_ref, *refs = refs
     o_ref, lse_ref, *visits_ref = refs
@@ -487,6 +503,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         k = _load_keys(refs[0], local, ti.keys, slot_lo - base, slot_hi - base)
         v = _load_keys(refs[1], local, ti.keys, slot_lo - base, slot_hi - base)
         visible = _context_visible(lo, hi, start + jnp.arange(ti.keys))
+        if spec.tree:  # a new row (slot base + j) only where bit j of the row's bits is set
+            j = start + jnp.arange(ti.keys)[None, :] - base_ref[...][:, None]
+            bits = bits_ref[...][:, None]
+            bit = lax.shift_right_logical(bits, jnp.clip(j, 0, MAX_TREE - 1)) & 1
+            visible &= (j < 0) | (bit == 1)
         return _online_softmax(q, k, v, visible, spec.scale, carry)
 
     first, last = lax.div(slot_lo, ti.keys), _cdiv(slot_hi, ti.keys)
@@ -529,11 +550,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
 
 
-def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, patch=()):
+def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, patch=(), tree=()):
     """-> (out [B,K,M_pad,H] in q's dtype, lse [B,K,M_pad] fp32; NEG_INF for empty rows),
     and with tiles.count_visits the tiles each program visited [B,K,splits,M_pad/rows].
     patch: with spec.patch_tiles, (first patched slot [B,M_pad], patch k, patch v
-    [B,K,patch_tiles*keys,H])."""
+    [B,K,patch_tiles*keys,H]); tree: with spec.tree, (the new rows' first slot, each row's
+    ancestor bits), both [B,M_pad] int32."""
     b, kh, m_pad, h = q_bkmh.shape
     s = k_bksh.shape[2]
     ti, splits = spec.tiles, spec.splits
@@ -550,6 +572,9 @@ def _forward(q_bkmh, k_bksh, v_bksh, lo_bm, hi_bm, blk_k, blk_v, spec: _Spec, pa
     if spec.patch_tiles:
         in_specs += [bounds, whole(spec.patch_tiles * ti.keys), whole(spec.patch_tiles * ti.keys)]
         args += list(patch)
+    if spec.tree:
+        in_specs += [bounds, bounds]
+        args += list(tree)
     if spec.block_size:
         in_specs += [whole(spec.num_block_keys)] * 2
         args += [blk_k, blk_v]

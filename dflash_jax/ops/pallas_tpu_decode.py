@@ -49,7 +49,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.ops.attention import NEG_INF, block_mask, causal_cache_bounds
+from dflash_jax.ops.attention import (
+    MAX_TREE,
+    NEG_INF,
+    ancestor_bits,
+    block_mask,
+    causal_cache_bounds,
+)
 from dflash_jax.ops.caches import patched_tiles
 
 TILE = 128  # cache slots per grid step: one lane width, so scores line up with the m/l scratch
@@ -119,12 +125,18 @@ def appended_attention(
     new_k: jax.Array,
     new_v: jax.Array,
     cache_lengths: jax.Array,
+    tree_mask: jax.Array | None = None,
     *,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """`causal_attention` over the cache with the T new rows written at cache_lengths[b] + t,
     bitwise, without writing it. q [B,T,N,H]; k/v [B,K,S,H] (the cache before the write);
-    new_k/new_v [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H] in q's dtype."""
+    new_k/new_v [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H] in q's dtype.
+
+    tree_mask [B,T,T] bool (a token tree's verify, `attention.tree_attention_mask`; T <=
+    MAX_TREE): query t sees new row t' iff tree_mask[b,t,t'] (its ancestors and itself)
+    instead of t' <= t. It enters as each query's ancestor bitmask (bit t' of one int32),
+    tested against the new rows' slots in the tiles they fall in."""
     t = q_btnh.shape[1]
     if t >= MAX_QUERIES:
         raise ValueError(f"appended attention takes < {MAX_QUERIES} queries, got {q_btnh.shape}")
@@ -132,13 +144,19 @@ def appended_attention(
     patch_v, _ = patched_tiles(v_bksh, new_v.astype(v_bksh.dtype), cache_lengths, TILE)
     hi_bt = causal_cache_bounds(cache_lengths, t)
     patch = (patch_k, patch_v, first_b)
-    return _attend(q_btnh, k_bksh, v_bksh, jnp.zeros_like(hi_bt), hi_bt, None, interpret, patch)
+    tree = None
+    if tree_mask is not None:
+        hi_bt = jnp.broadcast_to(cache_lengths[:, None] + t, hi_bt.shape).astype(hi_bt.dtype)
+        tree = (jnp.broadcast_to(cache_lengths[:, None], hi_bt.shape), ancestor_bits(tree_mask))
+    lo_bt = jnp.zeros_like(hi_bt)
+    return _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, None, interpret, patch, tree)
 
 
-def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None):
+def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, tree=None):
     """block: None, or (blk_k, blk_v [B,K,TILE,H], visible [T,T] bool: query vs block key).
     patch: None, or (k, v [B,K,P*TILE,H], first [B]): cache tiles first[b] .. first[b]+P-1
-    are read from the patch instead of the cache."""
+    are read from the patch instead of the cache. tree: None, or (base [B,T], bits [B,T]
+    int32): slot base + j (j < 32) is seen by query t only if bit j of bits[b,t] is set."""
     b, t, n, h = q_btnh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     g = n // kh
@@ -181,6 +199,9 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None):
         in_specs += [pl.BlockSpec((None, None, TILE, h), patch_tile)] * 2
         args += [patch_k, patch_v]
         prefetch.append(patch_first)
+    if tree is not None:
+        in_specs += [per_b, per_b]
+        args += [per_row(tree[0]), per_row(tree[1])]
     if block is not None:
         blk_k, blk_v, visible_tt = block
         visible_mu = jnp.repeat(visible_tt.astype(jnp.int32), g, axis=0)
@@ -196,6 +217,7 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None):
             num_tiles=num_tiles,
             with_block=block is not None,
             patch_tiles=patch_tiles,
+            with_tree=tree is not None,
         ),  # fmt: skip
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
@@ -241,12 +263,16 @@ def _tile_index(c, first, last):
     return jnp.maximum(jnp.minimum(c, last), first)
 
 
-def _kernel(first_ref, last_ref, *refs, scale, num_keys, num_tiles, with_block, patch_tiles):
+def _kernel(
+    first_ref, last_ref, *refs, scale, num_keys, num_tiles, with_block, patch_tiles, with_tree
+):
     if patch_tiles:
         patch_first_ref, *refs = refs
     q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs = refs
     if patch_tiles:
         pk_ref, pv_ref, *refs = refs
+    if with_tree:
+        base_ref, bits_ref, *refs = refs
     if with_block:
         bk_ref, bv_ref, bvis_ref, *refs = refs
     o_ref, m_ref, l_ref, acc_ref = refs
@@ -279,6 +305,10 @@ def _kernel(first_ref, last_ref, *refs, scale, num_keys, num_tiles, with_block, 
     def _cache_tile():
         slots = c * TILE + lax.broadcasted_iota(jnp.int32, lo_ref.shape, 1)
         visible = (slots >= lo_ref[...]) & (slots < hi_ref[...])
+        if with_tree:  # a new row (slot base + j) only where bit j of the query's bits is set
+            j = slots - base_ref[...]
+            bit = lax.shift_right_logical(bits_ref[...], jnp.clip(j, 0, MAX_TREE - 1)) & 1
+            visible &= (j < 0) | (bit == 1)
         k, v = k_ref[...], v_ref[...]
         if patch_tiles:  # a tile the new rows fall in: the patch's copy of it
             patched = (c >= patch_first_ref[b]) & (c < patch_first_ref[b] + patch_tiles)
