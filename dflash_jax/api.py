@@ -89,12 +89,11 @@ def plain_steps_pay(target, batch_invariant: bool | None, platform: str | None =
     """Whether an adaptive decode's default kinds include a plain step: not under a row rule
     (`batch_invariant`; None: by dtype, `programs.default_invariant`) on a CPU (`platform`;
     None: this process's backend). There a one-row target pass costs what a pass of a few rows
-    does: its products pad the row to the rule's rows (`invariance.fixed_row_rule`), its
-    attention runs whole query tiles and its norms whole row tiles, so a block of 4 costs no
-    more than a plain step and drafts besides, and the controller never picks the plain step
-    (bf16, SmolLM2 and its drafter, in AR steps, under the rules probed before the fixed one:
-    block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16, 0.97 on an Intel
-    Xeon with AMX). Leaving it out takes one of the loop's four target passes out
+    does: its products pad the row to the rule's minimum, its attention runs whole query tiles
+    and its norms whole row tiles, so a block of 4 costs no more than a plain step and drafts
+    besides, and the controller never picks the plain step (bf16, SmolLM2 and its drafter, in
+    AR steps: block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16, 0.97
+    on an Intel Xeon with AMX). Leaving it out takes one of the loop's four target passes out
     of the compiled program: on the Intel Xeon a fresh compile of the default loop takes 16.0 s
     instead of 23.6, a load from the persistent cache 2.5 s instead of 3.4-3.6, and 256 tokens
     decode as fast (3.36-3.50 s against 3.36-3.44; docs/results.md)."""

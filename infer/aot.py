@@ -86,9 +86,10 @@ class DecodeShape:
     --tree_nodes, --batch_invariant; None: the platform's default). The decode config is built
     from these by `api.generate_config`, as the runs build theirs.
 
-    The row rule of an invariant decode is the same on every machine and platform
-    (`ops.invariance.fixed_row_rule`) unless one is given; on a TPU or GPU the default decode
-    is the plain one (`programs.default_invariant`)."""
+    The row rule is a fact of the machine that runs the decode, probed there at its first
+    invariant decode (`ops.invariance.machine_row_rule`); a machine cannot probe another's. A
+    CPU program's is probed here (this CPU runs it); a TPU or GPU one's must be given, and
+    there the default decode is the plain one (`programs.default_invariant`)."""
 
     batch: int = 32
     prompt_len: int = 1024
@@ -141,8 +142,8 @@ def define_shape_flags(flags) -> None:
     flags.DEFINE_bool(
         "batch_invariant", None,
         "Decode: the batch-invariant program (infer.generate's --batch_invariant). Unset: the "
-        "platform's default (bfloat16 on a CPU; off on GPU and TPU), under the fixed row rule "
-        "(ops.invariance.fixed_row_rule) or --invariant_rows of infer.lower.",
+        "platform's default (bfloat16 on a CPU; off on GPU and TPU). For a TPU or GPU it needs "
+        "the row rule (--invariant_rows of infer.lower).",
     )  # fmt: skip
 
 

@@ -98,8 +98,8 @@ aot.define_shape_flags(flags)
 flags.DEFINE_list(
     "invariant_rows", [],
     "Decode: lower the batch-invariant program with this row rule, MIN,MAX (e.g. 8,64; "
-    "TargetConfig.invariant_rows) instead of the fixed one every invariant decode runs "
-    "(ops.invariance.fixed_row_rule). Empty: the decode as --batch_invariant says.",
+    "TargetConfig.invariant_rows). Empty: the plain program. The rule is probed on the machine "
+    "that decodes (ops.invariance.machine_row_rule), which this one cannot do for another.",
 )  # fmt: skip
 flags.register_validator(
     "invariant_rows",

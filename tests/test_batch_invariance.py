@@ -1,9 +1,7 @@
 """Batch-invariant target passes (`ops.invariance`): a position's logits are bitwise the same
 in a prefill, an AR step, a 4/8/16-token verify and a batch of rows of different lengths, in
-fp32 and bf16, at SmolLM2-135M's shapes (2 of its 30 layers, random weights) under the fixed
-row rule (`ops.invariance.fixed_row_rule`); and the same checks fail without the rule's
-padding. What the rule rests on (one GEMM shape gives a row its own bits) is checked here too,
-on this machine."""
+fp32 and bf16, at SmolLM2-135M's shapes (2 of its 30 layers, random weights) under the row
+rule probed on this machine; and the same checks fail without the rule's padding."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import pytest
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Transformer, init_cache, init_params
-from dflash_jax.ops.invariance import RowRule, fixed_row_rule
+from dflash_jax.ops.invariance import RowRule, machine_row_rule
 
 SMOLLM2_SHAPES = dict(
     arch="llama",
@@ -47,7 +45,7 @@ def target(request):
     cfg = _config(request.param)
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(request.param), params)  # livelier logits
-    rule = fixed_row_rule()
+    rule = machine_row_rule(cfg)
     return cfg, params, rule
 
 
@@ -228,7 +226,7 @@ def test_the_check_fails_without_the_padding(target):
     assert not np.array_equal(ways["ar"], ways["verify16"])
 
 
-def test_the_rule_keeps_every_matmul_inside_its_rows():
+def test_the_rule_keeps_every_matmul_inside_the_probed_class():
     """`RowRule.rows_matmul` pads small row counts and tiles large ones: the function only ever
     sees row counts in [min_rows, max_rows], and the rows come back in order."""
     seen = []
@@ -248,13 +246,13 @@ def test_the_rule_keeps_every_matmul_inside_its_rows():
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
     """The MLP's down projection as the model runs it, silu(gate) * up fused before it, under
-    the fixed row rule: each of 16 random rows gets the same bits at every row count as at 16,
-    and inside a larger pass that the rule tiles. (A plain bf16 dot probed as one class here
-    while this fused one changed rows at M = 17, 2026-12-03.)"""
-    from dflash_jax.ops.invariance import dot_general
+    the rule probed for its shape: each of 16 random rows gets the same bits at every row count
+    the rule allows as at 16, and inside a larger pass that the rule tiles. (A plain bf16 dot
+    probed as one class here while this fused one changed rows at M = 17, 2026-12-03.)"""
+    from dflash_jax.ops.invariance import dot_general, probe_row_rule
 
     k, n = 768, 256
-    rule = fixed_row_rule()
+    rule = probe_row_rule(((k, n),), dtype, jax.default_backend())
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.standard_normal((96, k)) * 3, dtype)
     u = jnp.asarray(rng.standard_normal((96, k)), dtype)
@@ -269,8 +267,9 @@ def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
         np.testing.assert_array_equal(out[:k_rows], ref[:k_rows], err_msg=f"M={m} ({rule})")
 
 
-# Decode-level checks run a narrower target (same layer structure, 8K vocabulary): compile and
-# bf16 matmuls on a CPU without bf16 units cost what SmolLM2's 49K-wide head would multiply.
+# Decode-level checks run a narrower target (same layer structure, 8K vocabulary): the row rule
+# is probed for whatever shapes it gets, and compile and bf16 matmuls on a CPU without bf16
+# units cost what SmolLM2's 49K-wide head would multiply.
 DECODE_SHAPES = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_heads=4,
                      num_kv_heads=2)  # fmt: skip
 
@@ -427,35 +426,22 @@ def test_bf16_tree_decoding_equals_bf16_ar():
     )  # fmt: skip
 
 
-def test_one_gemm_shape_gives_each_row_its_own_bits():
-    """What the fixed row rule rests on, checked on this machine instead of probed at run
-    time: a GEMM at exactly `FIXED_TILE` rows, as the rule runs it (`isolated_gemm`, and
-    `transposed_matmul`'s form for a tied head), gives a row the same bits whichever rows fill
-    the rest of the call and wherever in it the row sits, at SmolLM2's shapes, in fp32 and
-    bf16. (The names the per-machine keys carry, for the floors and step costs kept on disk,
-    hold jaxlib and the backend plugin.)"""
+def test_row_rule_cache_is_keyed_by_jaxlib_and_the_plugin(monkeypatch, tmp_path):
+    """A rule kept on disk is reused by the same software and probed again under another
+    jaxlib or backend plugin (`software_name`), which may pick other GEMM kernels (issue 40)."""
     import jaxlib
 
     from dflash_jax.ops import invariance
 
-    tile = invariance.FIXED_TILE
-    rng = np.random.default_rng(0)
-    shapes = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4096, True))
-    for dtype in ("float32", "bfloat16"):
-        gemm = jax.jit(
-            lambda x, w, t: invariance.isolated_gemm(x, w, jnp.float32, transposed=t),
-            static_argnums=2,
-        )
-        for shape in shapes:
-            k, n, transposed = shape[0], shape[1], len(shape) > 2
-            w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)) / 24, dtype)
-            a, b = (jnp.asarray(rng.standard_normal((tile, k)), dtype) for _ in range(2))
-            ref = np.asarray(gemm(a, w, transposed))
-            mixed = jnp.where((jnp.arange(tile) % 3 == 0)[:, None], a, b)  # other rows changed
-            got = np.asarray(gemm(mixed, w, transposed))
-            keep = np.arange(tile) % 3 == 0
-            np.testing.assert_array_equal(got[keep], ref[keep], err_msg=f"{dtype} {shape}")
-            rolled = np.asarray(gemm(jnp.roll(a, 7, axis=0), w, transposed))  # rows moved
-            np.testing.assert_array_equal(np.roll(rolled, -7, axis=0), ref, err_msg=f"{shape}")
-    assert f"jaxlib {jaxlib.__version__}" in invariance.software_name()
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(invariance, "probe_row_rule", lambda *a: probes.append(a) or RowRule(2, 32))
+    cfg = _config("bfloat16")
+    for _ in range(2):
+        assert machine_row_rule(cfg) == RowRule(2, 32)
+    assert len(probes) == 1  # kept on disk and reused
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.0")
+    machine_row_rule(cfg)
+    assert len(probes) == 2  # another jaxlib: probed again
+    assert "jaxlib 0.0.0" in invariance.software_name()
     assert jax.devices()[0].client.platform_version in invariance.software_name()

@@ -129,10 +129,10 @@ def test_decisions_follow_the_platform_compiled_for(monkeypatch):
     import jax.numpy as jnp
 
     from dflash_jax import api
-    from dflash_jax.config import TargetConfig
+    from dflash_jax.config import ConfigError, TargetConfig
     from dflash_jax.decoding import programs
     from dflash_jax.models.target import unembedding_matrix
-    from dflash_jax.ops import invariance, platform
+    from dflash_jax.ops import platform
 
     tcfg = TargetConfig("qwen3", 64, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True,
                         eos_token_ids=(2,), dtype="bfloat16")  # fmt: skip
@@ -160,11 +160,9 @@ def test_decisions_follow_the_platform_compiled_for(monkeypatch):
         barriers[name] = "optimization_barrier" in jaxpr
         assert programs.default_invariant(tcfg) == (name == "cpu")
     assert barriers == {"cpu": True, "tpu": False, "cuda": False}
-    # (TARGET is "cuda" here) an invariant decode for another platform takes the same fixed
-    # row rule as this CPU's: nothing is probed on any machine
-    foreign = programs.run_target_config(tcfg, dataclasses.replace(tpu, batch_invariant=True))
-    rule = invariance.fixed_row_rule()
-    assert foreign.invariant_rows == (rule.min_rows, rule.max_rows) == (32, 32)
+    # (TARGET is "cuda" here) a foreign platform's row rule cannot be probed on this machine
+    with pytest.raises(ConfigError, match="needs that machine's row rule"):
+        programs.run_target_config(tcfg, dataclasses.replace(tpu, batch_invariant=True))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU process lowering cuda
     assert platform.is_this_process()
 

@@ -24,7 +24,7 @@ from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetCo
 from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
 from dflash_jax.models.drafter import check_fits
 from dflash_jax.ops import platform as ops_platform
-from dflash_jax.ops.invariance import fixed_row_rule
+from dflash_jax.ops.invariance import machine_row_rule
 
 # XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
 # reads and updates (twice per buffer and step: ~4 ms of a 15 ms SmolLM2 AR step at batch 1);
@@ -170,8 +170,10 @@ def run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
 
 def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
     """The target config a decode compiles with: under `cfg.batch_invariant` (None:
-    `default_invariant`), with the row rule (`ops.invariance.fixed_row_rule`, the same on
-    every machine and platform) unless it already names one; without, with none."""
+    `default_invariant`), with the row rule of this machine, dtype and shapes
+    (`ops.invariance.machine_row_rule`, probed once per machine) unless it already names one;
+    without, with none. A program traced for another platform than this process's
+    (`ops.platform.TARGET`, infer.lower) cannot probe it there: ConfigError unless given."""
     invariant = cfg.batch_invariant
     if invariant is None:
         invariant = default_invariant(tcfg)
@@ -179,7 +181,14 @@ def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
         return dataclasses.replace(tcfg, invariant_rows=None)
     if tcfg.invariant_rows is not None:
         return tcfg
-    rule = fixed_row_rule()
+    if not ops_platform.is_this_process():
+        raise ConfigError(
+            f"a batch-invariant {tcfg.dtype} decode for {ops_platform.current()} needs that "
+            "machine's row rule, probed there (ops.invariance.machine_row_rule): give it "
+            "(infer.lower --invariant_rows=MIN,MAX) or lower the plain decode "
+            "(--nobatch_invariant)"
+        )
+    rule = machine_row_rule(tcfg)
     return dataclasses.replace(tcfg, invariant_rows=(rule.min_rows, rule.max_rows))
 
 

@@ -11,18 +11,14 @@ and over [8, 576], or the same softmax over [1,3,12,64] and [1,3,24,64], round a
 position's logits in an AR step and in a verify differ in the last bits, and in bf16 that
 flips argmaxes: speculative output stops being the target's own.
 
-The rules. (1) Matmuls (`RowRule`): every GEMM runs at one row count, `FIXED_TILE` (the
-rule `fixed_row_rule`, the same on every machine and platform): fewer rows are padded up to it
-(zero rows, sliced off after), more are cut into tiles of exactly that many that run one after
-another (`lax.map`, so XLA cannot merge them back into one GEMM of another shape). One shape
-compiles to one kernel, so a row's result cannot depend on how many rows share its pass: by
-construction, not by a measurement of the machine. What the construction rests on, that
-within one call of that shape a row's result depends on that row alone, wherever it sits and
-whatever the other rows hold, is a test (tests/test_batch_invariance.py), not a run-time
-probe; `probe_row_rule` (the row counts that give each row the same bits on this machine)
-stays as a diagnostic. Each such matmul runs as an op of its own (`isolated_gemm`: barriers
-around it, an fp32 product rounded after it), because what XLA fuses into a GEMM, and where it
-rounds, otherwise depends on the program around it; a tied head contracts the embedding as stored
+The rules. (1) Matmuls (`RowRule`): the row counts [min_rows, max_rows] that select one
+kernel class, found by `probe_row_rule` on the running backend and dtype (never hard-coded).
+Fewer rows are padded up to `min_rows` (zero rows, sliced off after); more are cut into tiles
+of exactly `max_rows` that run one after another (`lax.map`, so XLA cannot merge them back
+into one GEMM of another class). Within a class each row's result depends on that row alone.
+Each such matmul runs as an op of its own (`isolated_gemm`: barriers around it, an fp32
+product rounded after it), because what XLA fuses into a GEMM, and where it rounds, otherwise
+depends on the program around it; a tied head contracts the embedding as stored
 (`transposed_matmul`), never through a `.T` that is a copy in one program and a layout in
 another.
 (2) Reductions run at one fixed shape: the norms in row tiles of exactly `RowRule.tile`
@@ -43,16 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.ops import dots, quant
-
-# The row count of every GEMM under the row rule. 32 holds a stream's every pass in one call (a
-# plain or drafted step of up to 16 tokens, a tree of up to 32) and the rule's norm and
-# attention tiles (`RowRule.tile`) stay small for a one-row AR step. Measured against the
-# rule the probe found before (rows 3 to 128 in one class; an Intel Xeon with AMX, SmolLM2 in
-# bf16, 2026-12-04): the 30 layers' chained products cost 29-31 ms at 1 to 32 rows against
-# 28-34 ms, the AR step 41-42 against 45 ms (smaller attention and norm tiles), a 256-token
-# default DFlash decode 3.69-3.73 s against 4.06-4.11 s; 64 and 128 rows (batches, a server's
-# drafted steps) take two and four passes over the weights: 61 and 120 ms against 37 and 44.
-FIXED_TILE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +171,8 @@ def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.A
 # ---------------------------------------------------------------------------------------------
 # The probe.
 
+# Part of the on-disk cache key: a rule probed by an older probe is probed again.
+PROBE_VERSION = 2
 # Up to 128: a class reaching it is used as tiles of 128 rows (a bigger tile gains little).
 _PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128)
 # The row count every decode uses for its verify (block 16 at batch 1): the class to find.
@@ -221,8 +209,7 @@ def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str
     runs them (`isolated_gemm`): each shape's output rows (the first min(M, 16)) at every
     probed M are compared with their values at M = 16, and the contiguous run of equal ones
     around 16 is kept (intersected over the shapes). ~5-15 s (bf16 without matrix units is
-    slow); cached per process. `backend`: the cache key. A diagnostic (which row counts share
-    a kernel class here): the rule the decodes run is `fixed_row_rule`."""
+    slow); cached per process, and on disk by `machine_row_rule`. `backend`: the cache key."""
     del backend  # the key: a probe describes the backend it ran on
     dt = jnp.dtype(dtype)
     rng = np.random.default_rng(0)
@@ -312,7 +299,34 @@ def software_name() -> str:
     return f"jax {jax.__version__} jaxlib {jaxlib.__version__} {device.platform} {plugin}"
 
 
-def fixed_row_rule() -> RowRule:
-    """The row rule of every batch-invariant pass, on every machine and platform: each GEMM at
-    exactly `FIXED_TILE` rows (`RowRule(FIXED_TILE, FIXED_TILE)`)."""
-    return RowRule(FIXED_TILE, FIXED_TILE)
+def machine_row_rule(config) -> RowRule:
+    """`probe_row_rule` for this target's matmul shapes and dtype on this machine, kept in
+    <cache_root>/row_rules.json (keyed by machine and its GEMM ISA features, `software_name`
+    (jax, jaxlib, plugin), XLA_FLAGS, dtype and shapes) so that a machine probes each target
+    once."""
+    import json
+    import os
+
+    from dflash_jax.config import cache_root, write_json_atomic
+
+    shapes = target_shapes(config)
+    parts = [
+        f"probe{PROBE_VERSION}",
+        machine_name(),
+        software_name(),
+        os.environ.get("XLA_FLAGS", ""),
+        config.dtype,
+    ]
+    key = "|".join([*parts, str(shapes)])
+    path = cache_root() / "row_rules.json"
+    table = {}
+    try:
+        table = json.loads(path.read_text())
+        if key in table:
+            return RowRule(*table[key])
+    except (OSError, ValueError, TypeError):
+        table = {}
+    rule = probe_row_rule(shapes, config.dtype, jax.default_backend())
+    table[key] = [rule.min_rows, rule.max_rows]
+    write_json_atomic(path, table)  # a read-only cache: probe again next time
+    return rule
