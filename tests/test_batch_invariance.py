@@ -445,3 +445,30 @@ def test_row_rule_cache_is_keyed_by_jaxlib_and_the_plugin(monkeypatch, tmp_path)
     assert len(probes) == 2  # another jaxlib: probed again
     assert "jaxlib 0.0.0" in invariance.software_name()
     assert jax.devices()[0].client.platform_version in invariance.software_name()
+
+
+def test_within_one_gemm_call_a_row_gets_its_own_bits():
+    """What the rule rests on inside a class ("each row's result depends on that row alone"):
+    a GEMM as the rule runs it (`isolated_gemm`, and `transposed_matmul`'s form for a tied
+    head) at 16 rows, the probe's anchor, gives a row the same bits whichever rows fill the
+    rest of the call and wherever in it the row sits, at SmolLM2's shapes, in fp32 and bf16."""
+    from dflash_jax.ops import invariance
+
+    rows = 16
+    rng = np.random.default_rng(0)
+    shapes = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4096, True))
+    gemm = jax.jit(
+        lambda x, w, t: invariance.isolated_gemm(x, w, jnp.float32, transposed=t),
+        static_argnums=2,
+    )
+    keep = np.arange(rows) % 3 == 0
+    for dtype in ("float32", "bfloat16"):
+        for shape in shapes:
+            k, n, transposed = shape[0], shape[1], len(shape) > 2
+            w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)) / 24, dtype)
+            a, b = (jnp.asarray(rng.standard_normal((rows, k)), dtype) for _ in range(2))
+            ref = np.asarray(gemm(a, w, transposed))
+            mixed = np.asarray(gemm(jnp.where(keep[:, None], a, b), w, transposed))
+            np.testing.assert_array_equal(mixed[keep], ref[keep], err_msg=f"{dtype} {shape}")
+            rolled = np.asarray(gemm(jnp.roll(a, 5, axis=0), w, transposed))  # rows moved
+            np.testing.assert_array_equal(np.roll(rolled, -5, axis=0), ref, err_msg=f"{shape}")
