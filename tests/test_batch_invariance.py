@@ -204,8 +204,9 @@ def test_a_bf16_tree_verify_gives_each_node_its_ar_bits():
     Cheap (~4 s): params initialised under jit (eager, 4 s more; the same values), the prefix
     written by AR steps (the program the check runs anyway), and no row rule probed: min_rows
     16 runs the AR step's GEMMs at the tree's 16 rows on any machine, so only the attention,
-    issue 44's subject, can round apart (max_rows 128: the query tile, 64, of the bf16 rule
-    probed on this machine)."""
+    issue 44's subject, can round apart (max_rows 128; its failure on the code before was
+    checked with the query tile of 64 then used, not again since the tile's rows were capped
+    at `invariance.REDUCTION_TILE`, which makes it 16 queries)."""
     cfg = dataclasses.replace(_config("bfloat16"), **DECODE_SHAPES, invariant_rows=(16, 128))
     init = jax.jit(lambda key: jax.tree.map(lambda w: w.astype("bfloat16"), init_params(cfg, key)))
     params = init(jax.random.key(0))
@@ -235,6 +236,8 @@ def test_the_rule_keeps_every_matmul_inside_the_probed_class():
         seen.append(x.shape[0])
         return x * 2
 
+    # The reductions' fixed tile: the class's rows, at most REDUCTION_TILE (32).
+    assert (RowRule(3, 128).tile, RowRule(2, 16).tile, RowRule(2, 0).tile) == (32, 16, 32)
     rule = RowRule(2, 8)
     for m in (1, 2, 5, 8, 9, 30):
         seen.clear()
