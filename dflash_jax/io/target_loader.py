@@ -120,8 +120,7 @@ def recast(target: LoadedTarget, dtype: str, cache: bool = True) -> LoadedTarget
     is_hf = path.is_dir() and (path / "config.json").is_file()
     is_hf = is_hf and not target_orbax.is_saved_target(path)
     if target_cache.enabled(cache) and jax.process_count() == 1 and (is_gguf or is_hf):
-        files = [path] if is_gguf else _hf_files(path)
-        entry = target_cache.entry_for(path, files, dtype, _GGUF_CONVERTERS if is_gguf else ())
+        entry = _cache_entry(path, dtype, is_gguf)
         if not entry.directory.is_dir():
             tokenizer = target.tokenizer if is_gguf else None
             target_cache.write(entry, config, params, tokenizer)
@@ -181,8 +180,7 @@ def _load(path: Path, dtype: str, cache: bool, mesh=None) -> LoadedTarget:
     place = _placer(dtype, mesh)
     if not target_cache.enabled(cache):
         return build(path, dtype, place, mesh)
-    files = [path] if is_gguf else _hf_files(path)
-    entry = target_cache.entry_for(path, files, dtype, _GGUF_CONVERTERS if is_gguf else ())
+    entry = _cache_entry(path, dtype, is_gguf)
     cached = target_cache.read(entry, place)
     if cached is None:
         target = build(path, dtype, place, mesh)
@@ -197,6 +195,13 @@ def _load(path: Path, dtype: str, cache: bool, mesh=None) -> LoadedTarget:
     tokenizer = cached.tokenizer if is_gguf else load_hf_tokenizer(path)
     template = getattr(tokenizer, "chat_template", None)
     return LoadedTarget(cached.config, cached.params, tokenizer, template, str(path), mesh)
+
+
+def _cache_entry(path: Path, dtype: str, is_gguf: bool) -> target_cache.Entry:
+    """The target cache's entry for a .gguf file or an HF directory converted to `dtype`: keyed
+    by every file the conversion reads and the converters' versions."""
+    files = [path] if is_gguf else _hf_files(path)
+    return target_cache.entry_for(path, files, dtype, _GGUF_CONVERTERS if is_gguf else ())
 
 
 def _placer(dtype: str, mesh):
