@@ -138,6 +138,26 @@ def ancestor_bits(tree_mask: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
+def tree_cache_bounds(cache_lengths: jax.Array, tree_mask: jax.Array):
+    """A token tree's verify as the decode kernels bound it: every new row in range (hi =
+    cache_lengths[b] + T for every query), the new rows' first slot, and each query's
+    `ancestor_bits`, which decide which new rows it sees (`tree_visible`).
+    -> (hi, base, bits), each [B,T] int32."""
+    b, t = tree_mask.shape[:2]
+    hi_bt = jnp.broadcast_to(cache_lengths[:, None] + t, (b, t)).astype(jnp.int32)
+    base_bt = jnp.broadcast_to(cache_lengths[:, None], (b, t)).astype(jnp.int32)
+    return hi_bt, base_bt, ancestor_bits(tree_mask)
+
+
+def tree_visible(slots, base, bits):
+    """Inside a kernel: whether a query with these `tree_cache_bounds` sees each of `slots`
+    (broadcast against base and bits): a cached slot (before base) always, new row j (slot
+    base + j) only where bit j of its bits is set. Elementwise jnp/lax only."""
+    j = slots - base
+    bit = jax.lax.shift_right_logical(bits, jnp.clip(j, 0, MAX_TREE - 1)) & 1
+    return (j < 0) | (bit == 1)
+
+
 def block_mask(block_size: int, causal: bool = False, window: int | None = None) -> jax.Array:
     """Inside one block (the same for every block, since slot j sits at anchor + j): all slots
     see each other (bidirectional), or only earlier ones (causal); with `window`, only slots

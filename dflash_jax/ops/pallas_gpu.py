@@ -63,7 +63,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.ops.attention import MAX_TREE, NEG_INF, ancestor_bits, causal_cache_bounds
+from dflash_jax.ops.attention import (
+    NEG_INF,
+    causal_cache_bounds,
+    tree_cache_bounds,
+    tree_visible,
+)
 from dflash_jax.ops.caches import patched_tiles
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
@@ -214,11 +219,8 @@ def appended_attention(
     hi_bt = causal_cache_bounds(cache_lengths, t)
     tree = ()
     if tree_mask is not None:  # every new row in range; the bits decide which are seen
-        hi_bt = jnp.broadcast_to(cache_lengths[:, None] + t, hi_bt.shape).astype(hi_bt.dtype)
-        base_bt = jnp.broadcast_to(cache_lengths[:, None], hi_bt.shape)
-        tree = tuple(
-            _fold_bounds(x, spec.groups, rows) for x in (base_bt, ancestor_bits(tree_mask))
-        )
+        hi_bt, *tree_bt = tree_cache_bounds(cache_lengths, tree_mask)
+        tree = tuple(_fold_bounds(x, spec.groups, rows) for x in tree_bt)
     first_bt = jnp.broadcast_to(first_b[:, None] * keys, hi_bt.shape)
     patch = (_fold_bounds(first_bt, spec.groups, rows), patch_k, patch_v)
     bounds = (_fold_bounds(jnp.zeros_like(hi_bt), spec.groups, rows),)
@@ -503,11 +505,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, spec: _Spec, num_key
         k = _load_keys(refs[0], local, ti.keys, slot_lo - base, slot_hi - base)
         v = _load_keys(refs[1], local, ti.keys, slot_lo - base, slot_hi - base)
         visible = _context_visible(lo, hi, start + jnp.arange(ti.keys))
-        if spec.tree:  # a new row (slot base + j) only where bit j of the row's bits is set
-            j = start + jnp.arange(ti.keys)[None, :] - base_ref[...][:, None]
-            bits = bits_ref[...][:, None]
-            bit = lax.shift_right_logical(bits, jnp.clip(j, 0, MAX_TREE - 1)) & 1
-            visible &= (j < 0) | (bit == 1)
+        if spec.tree:  # a new row only where the row's ancestor bits say
+            slots = start + jnp.arange(ti.keys)[None, :]
+            visible &= tree_visible(slots, base_ref[...][:, None], bits_ref[...][:, None])
         return _online_softmax(q, k, v, visible, spec.scale, carry)
 
     first, last = lax.div(slot_lo, ti.keys), _cdiv(slot_hi, ti.keys)

@@ -50,11 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dflash_jax.ops.attention import (
-    MAX_TREE,
     NEG_INF,
-    ancestor_bits,
     block_mask,
     causal_cache_bounds,
+    tree_cache_bounds,
+    tree_visible,
 )
 from dflash_jax.ops.caches import patched_tiles
 
@@ -146,8 +146,7 @@ def appended_attention(
     patch = (patch_k, patch_v, first_b)
     tree = None
     if tree_mask is not None:
-        hi_bt = jnp.broadcast_to(cache_lengths[:, None] + t, hi_bt.shape).astype(hi_bt.dtype)
-        tree = (jnp.broadcast_to(cache_lengths[:, None], hi_bt.shape), ancestor_bits(tree_mask))
+        hi_bt, *tree = tree_cache_bounds(cache_lengths, tree_mask)
     lo_bt = jnp.zeros_like(hi_bt)
     return _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, None, interpret, patch, tree)
 
@@ -305,10 +304,8 @@ def _kernel(
     def _cache_tile():
         slots = c * TILE + lax.broadcasted_iota(jnp.int32, lo_ref.shape, 1)
         visible = (slots >= lo_ref[...]) & (slots < hi_ref[...])
-        if with_tree:  # a new row (slot base + j) only where bit j of the query's bits is set
-            j = slots - base_ref[...]
-            bit = lax.shift_right_logical(bits_ref[...], jnp.clip(j, 0, MAX_TREE - 1)) & 1
-            visible &= (j < 0) | (bit == 1)
+        if with_tree:  # a new row only where the query's ancestor bits say
+            visible &= tree_visible(slots, base_ref[...], bits_ref[...])
         k, v = k_ref[...], v_ref[...]
         if patch_tiles:  # a tile the new rows fall in: the patch's copy of it
             patched = (c >= patch_first_ref[b]) & (c < patch_first_ref[b] + patch_tiles)
