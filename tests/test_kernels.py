@@ -2,7 +2,8 @@
 
 The GPU kernels (ops/pallas_gpu.py) run in interpret mode with 16-wide tiles so that tiny shapes
 still span several row and key tiles, padding included; they are also lowered to Triton IR for
-"cuda" (no GPU needed), and splash (ops/pallas_tpu.py) to Mosaic for "tpu". Values must match
+"cuda" (no GPU needed); the TPU training kernel (ops/pallas_tpu.py) runs in Pallas' TPU interpreter
+and is lowered to Mosaic for "tpu". Values must match
 to 1e-5 and gradients to 1e-4 in fp32. At the model level: greedy speculative decoding with
 attention_impl="pallas" gives the autoregressive tokens, and training steps give the XLA losses.
 """
@@ -20,6 +21,7 @@ from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import init_params
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import dispatch, pallas_gpu, pallas_tpu
+from dflash_jax.ops.pallas_tpu_decode import INTERPRET
 from dflash_jax.training.anchors import sample_anchors
 from dflash_jax.training.step import OptimizerConfig, train_step
 
@@ -79,6 +81,12 @@ def test_bounds_are_the_dense_masks(window):
     slots = jnp.arange(23)[None, None, :]
     ranged = (slots >= lo[:, :, None]) & (slots < hi[:, :, None])
     assert jnp.array_equal(ranged, xla.context_mask(lengths, anchors, 4, 23, window))
+    # The TPU training kernel's block-key ranges: the block part of drafter_mask.
+    for causal in (False, True):
+        blo, bhi = pallas_tpu.block_bounds(16, 4, causal, window)
+        keys = np.arange(16)[None, :]
+        dense = xla.drafter_mask(lengths, anchors, 4, 23, causal, window)[0, :, 23:]
+        assert np.array_equal((keys >= blo[:, None]) & (keys < bhi[:, None]), dense)
     cache_lengths = jnp.array([0, 5, 19])
     hi = xla.causal_cache_bounds(cache_lengths, 4)
     assert jnp.array_equal(slots < hi[:, :, None], xla.causal_cache_mask(cache_lengths, 4, 23))
@@ -369,43 +377,113 @@ def test_gpu_kernels_lower_to_triton():
         assert text.count(TRITON_CALL) == kernels, fn.__name__
 
 
-# --- TPU: splash ------------------------------------------------------------------------------
+# --- TPU: the training kernel ----------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_splash_matches_xla_and_lowers_for_tpu():
-    j, s = 16, 50
+@pytest.mark.parametrize("groups,causal,window,s", [(2, False, None, 200), (3, True, 5, 50)])
+def test_tpu_training_kernel_matches_xla_and_lowers_for_tpu(groups, causal, window, s):
+    """Forward and gradients in Pallas' TPU interpreter against the XLA reference: several row
+    tiles (8 or 9 blocks x 16 x G rows), ragged rows (one without context), a partial context
+    tile, and NaN in the context tiles no row sees; then the gradient program lowers to Mosaic (forward, dq, and dk/dv of the context and
+    of the blocks) with no dense [Q, S+Q] mask or concatenated keys anywhere in it."""
+    j, blocks = 16, 8 + (groups == 3)
     args, lengths, anchors = _block_inputs(
-        6, batch=2, blocks=8, j=j, s=s, kv_heads=2, groups=2, h=64
+        6, batch=3, blocks=blocks, j=j, s=s, kv_heads=2, groups=groups, h=64
     )
-    mask = xla.drafter_mask(lengths, anchors, j, s)
-    ctx_mask, blk_mask = xla.context_mask(lengths, anchors, j, s), xla.block_mask(j)
-    ref = lambda *a: xla.block_attention(*a, ctx_mask, blk_mask)
-    ker = lambda *a: pallas_tpu.block_attention(*a, mask, interpret=True)
+    lo, hi = xla.context_bounds(lengths, anchors, j, window)
+    ctx_mask = xla.context_mask(lengths, anchors, j, s, window)
+    ref = lambda *a: xla.block_attention(*a, ctx_mask, xla.block_mask(j, causal, window))
+    opts = dict(block_size=j, causal=causal, window=window)
+    # NaN in every context tile no row of the example sees (row 2 has no context at all): a
+    # kernel that read or computed such a tile would return NaN, or NaN gradients.
+    tile = pallas_tpu.TILE
+    live_slots = -(-jnp.max(hi, axis=1) // tile) * tile
+    dead = jnp.arange(s)[None, :] >= live_slots[:, None]
+    assert bool(dead.any())
+    poison = lambda x: jnp.where(dead[:, None, :, None], jnp.nan, x)
+
+    def ker(q, ck, cv, bk, bv):
+        ck, cv = poison(ck), poison(cv)
+        return pallas_tpu.block_attention(q, ck, cv, bk, bv, lo, hi, **opts, interpret=INTERPRET)
+
     assert _max_err(ref(*args), jax.jit(ker)(*args)) <= 1e-5
     _check_grads(ref, ker, args, atol=1e-4)
-    tpu = lambda *a: jax.grad(lambda *x: jnp.sum(pallas_tpu.block_attention(*x, mask)))(*a)
+    loss = lambda *x: jnp.sum(pallas_tpu.block_attention(*x, lo, hi, **opts))
+    tpu = lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a)
     text = jax.jit(tpu).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" in text
+    assert text.count("tpu_custom_call") == 4
+    q = blocks * j
+    assert f"x{q}x{s + q}x" not in text and f"x{s + q}x64x" not in text
 
 
-def test_splash_scales_q_in_fp32():
-    """bf16 at head dim 32 (scale 2^-2.5, not a power of two) with logits of ~10: splash's
-    scores are fp32 q.k times the scale, as XLA's are, so it is no further from the exact
-    result than XLA's own bf16 computation (+ one bf16 ulp). q scaled in bf16 first was 4x
-    further (0.17 against XLA's 0.045)."""
+def test_tpu_training_kernel_scales_in_fp32():
+    """bf16 at head dim 32 (scale 2^-2.5, not a power of two) with logits of ~10: the kernel
+    scales the fp32 scores after q.k, as XLA does, so it is no further from the exact result
+    than XLA's own bf16 computation (+ one bf16 ulp). q scaled in bf16 first (what feeding
+    splash a pre-scaled q did) was 4x further (0.17 against XLA's 0.045)."""
     j, s = 16, 50
     args, lengths, anchors = _block_inputs(
         6, batch=2, blocks=8, j=j, s=s, kv_heads=2, groups=2, h=32, dtype=jnp.bfloat16
     )
     args = tuple(a * 3 for a in args)
-    mask = xla.drafter_mask(lengths, anchors, j, s)
+    lo, hi = xla.context_bounds(lengths, anchors, j, None)
     ctx_mask, blk_mask = xla.context_mask(lengths, anchors, j, s), xla.block_mask(j)
     ref = lambda *a: xla.block_attention(*a, ctx_mask, blk_mask)
     exact = ref(*(x.astype(jnp.float32) for x in args))
-    out = jax.jit(lambda *a: pallas_tpu.block_attention(*a, mask, interpret=True))(*args)
+    ker = lambda *a: pallas_tpu.block_attention(*a, lo, hi, block_size=j, interpret=INTERPRET)
+    out = jax.jit(ker)(*args)
     assert out.dtype == jnp.bfloat16
     assert _max_err(out, exact) <= _max_err(ref(*args), exact) + 2**-7
+
+
+@pytest.mark.slow  # the only run of the TPU training kernel inside a model's train step
+def test_training_step_on_a_faked_tpu_gives_the_xla_loss(monkeypatch):
+    """dispatch on a "tpu" backend routes the drafter's training attention (8 blocks of 16 =
+    128 queries) to the TPU training kernel, in its interpreter: two train steps' losses equal
+    XLA's. The target stays on XLA (its prefill of 40 tokens would take the decode kernel)."""
+    monkeypatch.setattr(dispatch, "_backend", lambda: "tpu")
+    monkeypatch.setattr(dispatch, "TPU_INTERPRET", INTERPRET)
+    calls = []
+    kernel = pallas_tpu.block_attention
+    monkeypatch.setattr(
+        pallas_tpu, "block_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    rng = np.random.default_rng(9)
+    b, s, n = 2, 40, 8
+    tokens = rng.integers(2, 62, (b, s)).astype(np.int32)
+    loss_mask = np.zeros((b, s), np.int32)
+    loss_mask[:, 6:] = 1
+    length = np.array([s, 29], np.int32)
+    picks = [sample_anchors(loss_mask[i], length[i], n, rng) for i in range(b)]
+    batch = {
+        "tokens": tokens, "loss_mask": loss_mask, "length": length,
+        "anchors": np.stack([a for a, _ in picks]).astype(np.int32),
+        "anchor_valid": np.stack([v for _, v in picks]),
+    }  # fmt: skip
+    tcfg = _tiny_pair("xla")[0]
+    tp = init_params(tcfg, jax.random.key(0))
+    losses = {}
+    for impl in ("xla", "pallas"):
+        dcfg = DrafterConfig(
+            hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+            head_dim=64, vocab_size=64, mask_token_id=63, target_layer_ids=(0, 1),
+            num_target_layers=3, block_size=16, attention_impl=impl,
+        )  # fmt: skip
+        params = init_drafter_params(dcfg, jax.random.key(1))
+        opt = OptimizerConfig(1e-2, 0, 3, 0.9, 0.999, 1e-8, 0.0, 1.0)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params}
+        state["opt_state"] = opt.build().init(params)
+        losses[impl] = []
+        for _ in range(2):
+            state, metrics = train_step(
+                state, tp, batch, target_config=tcfg, drafter_config=dcfg, optimizer=opt,
+                loss_gamma=7.0, ce_chunk_rows=64,
+            )  # fmt: skip
+            losses[impl].append(float(metrics["loss"]))
+    assert calls, "the TPU training kernel was not called"
+    assert losses["xla"][0] != losses["xla"][-1]
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-5)
 
 
 # --- dispatch --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ of its config (config.ATTENTION_IMPLS) and never names a kernel.
   "xla"     ops.attention: the reference that defines every mask.
   "pallas"  GPU: ops.pallas_gpu (Triton lowering) for drafting, training and the target.
             TPU (Mosaic):
-              drafter, >= 128 queries (training)   ops.pallas_tpu (splash attention)
+              drafter, >= 128 queries (training)   ops.pallas_tpu.block_attention (fwd + bwd)
               drafter, < 128 queries (drafting)    ops.pallas_tpu_decode.block_attention
               target, verify and AR step           ops.pallas_tpu_decode.appended_attention
               target, < 128 queries (prefill)      ops.pallas_tpu_decode.causal_attention
@@ -253,10 +253,14 @@ def block_attention(
     """
     kernel = _kernel(impl, "drafter attention", q, ctx_k, ctx_v)
     if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
-        s = ctx_k.shape[2]
-        mask = xla.drafter_mask(context_lengths, anchors, block_size, s, causal, window)
-        keys = (_keys(ctx_k), _keys(ctx_v), _keys(blk_k), _keys(blk_v))
-        return _per_device(pallas_tpu.block_attention, _queries(q), *keys, _rows(mask))
+        reason = _unsupported(pallas_tpu, "Pallas TPU training kernels", q, ctx_k, ctx_v)
+        kernel = "tpu" if reason is None else _fall_back(impl, "drafter attention", reason)
+    if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
+        lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
+        opts = dict(block_size=block_size, causal=causal, window=window)
+        fn = functools.partial(pallas_tpu.block_attention, **opts, interpret=TPU_INTERPRET)
+        keys = map(_keys, (ctx_k, ctx_v, blk_k, blk_v))
+        return _per_device(fn, _queries(q), *keys, _rows(lo), _rows(hi))
     if kernel == "tpu":
         kernel = _tpu_decode(impl, "drafter attention", q, ctx_k, ctx_v)
     if kernel != "xla":
