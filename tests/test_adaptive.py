@@ -203,7 +203,8 @@ def test_a_step_limit_stops_the_loop_without_recompiling(adaptive_mode):
     """step_limit=k runs k loop steps: the tokens are a prefix of the whole decode's, and the
     limited and whole runs share one executable (the limit is an input)."""
     tcfg, tp, dcfg, dp = make_pair("qwen3")
-    cfg = DecodeConfig(max_new_tokens=20, block_size=8, adaptive=adaptive_mode)
+    # test_adaptive_greedy_equals_autoregressive's config: its executable, compiled once.
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8, adaptive=adaptive_mode, probe_every=2)
     kw = dict(target_config=tcfg, drafter_config=dcfg, decode_config=cfg)
     key = jax.random.key(0)
     from dflash_jax.decoding import speculative

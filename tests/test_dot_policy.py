@@ -45,10 +45,11 @@ DRAFTER = DrafterConfig(
     num_target_layers=2, block_size=8, dtype="bfloat16", attention_impl="xla",
 )  # fmt: skip
 RULE = (2, 16)  # a row rule given, so that no probe runs
-# The adaptive decode with a tree kind holds every step kind (a plain one-row step, blocks,
-# copies, a tree) in one program: the default suite compiles it; the others are slow.
+# The adaptive decode with a tree kind holds every step kind (a plain one-row step, a block,
+# a tree) in one program, each once (block 4 would be block 8's code at another size): the
+# default suite compiles it; the others are slow.
 MODES = {
-    "adaptive with a tree": {"adaptive": True, "tree_nodes": 6},
+    "adaptive with a tree": {"adaptive": True, "tree_nodes": 6, "step_kinds": (1, 8)},
     "block": {},
     "tree": {"tree_nodes": 6},
     "target alone": None,

@@ -424,7 +424,7 @@ def test_tpu_training_kernel_scales_in_fp32():
     splash a pre-scaled q did) was 4x further (0.17 against XLA's 0.045)."""
     j, s = 16, 50
     args, lengths, anchors = _block_inputs(
-        6, batch=2, blocks=8, j=j, s=s, kv_heads=2, groups=2, h=32, dtype=jnp.bfloat16
+        6, batch=2, blocks=4, j=j, s=s, kv_heads=2, groups=2, h=32, dtype=jnp.bfloat16
     )
     args = tuple(a * 3 for a in args)
     lo, hi = xla.context_bounds(lengths, anchors, j, None)
