@@ -20,8 +20,13 @@ def _qkv(key, b, t, n, kh, s, h=8):
     return q, k, v, k_new, v_new
 
 
-@pytest.mark.parametrize(
-    "t,n,kh", [(1, 4, 2), (3, 6, 2), pytest.param(5, 4, 4, marks=pytest.mark.slow)]
+@pytest.mark.parametrize(  # by default one verify of 3 rows with 3 query heads per kv head
+    "t,n,kh",
+    [
+        pytest.param(1, 4, 2, marks=pytest.mark.slow),
+        (3, 6, 2),
+        pytest.param(5, 4, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     q, k, v, k_new, v_new = _qkv(jax.random.key(t), 3, t, n, kh, 40)
