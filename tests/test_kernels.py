@@ -2,9 +2,9 @@
 
 The GPU kernels (ops/pallas_gpu.py) run in interpret mode with 16-wide tiles so that tiny shapes
 still span several row and key tiles, padding included; they are also lowered to Triton IR for
-"cuda" (no GPU needed); the TPU training kernel (ops/pallas_tpu.py) runs in Pallas' TPU interpreter
-and is lowered to Mosaic for "tpu". Values must match
-to 1e-5 and gradients to 1e-4 in fp32. At the model level: greedy speculative decoding with
+"cuda" (no GPU needed); the TPU training kernel (ops/pallas_tpu.py) runs in Pallas' TPU
+interpreter and is lowered to Mosaic for "tpu". Values must match to 1e-5 and gradients to 1e-4
+in fp32. At the model level: greedy speculative decoding with
 attention_impl="pallas" gives the autoregressive tokens, and training steps give the XLA losses.
 """
 
@@ -385,8 +385,9 @@ def test_gpu_kernels_lower_to_triton():
 def test_tpu_training_kernel_matches_xla_and_lowers_for_tpu(groups, causal, window, s):
     """Forward and gradients in Pallas' TPU interpreter against the XLA reference: several row
     tiles (8 or 9 blocks x 16 x G rows), ragged rows (one without context), a partial context
-    tile, and NaN in the context tiles no row sees; then the gradient program lowers to Mosaic (forward, dq, and dk/dv of the context and
-    of the blocks) with no dense [Q, S+Q] mask or concatenated keys anywhere in it."""
+    tile, and NaN in the context tiles no row sees; then the gradient program lowers to Mosaic
+    (forward, dq, and dk/dv of the context and of the blocks) with no dense [Q, S+Q] mask or
+    concatenated keys anywhere in it."""
     j, blocks = 16, 8 + (groups == 3)
     args, lengths, anchors = _block_inputs(
         6, batch=3, blocks=blocks, j=j, s=s, kv_heads=2, groups=groups, h=64
