@@ -57,6 +57,25 @@ def _block_inputs(seed, *, batch, blocks, j, s, kv_heads, groups, h, dtype=jnp.f
     return arrays, jnp.asarray(lengths), jnp.asarray(anchors, jnp.int32)
 
 
+def _train_batch(anchors: int) -> dict:
+    """A training batch for the tiny pairs: 2 rows of 40 tokens (the second 29 long), the loss
+    from token 6 on, `anchors` sampled anchors a row."""
+    rng = np.random.default_rng(9)
+    b, s = 2, 40
+    tokens = rng.integers(2, 62, (b, s)).astype(np.int32)
+    loss_mask = np.zeros((b, s), np.int32)
+    loss_mask[:, 6:] = 1
+    length = np.array([s, 29], np.int32)
+    picks = [sample_anchors(loss_mask[i], length[i], anchors, rng) for i in range(b)]
+    return {
+        "tokens": tokens,
+        "loss_mask": loss_mask,
+        "length": length,
+        "anchors": np.stack([a for a, _ in picks]).astype(np.int32),
+        "anchor_valid": np.stack([v for _, v in picks]),
+    }
+
+
 def _check_grads(ref_fn, ker_fn, args, atol):
     out = ref_fn(*args)
     w = _normal(np.random.default_rng(7), out.shape)
@@ -450,18 +469,7 @@ def test_training_step_on_a_faked_tpu_gives_the_xla_loss(monkeypatch):
     monkeypatch.setattr(
         pallas_tpu, "block_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
-    rng = np.random.default_rng(9)
-    b, s, n = 2, 40, 8
-    tokens = rng.integers(2, 62, (b, s)).astype(np.int32)
-    loss_mask = np.zeros((b, s), np.int32)
-    loss_mask[:, 6:] = 1
-    length = np.array([s, 29], np.int32)
-    picks = [sample_anchors(loss_mask[i], length[i], n, rng) for i in range(b)]
-    batch = {
-        "tokens": tokens, "loss_mask": loss_mask, "length": length,
-        "anchors": np.stack([a for a, _ in picks]).astype(np.int32),
-        "anchor_valid": np.stack([v for _, v in picks]),
-    }  # fmt: skip
+    batch = _train_batch(anchors=8)
     tcfg = _tiny_pair("xla")[0]
     tp = init_params(tcfg, jax.random.key(0))
     losses = {}
@@ -548,20 +556,7 @@ def test_greedy_speculative_decode_with_kernels_gives_the_ar_tokens(tree_nodes):
 
 @pytest.mark.slow
 def test_training_steps_with_kernels_give_the_xla_losses():
-    rng = np.random.default_rng(9)
-    b, s, n = 2, 40, 4
-    tokens = rng.integers(2, 62, (b, s)).astype(np.int32)
-    loss_mask = np.zeros((b, s), np.int32)
-    loss_mask[:, 6:] = 1
-    length = np.array([s, 29], np.int32)
-    picks = [sample_anchors(loss_mask[i], length[i], n, rng) for i in range(b)]
-    batch = {
-        "tokens": tokens,
-        "loss_mask": loss_mask,
-        "length": length,
-        "anchors": np.stack([a for a, _ in picks]).astype(np.int32),
-        "anchor_valid": np.stack([v for _, v in picks]),
-    }
+    batch = _train_batch(anchors=4)
     losses = {}
     for impl in ("xla", "pallas"):
         tcfg, dcfg = _tiny_pair(impl)

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dflash_jax.ops.attention import NEG_INF
+from dflash_jax.ops.pallas_tpu_decode import online_softmax_step
 
 TILE = 128  # rows and keys per tile: one lane width, so scores line up with the m/l scratch
 MIN_QUERIES = TILE  # fewer queries: the decode kernels (ops/pallas_tpu_decode.py)
@@ -204,9 +205,37 @@ def _scores(q, k, scale, transposed=False):
     return lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32) * scale
 
 
+def _row_visible(bnd_ref, part: int, base, shape):
+    """Inside the forward and dq kernels: which of a key tile's slots (base + column) each row
+    of the row tile sees, by its bounds of `part` (0: context, 1: block keys). -> [rows, keys]."""
+    slots = base + lax.broadcasted_iota(jnp.int32, shape, 1)
+    lo = jnp.expand_dims(bnd_ref[2 * part], -1)
+    hi = jnp.expand_dims(bnd_ref[2 * part + 1], -1)
+    return (slots >= lo) & (slots < hi)
+
+
+def _on_live_tile(fn, spec: _Spec, live, key_refs) -> None:
+    """Inside the forward and dq kernels, at grid step (b, k, i, c): fn(k, v, part, base) on
+    the key tile this step reads, when it is live for row tile i (`_live_tiles`): context tile c,
+    or block tile c - ctx_tiles."""
+    cf, cl, bf, bl = live
+    ck_ref, cv_ref, bk_ref, bv_ref = key_refs
+    b, i, c = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when((c < spec.ctx_tiles) & (c >= cf[b, i]) & (c <= cl[b, i]))
+    def _context_tile():
+        fn(ck_ref[...], cv_ref[...], 0, c * TILE)
+
+    u = c - spec.ctx_tiles
+
+    @pl.when((u >= bf[b, i]) & (u <= bl[b, i]))
+    def _block_tile():
+        fn(bk_ref[...], bv_ref[...], 1, u * TILE)
+
+
 def _fwd_kernel(cf, cl, bf, bl, q_ref, bnd_ref, ck_ref, cv_ref, bk_ref, bv_ref, o_ref, lse_ref,
                 m_ref, l_ref, acc_ref, *, spec: _Spec):  # fmt: skip
-    b, i, c = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    c = pl.program_id(3)
 
     @pl.when(c == 0)
     def _init():
@@ -216,32 +245,10 @@ def _fwd_kernel(cf, cl, bf, bl, q_ref, bnd_ref, ck_ref, cv_ref, bk_ref, bv_ref, 
 
     def attend(k, v, part, base):
         scores = _scores(q_ref[...], k, spec.scale)
-        slots = base + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        lo = jnp.expand_dims(bnd_ref[2 * part], -1)
-        hi = jnp.expand_dims(bnd_ref[2 * part + 1], -1)
-        visible = (slots >= lo) & (slots < hi)
-        scores = jnp.where(visible, scores, NEG_INF)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # where, not exp alone: a row with nothing visible yet has m_next = NEG_INF = score.
-        p = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
-        alpha = jnp.exp(m_prev - m_next)
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        visible = _row_visible(bnd_ref, part, base, scores.shape)
+        online_softmax_step(scores, visible, v, m_ref, l_ref, acc_ref)
 
-    @pl.when((c < spec.ctx_tiles) & (c >= cf[b, i]) & (c <= cl[b, i]))
-    def _context_tile():
-        attend(ck_ref[...], cv_ref[...], 0, c * TILE)
-
-    u = c - spec.ctx_tiles
-
-    @pl.when((u >= bf[b, i]) & (u <= bl[b, i]))
-    def _block_tile():
-        attend(bk_ref[...], bv_ref[...], 1, u * TILE)
+    _on_live_tile(attend, spec, (cf, cl, bf, bl), (ck_ref, cv_ref, bk_ref, bv_ref))
 
     @pl.when(c == pl.num_programs(3) - 1)
     def _finish():
@@ -307,7 +314,7 @@ _SEMANTICS = (pltpu.PARALLEL, pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)
 
 def _dq_kernel(cf, cl, bf, bl, q_ref, do_ref, lse_ref, delta_ref, bnd_ref, ck_ref, cv_ref,
                bk_ref, bv_ref, dq_ref, acc_ref, *, spec: _Spec):  # fmt: skip
-    b, i, c = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    c = pl.program_id(3)
 
     @pl.when(c == 0)
     def _init():
@@ -315,10 +322,7 @@ def _dq_kernel(cf, cl, bf, bl, q_ref, do_ref, lse_ref, delta_ref, bnd_ref, ck_re
 
     def step(k, v, part, base):
         scores = _scores(q_ref[...], k, spec.scale)
-        slots = base + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        lo = jnp.expand_dims(bnd_ref[2 * part], -1)
-        hi = jnp.expand_dims(bnd_ref[2 * part + 1], -1)
-        visible = (slots >= lo) & (slots < hi)
+        visible = _row_visible(bnd_ref, part, base, scores.shape)
         p = jnp.where(visible, jnp.exp(scores - jnp.expand_dims(lse_ref[0], -1)), 0.0)
         do = do_ref[...]
         dp = lax.dot_general(
@@ -329,15 +333,7 @@ def _dq_kernel(cf, cl, bf, bl, q_ref, do_ref, lse_ref, delta_ref, bnd_ref, ck_re
             ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when((c < spec.ctx_tiles) & (c >= cf[b, i]) & (c <= cl[b, i]))
-    def _context_tile():
-        step(ck_ref[...], cv_ref[...], 0, c * TILE)
-
-    u = c - spec.ctx_tiles
-
-    @pl.when((u >= bf[b, i]) & (u <= bl[b, i]))
-    def _block_tile():
-        step(bk_ref[...], bv_ref[...], 1, u * TILE)
+    _on_live_tile(step, spec, (cf, cl, bf, bl), (ck_ref, cv_ref, bk_ref, bv_ref))
 
     @pl.when(c == pl.num_programs(3) - 1)
     def _finish():

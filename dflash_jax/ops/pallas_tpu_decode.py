@@ -240,6 +240,25 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, 
     return out_bkmh.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
+def online_softmax_step(scores, visible, v, m_ref, l_ref, acc_ref) -> None:
+    """Inside a kernel: one key tile into the running softmax of a row tile. scores [M,TILE]
+    fp32 (scaled), visible [M,TILE] bool, v [TILE,H]; m_ref/l_ref [M,TILE] fp32 (running max
+    and sum, lane-replicated: TILE is the lane width, so they line up with the scores
+    elementwise), acc_ref [M,H] fp32. The TPU decode and training kernels both run it."""
+    scores = jnp.where(visible, scores, NEG_INF)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    # where, not exp alone: a row with nothing visible yet has m_next = NEG_INF = score.
+    p = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    m_ref[...] = m_next
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -287,18 +306,7 @@ def _kernel(
         scores = lax.dot_general(
             q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        scores = jnp.where(visible, scores * scale, NEG_INF)
-        m_prev = m_ref[...]  # [M,TILE] like the scores (TILE = lane width): elementwise below
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # where, not exp alone: a row with nothing visible yet has m_next = NEG_INF = score.
-        p = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
-        alpha = jnp.exp(m_prev - m_next)
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        online_softmax_step(scores * scale, visible, v, m_ref, l_ref, acc_ref)
 
     @pl.when((c >= first_ref[b]) & (c <= last_ref[b]))
     def _cache_tile():
