@@ -214,6 +214,7 @@ def fastest_dtype(
     batch_invariant: bool | None = None,
     remember: str = "",
     slots: int = 0,
+    row_tile: int = 0,
 ) -> tuple[str, dict[str, float]]:
     """The precision to decode in when the user does not say: the one whose DFlash step floor
     (`block_size` rows through the target's and the drafter's matrices and the head, weights
@@ -238,7 +239,7 @@ def fastest_dtype(
     from dflash_jax.ops.quant import QWeight
 
     settings = {
-        dtype: floors_lib.run_config(target.config, dtype, batch_invariant)
+        dtype: floors_lib.run_config(target.config, dtype, batch_invariant, row_tile)
         for dtype in ("float32", "bfloat16")
     }
     path = cache_root() / "dtype_floors.json"
@@ -375,6 +376,7 @@ def decode_config(
     tree_nodes: int = 0,
     batch_invariant: bool | None = None,
     confidence_cut: float = 0.0,
+    row_tile: int = 0,
 ) -> DecodeConfig:
     """The DecodeConfig of a decode whose block size and mode are settled (`decode_mode`):
     None lookup kinds are `DEFAULT_LOOKUP_KINDS` (those <= the block size); step and lookup
@@ -393,6 +395,7 @@ def decode_config(
         step_kinds=tuple(step_kinds) if adaptive else (),
         lookup_kinds=tuple(lookup_kinds) if adaptive else (),
         batch_invariant=batch_invariant,
+        row_tile=row_tile,
         tree_nodes=tree_nodes,
         confidence_cut=confidence_cut,
     )
@@ -414,6 +417,7 @@ def generate_config(
     batch_invariant: bool | None = None,
     platform: str | None = None,
     confidence_cut: float = 0.0,
+    row_tile: int = 0,
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
     block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
@@ -430,7 +434,7 @@ def generate_config(
         block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         step_kinds=step_kinds, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
-        batch_invariant=batch_invariant, confidence_cut=confidence_cut,
+        batch_invariant=batch_invariant, confidence_cut=confidence_cut, row_tile=row_tile,
     )  # fmt: skip
 
 
@@ -450,6 +454,7 @@ def generate(
     chat: bool = True,
     tree_nodes: int = 0,
     confidence_cut: float = 0.0,
+    row_tile: int = 0,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
     and returns the generated texts (stop token removed). block_size / adaptive None: the
@@ -459,12 +464,14 @@ def generate(
     tree_nodes: a step that verifies a token tree of this many tokens (`decoding.tree`): one
     more step kind of an adaptive decode, else every step; 0: no tree. confidence_cut: a
     DSpark drafter's drafts are offered while the product of their predicted acceptance stays
-    at or above it (`DecodeConfig.confidence_cut`); 0: all of them."""
+    at or above it (`DecodeConfig.confidence_cut`); 0: all of them. row_tile: the rows every
+    GEMM of a batch-invariant decode runs at (`DecodeConfig.row_tile`; 0: 32); a large batch
+    runs faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits."""
     prompts = check_text_prompts(prompts)
     cfg = generate_config(
         target, drafter, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, block_size=block_size, adaptive=adaptive, lookup_kinds=lookup_kinds,
-        tree_nodes=tree_nodes, confidence_cut=confidence_cut,
+        tree_nodes=tree_nodes, confidence_cut=confidence_cut, row_tile=row_tile,
     )  # fmt: skip
     prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
     kw = {}

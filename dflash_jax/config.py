@@ -173,9 +173,10 @@ class TargetConfig:
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
     # A run setting too: (min_rows, max_rows) of the row rule every matmul of a pass keeps to
-    # (`ops.invariance.RowRule`; max_rows 0: no bound), which makes each position's result
-    # independent of the pass it is in. None: matmuls as XLA picks them. The decodes fill it
-    # from `DecodeConfig.batch_invariant` (`decoding.programs.run_target_config`).
+    # (`ops.invariance.RowRule`; the decodes' is one fixed tile, min = max), which makes each
+    # position's result independent of the pass it is in. None: matmuls as XLA picks them.
+    # The decodes fill it from `DecodeConfig.batch_invariant` and `row_tile`
+    # (`decoding.programs.run_target_config`).
     invariant_rows: tuple[int, int] | None = None
     # How the decoder layers' projection kernels are stored (QUANT_SCHEMES; None: float), as
     # the params hold them (`models.quantized`): set by the loader, never read from or written
@@ -802,6 +803,12 @@ class DecodeConfig:
     # prompt has flipped, but often in bf16). None: on for every dtype but float32
     # (`decoding.programs.run_target_config`).
     batch_invariant: bool | None = None
+    # The row tile of a batch-invariant decode: every GEMM of every target pass runs at exactly
+    # this many rows (`ops.invariance.RowRule.fixed`; 0: `ops.invariance.ROW_TILE`, 32). Runs
+    # at one tile give a position the same bits, whatever their batch; a run whose passes are
+    # all wide (a server's slots x 16, `ops.invariance.row_tile_for`) sets a wider one, which
+    # runs them as one tile instead of several.
+    row_tile: int = 0
     # Tree verification (decoding/tree.py): a step that verifies a tree of this many tokens (the
     # anchor and tree_nodes - 1 drafted nodes, grown best-first from the drafter's per-position
     # distributions) in one target pass and commits its longest accepted path. Fixed mode: every
@@ -825,6 +832,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if not 0 <= self.row_tile <= 1024:
+            raise ConfigError(f"row_tile={self.row_tile}: give 1 to 1024 rows (0: the default, 32)")
         if self.tree_nodes and (self.tree_nodes < 2 or self.block_size < 2):
             raise ConfigError(
                 f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "

@@ -28,7 +28,8 @@ from absl import app, flags, logging
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
-from dflash_jax.decoding import autoregressive_decode, calibration, speculative_decode
+from dflash_jax.decoding import autoregressive_decode, calibration, programs, speculative_decode
+from dflash_jax.ops.invariance import row_tile_for
 from infer import benchmark, cli, common
 
 FLAGS = flags.FLAGS
@@ -94,8 +95,16 @@ def main(argv):
             [api.render_prompt(target.tokenizer, c[0], True) for c in convs]
         )
         stops = api.stop_token_ids(target)
+        # Every pass of the run (AR reference included) at one row tile, unless --row_tile the
+        # one that holds the batch's widest verify (`row_tile_for`, at most 128; 24 rows x a
+        # tree of 32 run as 6 tiles of 128 instead of 24 of 32): a position's bits are then the
+        # same in all of them, by construction.
+        tile = FLAGS.row_tile or row_tile_for(len(convs) * max(block, *trees))
         base = DecodeConfig(
-            max_new_tokens=FLAGS.max_new_tokens, block_size=block, stop_token_ids=stops
+            max_new_tokens=FLAGS.max_new_tokens,
+            block_size=block,
+            stop_token_ids=stops,
+            row_tile=tile,
         )
         api.check_inputs(target, drafter, prompt, lengths, base)
     # The chain is `base` (the AR reference's config at --block_size); a tree adds its nodes;
@@ -105,7 +114,12 @@ def main(argv):
     runs += [(f"cut{c:g}", dataclasses.replace(base, confidence_cut=c)) for c in cuts]
     if FLAGS.default_mode:
         runs.append(
-            ("default", api.generate_config(target, drafter, max_new_tokens=FLAGS.max_new_tokens))
+            (
+                "default",
+                api.generate_config(
+                    target, drafter, max_new_tokens=FLAGS.max_new_tokens, row_tile=tile
+                ),
+            )
         )
     if not runs:
         raise app.UsageError("nothing to measure: --nochain, --trees= and no --default_mode")
@@ -153,6 +167,8 @@ def main(argv):
         "max_new_tokens": FLAGS.max_new_tokens,
         "block_size": block,
         "dtype": dtype,
+        # the row rule every target pass ran under (None: not batch-invariant)
+        "invariant_rows": programs.run_target_config(target.config, base).invariant_rows,
         "quantize": FLAGS.quantize,
         "target": FLAGS.target,
         "drafter": FLAGS.drafter,

@@ -81,26 +81,24 @@ KNOWN_TARGETS = {
 class DecodeShape:
     """What a decode is planned or lowered for: rows, prompt buffer width, new tokens per row,
     block size (0: the platform's default, `api.decode_mode`), the param and cache dtype, the
-    row rule of a batch-invariant decode (`TargetConfig.invariant_rows`), the target's
-    quantization, and the decode mode as `infer.generate`'s flags give it (--adaptive,
-    --tree_nodes, --batch_invariant; None: the platform's default). The decode config is built
-    from these by `api.generate_config`, as the runs build theirs.
-
-    The row rule is a fact of the machine that runs the decode, probed there at its first
-    invariant decode (`ops.invariance.machine_row_rule`); a machine cannot probe another's. A
-    CPU program's is probed here (this CPU runs it); a TPU or GPU one's must be given, and
-    there the default decode is the plain one (`programs.default_invariant`)."""
+    target's quantization, the decode mode as `infer.generate`'s flags give it (--adaptive,
+    --tree_nodes, --batch_invariant; None: the platform's default) and the row tile of a
+    batch-invariant decode (--row_tile; 0: `ops.invariance.ROW_TILE`). The decode config is
+    built from these by `api.generate_config`, as the runs build theirs; a batch-invariant
+    program is the same for every platform (one fixed row tile, nothing probed), so it lowers
+    for one on any other. There the default decode is the plain one
+    (`programs.default_invariant`)."""
 
     batch: int = 32
     prompt_len: int = 1024
     max_new_tokens: int = 1024
     block_size: int = 0
     dtype: str = "bfloat16"
-    invariant_rows: tuple[int, int] | None = None
     quantize: str | None = None  # the target's quantized kernels (`TargetConfig.quantize`)
     adaptive: bool | None = None  # None: the platform's default (`api.decode_mode`)
     tree_nodes: int = 0
     batch_invariant: bool | None = None  # None: the platform's default (`default_invariant`)
+    row_tile: int = 0  # 0: `ops.invariance.ROW_TILE`
 
 
 def define_shape_flags(flags) -> None:
@@ -142,17 +140,21 @@ def define_shape_flags(flags) -> None:
     flags.DEFINE_bool(
         "batch_invariant", None,
         "Decode: the batch-invariant program (infer.generate's --batch_invariant). Unset: the "
-        "platform's default (bfloat16 on a CPU; off on GPU and TPU). For a TPU or GPU it needs "
-        "the row rule (--invariant_rows of infer.lower).",
+        "platform's default (bfloat16 on a CPU; off on GPU and TPU).",
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "row_tile", 0,
+        "Decode: the batch-invariant program's row tile, every matmul at exactly this many rows "
+        "(infer.generate's --row_tile; 0: 32).", lower_bound=0, upper_bound=1024,
     )  # fmt: skip
 
 
-def shape_from_flags(values, invariant_rows: tuple[int, int] | None = None) -> DecodeShape:
+def shape_from_flags(values) -> DecodeShape:
     """The `DecodeShape` the `define_shape_flags` flags in `values` (absl's FLAGS) name."""
     return DecodeShape(
         values.batch, values.prompt_len, values.max_new_tokens, values.block_size, values.dtype,
-        invariant_rows, values.quantize, values.adaptive, values.tree_nodes,
-        values.batch_invariant,
+        values.quantize, values.adaptive, values.tree_nodes, values.batch_invariant,
+        values.row_tile,
     )  # fmt: skip
 
 
@@ -347,17 +349,18 @@ def decode_setup(cfg, shape: DecodeShape, attention_impl: str, platform: str | N
     target and drafter in `shape` on `platform` (None: this process's backend), as a run
     builds them: the decode config by `api.generate_config` (the platform's default block
     size, adaptive and lookup kinds, the target's stop tokens, the tree, invariance by dtype
-    and platform), the target config by `programs.run_target_config` (the row rule given in
-    `shape`, or probed when the program is for this machine)."""
+    and platform), the target config by `programs.run_target_config` (the row tile of
+    `shape`)."""
     from dflash_jax import api
     from dflash_jax.decoding import programs
 
     tcfg, dcfg = _configs(cfg, shape.dtype, attention_impl)
-    tcfg = dataclasses.replace(tcfg, invariant_rows=shape.invariant_rows, quantize=shape.quantize)
+    tcfg = dataclasses.replace(tcfg, quantize=shape.quantize)
     decode = api.generate_config(
         _Model(tcfg), _Model(dcfg), max_new_tokens=shape.max_new_tokens,
         block_size=shape.block_size or None, adaptive=shape.adaptive,
         tree_nodes=shape.tree_nodes, batch_invariant=shape.batch_invariant, platform=platform,
+        row_tile=shape.row_tile,
     )  # fmt: skip
     return programs.run_target_config(tcfg, decode), dcfg, decode
 

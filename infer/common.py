@@ -124,15 +124,24 @@ flags.DEFINE_bool(
     "batch_invariant", None,
     "Batch-invariant target passes (dflash_jax/ops/invariance.py): a position's logits are the "
     "same bits in an AR step, a verify or a prefill, so greedy DFlash output equals greedy AR "
-    "output in any dtype. Its cost: every matmul an isolated GEMM at a probed row count (an AR "
-    "step's row padded), norms and attention at fixed shapes. --nobatch_invariant runs the "
-    "passes as XLA picks them: faster, but bf16 output may then differ from AR. In bf16 on a "
+    "output in any dtype. Its cost: every matmul an isolated GEMM at one fixed row tile "
+    "(--row_tile; an AR step's row padded to it), norms and attention at fixed shapes. "
+    "--nobatch_invariant runs the passes as XLA picks them: faster, but bf16 output may then "
+    "differ from AR. In bf16 on a "
     "2-core AMD EPYC with avx512_bf16 (docs/results.md, 2026-12-04, 64 tokens, median of 5 "
     "runs in one process): the default decode 57 tok/s with, 71 without; block 16: 44 and 51; "
     "the target alone: 49 and 60. (A process's first decode also sets up XLA:CPU's bf16 "
     "kernels, ~0.3 s more without.) Unset: on for bfloat16 on a CPU (off on GPU and TPU, where no "
     "test has checked the row rule yet; one log line says so), off for float32 (whose rounding "
     "differences have not flipped a token on any benchmark prompt).",
+)  # fmt: skip
+flags.DEFINE_integer(
+    "row_tile", 0,
+    "With batch invariance: the rows every matmul of a target pass runs at, by construction "
+    "(an AR step's one row padded to it, a wider pass cut into tiles of it). Runs at one tile "
+    "give a position the same bits whatever their batch. 0: 32 (holds a verify of 16 or a "
+    "tree of 32), except infer.acceptance: its batch's widest verify, up to 128, run as one "
+    "tile.", lower_bound=0, upper_bound=1024,
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
@@ -165,7 +174,7 @@ def _flag_settings() -> dict:
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
         top_p=FLAGS.top_p, step_kinds=tuple(int(k) for k in FLAGS.step_kinds),
         lookup_kinds=lookup, tree_nodes=FLAGS.tree_nodes, batch_invariant=FLAGS.batch_invariant,
-        confidence_cut=FLAGS.confidence_cut,
+        confidence_cut=FLAGS.confidence_cut, row_tile=FLAGS.row_tile,
     )  # fmt: skip
 
 
@@ -202,7 +211,7 @@ def load_models(slots: int = 0):
     # --dtype=auto: the request as named here; the dtype it chose last time is loaded first
     request = "|".join(
         str(v) for v in (FLAGS.target, FLAGS.drafter, slots, FLAGS.batch_invariant,
-                         FLAGS.quantize, FLAGS.mesh)
+                         FLAGS.quantize, FLAGS.mesh, FLAGS.row_tile)
     )  # fmt: skip
     if FLAGS.dtype == "auto":
         dtype = api.remembered_dtype(request) or dtype
@@ -217,8 +226,9 @@ def load_models(slots: int = 0):
         block = api.default_block_size(target, drafter) if drafter else 1
         loaded = dtype
         dtype, floors = api.fastest_dtype(
-            target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots
-        )
+            target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots,
+            row_tile=FLAGS.row_tile,
+        )  # fmt: skip
         if floors:  # each as the model computes it in the setting it would run
             short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
             costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())

@@ -95,17 +95,6 @@ flags.DEFINE_enum(
     "refusal), 'xla' (no kernels).",
 )  # fmt: skip
 aot.define_shape_flags(flags)
-flags.DEFINE_list(
-    "invariant_rows", [],
-    "Decode: lower the batch-invariant program with this row rule, MIN,MAX (e.g. 8,64; "
-    "TargetConfig.invariant_rows). Empty: the plain program. The rule is probed on the machine "
-    "that decodes (ops.invariance.machine_row_rule), which this one cannot do for another.",
-)  # fmt: skip
-flags.register_validator(
-    "invariant_rows",
-    lambda v: not v or (len(v) == 2 and all(x.isdigit() for x in v) and 1 <= int(v[0])),
-    "--invariant_rows takes MIN,MAX with 1 <= MIN (MAX 0: no bound)",
-)
 flags.mark_flag_as_required("config")
 for _name, _choices in (("platform", PLATFORMS), ("what", WHATS)):
     flags.register_validator(
@@ -250,8 +239,7 @@ def programs(what: str, mesh, platform: str) -> list[aot.Program]:
     cfg, impl = FLAGS.config, FLAGS.attention_impl
     if what == "train":
         return [aot.train_program(cfg, mesh, impl)]
-    rows = tuple(int(x) for x in FLAGS.invariant_rows) or None
-    shape = aot.shape_from_flags(FLAGS, rows)
+    shape = aot.shape_from_flags(FLAGS)
     return [
         *aot.speculative_programs(cfg, mesh, shape, impl, platform),
         *aot.autoregressive_programs(cfg, mesh, shape, impl, platform),

@@ -65,7 +65,8 @@ flags.DEFINE_bool(
 def server_config(target, drafter) -> api.DecodeConfig:
     """The served decode: the flags' kinds (the measured defaults when unset), every row with
     its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
-    --nobatch_invariant."""
+    --nobatch_invariant (at --row_tile's tile, 32 by default, as infer.generate's: in one
+    dtype a greedy request gets the same tokens from both)."""
     cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
     # A plain step stays among the default kinds: with several busy slots a drafted step costs

@@ -1,7 +1,9 @@
 """Batch-invariant target passes (`ops.invariance`): a position's logits are bitwise the same
 in a prefill, an AR step, a 4/8/16-token verify and a batch of rows of different lengths, in
 fp32 and bf16, at SmolLM2-135M's shapes (2 of its 30 layers, random weights) under the row
-rule probed on this machine; and the same checks fail without the rule's padding."""
+rule the decodes run (one fixed row tile, `ops.invariance.ROW_TILE`); and the same checks
+fail without the rule's padding. What the fixed tile rests on, that one GEMM call gives a row
+its own bits whatever shares the call, is checked here too, on whatever machine runs it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Transformer, init_cache, init_params
-from dflash_jax.ops.invariance import RowRule, machine_row_rule
+from dflash_jax.ops.invariance import ROW_TILE, RowRule
 
 SMOLLM2_SHAPES = dict(
     arch="llama",
@@ -45,8 +47,7 @@ def target(request):
     cfg = _config(request.param)
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(request.param), params)  # livelier logits
-    rule = machine_row_rule(cfg)
-    return cfg, params, rule
+    return cfg, params, RowRule.fixed(ROW_TILE)
 
 
 @functools.cache
@@ -202,12 +203,13 @@ def test_a_bf16_tree_verify_gives_each_node_its_ar_bits():
     decode checks' narrower target (`DECODE_SHAPES`, weights unscaled): on the code before issue
     44's fix nodes 11, 13, 14 and 15 differed here (AMD EPYC with avx512_bf16, 2026-12-04).
     Cheap (~4 s): params initialised under jit (eager, 4 s more; the same values), the prefix
-    written by AR steps (the program the check runs anyway), and no row rule probed: min_rows
-    16 runs the AR step's GEMMs at the tree's 16 rows on any machine, so only the attention,
-    issue 44's subject, can round apart (max_rows 128; its failure on the code before was
-    checked with the query tile of 64 then used, not again since the tile's rows were capped
-    at `invariance.REDUCTION_TILE`, which makes it 16 queries)."""
-    cfg = dataclasses.replace(_config("bfloat16"), **DECODE_SHAPES, invariant_rows=(16, 128))
+    written by AR steps (the program the check runs anyway). The decodes' fixed tile runs the
+    AR step's GEMMs and the tree's at the same 32 rows, so only the attention, issue 44's
+    subject, can round apart (its failure on the code before was checked with the query tile
+    of 64 then used, not again since the tile's rows were capped at
+    `invariance.REDUCTION_TILE`, which makes it 16 queries)."""
+    rows = (ROW_TILE, ROW_TILE)
+    cfg = dataclasses.replace(_config("bfloat16"), **DECODE_SHAPES, invariant_rows=rows)
     init = jax.jit(lambda key: jax.tree.map(lambda w: w.astype("bfloat16"), init_params(cfg, key)))
     params = init(jax.random.key(0))
     prefix = (_tokens() % cfg.vocab_size).astype(np.int32)[None]
@@ -221,41 +223,67 @@ def test_the_check_fails_without_the_padding(target):
     """The same comparison with the AR step left at one row (min_rows 1, the matrix-vector
     kernel): some position's logits differ. This is what the rule exists for."""
     cfg, params, rule = target
-    assert rule.min_rows > 1, f"this machine's kernels are row-invariant from one row: {rule}"
     unpadded = dataclasses.replace(cfg, invariant_rows=(1, rule.max_rows))
     ways = _ways(unpadded, params, _tokens())
     assert not np.array_equal(ways["ar"], ways["verify16"])
 
 
-def test_the_rule_keeps_every_matmul_inside_the_probed_class():
-    """`RowRule.rows_matmul` pads small row counts and tiles large ones: the function only ever
-    sees row counts in [min_rows, max_rows], and the rows come back in order."""
+def test_the_rule_runs_every_matmul_at_its_tile():
+    """`RowRule.rows_matmul` pads small row counts and tiles large ones: under a fixed tile the
+    function only ever sees the tile's row count, and the rows come back in order."""
     seen = []
 
     def fn(x):
         seen.append(x.shape[0])
         return x * 2
 
-    # The reductions' fixed tile: the class's rows, at most REDUCTION_TILE (32).
-    assert (RowRule(3, 128).tile, RowRule(2, 16).tile, RowRule(2, 0).tile) == (32, 16, 32)
-    rule = RowRule(2, 8)
+    # The reductions' fixed tile: the rule's, at most REDUCTION_TILE (32).
+    assert (RowRule(3, 128).tile, RowRule.fixed(16).tile, RowRule.fixed(128).tile) == (32, 16, 32)
+    rule = RowRule.fixed(8)
     for m in (1, 2, 5, 8, 9, 30):
         seen.clear()
         x = jnp.arange(m * 3, dtype=jnp.float32).reshape(m, 3)
         np.testing.assert_array_equal(rule.rows_matmul(x, fn), np.asarray(x) * 2)
-        assert all(2 <= s <= 8 for s in seen), (m, seen)
+        assert seen and set(seen) == {8}, (m, seen)
+
+
+def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
+    """The rule a batch-invariant decode compiles with is the fixed tile (`DecodeConfig.row_tile`,
+    0: ROW_TILE), the same for this CPU and for a TPU or GPU program lowered here: nothing is
+    probed or cached per machine (issue 40, item 6). On the code before it was this machine's
+    probed range ([3, 128] in bf16 on an Intel Xeon with AMX), and for another platform a
+    ConfigError."""
+    from dflash_jax.config import DecodeConfig
+    from dflash_jax.decoding import programs
+    from dflash_jax.ops import invariance
+    from dflash_jax.ops import platform as ops_platform
+
+    cfg = _config("bfloat16")
+    on = DecodeConfig(batch_invariant=True)
+    assert programs.run_target_config(cfg, on).invariant_rows == (ROW_TILE, ROW_TILE)
+    wide = dataclasses.replace(on, row_tile=128)
+    assert programs.run_target_config(cfg, wide).invariant_rows == (128, 128)
+    assert programs.run_target_config(cfg, DecodeConfig()).invariant_rows == (32, 32)  # bf16
+    fp32 = _config("float32")
+    assert programs.run_target_config(fp32, DecodeConfig()).invariant_rows is None
+    for platform in ("tpu", "cuda"):
+        monkeypatch.setattr(ops_platform, "current", lambda p=platform: p)
+        monkeypatch.setattr(ops_platform, "is_this_process", lambda: False)
+        assert programs.run_target_config(cfg, on).invariant_rows == (ROW_TILE, ROW_TILE)
+    assert not hasattr(invariance, "machine_row_rule")
+    assert [invariance.row_tile_for(r) for r in (1, 16, 33, 128, 384)] == [32, 32, 64, 128, 128]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
     """The MLP's down projection as the model runs it, silu(gate) * up fused before it, under
-    the rule probed for its shape: each of 16 random rows gets the same bits at every row count
-    the rule allows as at 16, and inside a larger pass that the rule tiles. (A plain bf16 dot
-    probed as one class here while this fused one changed rows at M = 17, 2026-12-03.)"""
-    from dflash_jax.ops.invariance import dot_general, probe_row_rule
+    the fixed tile: each of 16 random rows gets the same bits at every row count, one tile or
+    several (a plain bf16 dot probed as one class here while this fused one changed rows at
+    M = 17, 2026-12-03, when the rule was a probed range of row counts)."""
+    from dflash_jax.ops.invariance import dot_general
 
     k, n = 768, 256
-    rule = probe_row_rule(((k, n),), dtype, jax.default_backend())
+    rule = RowRule.fixed(ROW_TILE)
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.standard_normal((96, k)) * 3, dtype)
     u = jnp.asarray(rng.standard_normal((96, k)), dtype)
@@ -263,16 +291,14 @@ def test_a_gemm_with_a_fused_producer_keeps_each_rows_bits(dtype):
     dims = (((1,), (0,)), ((), ()))
     down = jax.jit(lambda g, u, w: dot_general(rule)(jax.nn.silu(g) * u, w, dims))
     ref = np.asarray(down(g[:16], u[:16], w).astype(jnp.float32))
-    counts = {rule.min_rows, 4, 15, 17, rule.max_rows or 32, 96}
-    for m in sorted(c for c in counts if c >= 1):
+    for m in (1, 4, 15, 17, 32, 33, 96):
         out = np.asarray(down(g[:m], u[:m], w).astype(jnp.float32))
         k_rows = min(m, 16)
         np.testing.assert_array_equal(out[:k_rows], ref[:k_rows], err_msg=f"M={m} ({rule})")
 
 
-# Decode-level checks run a narrower target (same layer structure, 8K vocabulary): the row rule
-# is probed for whatever shapes it gets, and compile and bf16 matmuls on a CPU without bf16
-# units cost what SmolLM2's 49K-wide head would multiply.
+# Decode-level checks run a narrower target (same layer structure, 8K vocabulary): compile and
+# bf16 matmuls on a CPU without bf16 units cost what SmolLM2's 49K-wide head would multiply.
 DECODE_SHAPES = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_heads=4,
                      num_kv_heads=2)  # fmt: skip
 
@@ -429,35 +455,16 @@ def test_bf16_tree_decoding_equals_bf16_ar():
     )  # fmt: skip
 
 
-def test_row_rule_cache_is_keyed_by_jaxlib_and_the_plugin(monkeypatch, tmp_path):
-    """A rule kept on disk is reused by the same software and probed again under another
-    jaxlib or backend plugin (`software_name`), which may pick other GEMM kernels (issue 40)."""
-    import jaxlib
-
+@pytest.mark.parametrize("rows", [ROW_TILE, pytest.param(128, marks=pytest.mark.slow)])
+def test_within_one_gemm_call_a_row_gets_its_own_bits(rows):
+    """What the fixed tile rests on (the one property of the machine's GEMM kernels it needs,
+    checked here where it runs, once the probe of issue 40's item 6): a GEMM as the rule runs it
+    (`isolated_gemm`, and `transposed_matmul`'s form for a tied head) at the tile's rows (the
+    default ROW_TILE; 128, the widest `row_tile_for` picks, in CI's slow step) gives a row the
+    same bits whichever rows fill the rest of the call and wherever in it the row sits, at
+    SmolLM2's shapes, in fp32 and bf16."""
     from dflash_jax.ops import invariance
 
-    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
-    probes = []
-    monkeypatch.setattr(invariance, "probe_row_rule", lambda *a: probes.append(a) or RowRule(2, 32))
-    cfg = _config("bfloat16")
-    for _ in range(2):
-        assert machine_row_rule(cfg) == RowRule(2, 32)
-    assert len(probes) == 1  # kept on disk and reused
-    monkeypatch.setattr(jaxlib, "__version__", "0.0.0")
-    machine_row_rule(cfg)
-    assert len(probes) == 2  # another jaxlib: probed again
-    assert "jaxlib 0.0.0" in invariance.software_name()
-    assert jax.devices()[0].client.platform_version in invariance.software_name()
-
-
-def test_within_one_gemm_call_a_row_gets_its_own_bits():
-    """What the rule rests on inside a class ("each row's result depends on that row alone"):
-    a GEMM as the rule runs it (`isolated_gemm`, and `transposed_matmul`'s form for a tied
-    head) at 16 rows, the probe's anchor, gives a row the same bits whichever rows fill the
-    rest of the call and wherever in it the row sits, at SmolLM2's shapes, in fp32 and bf16."""
-    from dflash_jax.ops import invariance
-
-    rows = 16
     rng = np.random.default_rng(0)
     shapes = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4096, True))
     gemm = jax.jit(

@@ -44,7 +44,7 @@ DRAFTER = DrafterConfig(
     head_dim=16, vocab_size=320, mask_token_id=319, target_layer_ids=(0, 1),
     num_target_layers=2, block_size=8, dtype="bfloat16", attention_impl="xla",
 )  # fmt: skip
-RULE = (2, 16)  # a row rule given, so that no probe runs
+RULE = (2, 16)  # a row rule given: a range, as a test may give (a decode's is one fixed tile)
 # The adaptive decode with a tree kind holds every step kind (a plain one-row step, a block,
 # a tree) in one program, each once (block 4 would be block 8's code at another size): the
 # default suite compiles it; the others are slow.

@@ -196,15 +196,19 @@ def shard_map_check() -> dict:
 
 
 def test_batch_invariant_decodes_lower_on_the_mesh_with_their_kernels(tiny_config):
-    """--invariant_rows lowers the batch-invariant decode (row-tiled matmuls around the same
-    attention kernels) for both platforms on the mesh; without a rule the plain one is lowered."""
+    """--batch_invariant lowers the batch-invariant decode (row-tiled matmuls around the same
+    attention kernels) for both platforms on the mesh, at --row_tile's fixed tile: nothing is
+    probed, so this machine lowers another's program (before issue 40's item 6 it needed the
+    target machine's probed rule given: a ConfigError without --invariant_rows)."""
     out = subprocess.run(
         [sys.executable, "-m", "infer.lower", f"--config={tiny_config}", "--platform=tpu,cuda",
          "--what=decode", "--batch=8", "--prompt_len=16", "--max_new_tokens=16",
-         f"--mesh={MESH}", "--invariant_rows=8,64"],
+         f"--mesh={MESH}", "--batch_invariant", "--row_tile=64"],
         env=_env(), cwd=ROOT, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = {(x["platform"], x["program"]): x for x in map(json.loads, out.stdout.splitlines())}
     for platform in ("tpu", "cuda"):
         _assert_names_its_kernels(lines, platform, "decode")
+        for program in _programs("decode"):
+            assert lines[(platform, program)]["decode"]["invariant_rows"] == [64, 64]

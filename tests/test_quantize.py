@@ -170,19 +170,19 @@ def test_bad_quantize_is_refused(q4_1_gguf):
 
 @pytest.mark.slow
 def test_quantized_passes_are_batch_invariant():
-    """Guards only the invariance claim: under the machine's row rule, an int8 target in bf16
+    """Guards only the invariance claim: under the decodes' fixed row tile, an int8 target in bf16
     gives every position the AR step's bits in a prefill and in verifies of 4, 8 and 16 tokens
     (tests/test_batch_invariance.py's check, at SmolLM2's shapes, with quantized kernels)."""
     from test_batch_invariance import _config, _tokens, _ways
 
     from dflash_jax.models.target import init_params
-    from dflash_jax.ops.invariance import machine_row_rule
+    from dflash_jax.ops.invariance import ROW_TILE, RowRule
 
     cfg = _config("bfloat16")
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(jnp.bfloat16), params)
     params = quantize_params(params, cfg, "int8")
-    rule = machine_row_rule(cfg)
+    rule = RowRule.fixed(ROW_TILE)
     inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows), quantize="int8")
     ways = _ways(inv, params, _tokens())
     for name, logits in ways.items():

@@ -5,7 +5,7 @@ concurrency equal to the same requests alone and to the target's own greedy deco
 
 The drafter proposes token 0 and the target's head favours it (as in test_decoding), so steps
 accept anywhere from nothing to the whole block. One server (fixed block 8, 4 slots, fp32,
-batch-invariant under a given row rule, so no probe runs) serves the default tests; its
+batch-invariant under a given row rule) serves the default tests; its
 programs are compiled once per process and reused by the servers built after it.
 """
 
@@ -36,7 +36,7 @@ from dflash_jax.models.target import init_params
 from infer.serving import server as serve
 
 MODEL = "tiny"
-RULE = (2, 16)  # a row rule given, so that no probe runs
+RULE = (2, 16)  # a row rule given: a range, as a test may give (a decode's is one fixed tile)
 MAX_NEW = 40
 PROMPTS = ["abc", "Hello there", "x" * 20, "The quick brown fox", "12+34=", "?"]
 

@@ -214,11 +214,14 @@ def setting_name(tcfg: TargetConfig) -> str:
     return f"{tcfg.dtype} {'plain' if tcfg.invariant_rows is None else 'batch-invariant'}"
 
 
-def run_config(tcfg: TargetConfig, dtype: str, batch_invariant: bool | None) -> TargetConfig:
-    """`tcfg` as a decode in `dtype` with `DecodeConfig.batch_invariant` runs it (None: the
-    dtype's default; `programs.run_target_config`, which probes this machine's row rule)."""
+def run_config(
+    tcfg: TargetConfig, dtype: str, batch_invariant: bool | None, row_tile: int = 0
+) -> TargetConfig:
+    """`tcfg` as a decode in `dtype` with `DecodeConfig.batch_invariant` and `row_tile` runs it
+    (None: the dtype's default; `programs.run_target_config`)."""
     plain = dataclasses.replace(tcfg, dtype=dtype, invariant_rows=None)
-    return programs.run_target_config(plain, DecodeConfig(batch_invariant=batch_invariant))
+    cfg = DecodeConfig(batch_invariant=batch_invariant, row_tile=row_tile)
+    return programs.run_target_config(plain, cfg)
 
 
 def floors_by_dtype(

@@ -23,8 +23,8 @@ from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
 from dflash_jax.models.drafter import check_fits
+from dflash_jax.ops import invariance
 from dflash_jax.ops import platform as ops_platform
-from dflash_jax.ops.invariance import machine_row_rule
 
 # XLA:CPU's default copy insertion copies every loop-carried cache buffer that a step both
 # reads and updates (twice per buffer and step: ~4 ms of a 15 ms SmolLM2 AR step at batch 1);
@@ -35,7 +35,7 @@ LOOP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 # (`executable_options`): loading a cached executable rebuilds each YNN fusion thunk by looking
 # its instructions up one by one (~28 s of a 33 s load of the default adaptive loop, 2026-12-03,
 # perf: xla::HloInstruction::unique_id), while fp32 decodes as fast without them. Programs under
-# a row rule keep them: the rule was probed on the kernels they select.
+# a row rule keep them: the rule's tile is tested on the kernels they select.
 NO_YNN_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -170,10 +170,9 @@ def run(jitted, args: tuple, statics: dict, mesh) -> DecodeOutput:
 
 def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
     """The target config a decode compiles with: under `cfg.batch_invariant` (None:
-    `default_invariant`), with the row rule of this machine, dtype and shapes
-    (`ops.invariance.machine_row_rule`, probed once per machine) unless it already names one;
-    without, with none. A program traced for another platform than this process's
-    (`ops.platform.TARGET`, infer.lower) cannot probe it there: ConfigError unless given."""
+    `default_invariant`), every GEMM at one fixed row tile (`cfg.row_tile`, 0:
+    `ops.invariance.ROW_TILE`) unless the config already names a rule; without, with none.
+    Nothing is probed: the same on every platform, this process's or another's (infer.lower)."""
     invariant = cfg.batch_invariant
     if invariant is None:
         invariant = default_invariant(tcfg)
@@ -181,15 +180,8 @@ def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
         return dataclasses.replace(tcfg, invariant_rows=None)
     if tcfg.invariant_rows is not None:
         return tcfg
-    if not ops_platform.is_this_process():
-        raise ConfigError(
-            f"a batch-invariant {tcfg.dtype} decode for {ops_platform.current()} needs that "
-            "machine's row rule, probed there (ops.invariance.machine_row_rule): give it "
-            "(infer.lower --invariant_rows=MIN,MAX) or lower the plain decode "
-            "(--nobatch_invariant)"
-        )
-    rule = machine_row_rule(tcfg)
-    return dataclasses.replace(tcfg, invariant_rows=(rule.min_rows, rule.max_rows))
+    tile = cfg.row_tile or invariance.ROW_TILE
+    return dataclasses.replace(tcfg, invariant_rows=(tile, tile))
 
 
 _OFF_LOGGED: set[str] = set()  # the platforms whose invariance-off line was logged
@@ -201,10 +193,11 @@ def default_invariant(tcfg: TargetConfig) -> bool:
     row rule (tests/test_batch_invariance.py); on a GPU or TPU off, with one log line, since
     nothing has checked it on one yet (`--batch_invariant` turns it on).
 
-    Why not in float32: the invariant AR step pads its one row to the verify's kernel, and on
-    a CPU (an AMD EPYC without AVX-512 measured) that and the fixed-shape attention cost ~1.5x
-    a plain AR step, which the adaptive decode runs often; fp32's rounding differences (~1e-6)
-    have not flipped a token on any benchmark prompt. bf16's do."""
+    Why not in float32: the invariant AR step pads its one row to the row tile, and in fp32 a
+    GEMM's cost grows with its rows (SmolLM2's products, an Intel Xeon with AMX, 2026-12-04: a
+    pass at 2 rows 35 ms, at 32 rows 79 ms), which the adaptive decode's AR steps would pay;
+    fp32's rounding differences (~1e-6) have not flipped a token on any benchmark prompt.
+    bf16's do."""
     if jnp.dtype(tcfg.dtype) == jnp.float32:
         return False
     compiled_for = ops_platform.current()

@@ -341,7 +341,7 @@ class Head:
         """Whether `argmax` computes the full logits first (else it is `head_argmax`)."""
         # Under a row rule: the logits through the rule's GEMMs, then an exact argmax. Not
         # `head_argmax`: its fused GEMM + max and its recomputed chunk (a batched matvec over
-        # the rows) are kernels the probe never classes, so nothing says they round a row
+        # the rows) are kernels the row tile does not fix, so nothing says they round a row
         # the same at every row count; a near tie would then resolve by the pass.
         return self.rows is not None or not head_argmax_applies(self.vd, self.dv.shape[1])
 

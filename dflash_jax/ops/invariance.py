@@ -11,26 +11,30 @@ and over [8, 576], or the same softmax over [1,3,12,64] and [1,3,24,64], round a
 position's logits in an AR step and in a verify differ in the last bits, and in bf16 that
 flips argmaxes: speculative output stops being the target's own.
 
-The rules. (1) Matmuls (`RowRule`): the row counts [min_rows, max_rows] that select one
-kernel class, found by `probe_row_rule` on the running backend and dtype (never hard-coded).
-Fewer rows are padded up to `min_rows` (zero rows, sliced off after); more are cut into tiles
-of exactly `max_rows` that run one after another (`lax.map`, so XLA cannot merge them back
-into one GEMM of another class). Within a class each row's result depends on that row alone.
+The rules. (1) Matmuls (`RowRule`) run at one fixed row tile, `ROW_TILE` rows unless a run
+sets another (`DecodeConfig.row_tile`): fewer rows are padded up to the tile (zero rows,
+sliced off after), more are cut into tiles of exactly that many rows that run one after
+another (`lax.map`, so XLA cannot merge them back into one GEMM of another shape). Every
+GEMM of every pass is then the same compiled [tile, K] @ [K, N] program, whatever the pass,
+so a row's bits cannot depend on how many rows share it: by construction, not by a probe of
+which row counts a machine's kernels happen to treat alike. What it still rests on is that
+one GEMM call gives a row the same bits whatever the other rows are and wherever the row
+sits in it; tests/test_batch_invariance.py checks that at SmolLM2's shapes, in fp32 and bf16
+(`test_within_one_gemm_call_a_row_gets_its_own_bits`), on every machine CI runs.
 Each such matmul runs as an op of its own (`isolated_gemm`: barriers around it, an fp32
 product rounded after it), because what XLA fuses into a GEMM, and where it rounds, otherwise
 depends on the program around it; a tied head contracts the embedding as stored
 (`transposed_matmul`), never through a `.T` that is a copy in one program and a layout in
 another.
-(2) Reductions run at one fixed shape: the norms in row tiles of exactly `RowRule.tile`
-rows (at most `REDUCTION_TILE`, `fixed_rows`), the attention in fixed (query tile x key tile) blocks
-(`ops.attention.tiled_attention`). Whatever the pass, every number comes out of the same
-compiled shapes in the same order. The tests (tests/test_batch_invariance.py) check it
-bitwise for every pass kind, in fp32 and bf16.
+(2) Reductions run at one fixed shape: the norms in row tiles of exactly `RowRule.tile` rows
+(the rule's tile, at most `REDUCTION_TILE`, `fixed_rows`), the attention in fixed (query tile
+x key tile) blocks (`ops.attention.tiled_attention`). Whatever the pass, every number comes
+out of the same compiled shapes in the same order. The tests (tests/test_batch_invariance.py)
+check it bitwise for every pass kind, in fp32 and bf16.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 
@@ -40,18 +44,39 @@ import numpy as np
 
 from dflash_jax.ops import dots, quant
 
+# The row tile every GEMM of a batch-invariant pass runs at, unless the run sets another
+# (`DecodeConfig.row_tile`). It holds a stream's verify of 16 (or a tree of 32) in one tile,
+# and on the CPUs measured a one-row AR step padded to it costs what the step padded to 2-3
+# rows did: bf16 SmolLM2, the 210 products of one pass on an Intel Xeon with AMX
+# (2026-12-04): 31 ms a pass at 1 row padded to 16 or 32, 37 at 64, 48 at 128 (unpadded: 48,
+# the matrix-vector loop). A wider tile pays for every narrow pass; a narrower one runs a wide
+# pass as several tiles, one after another (128 rows as 4 tiles of 32: 147 ms against 55 as
+# one of 128), so a run whose passes are all wide (a server's slots) sets its own.
+ROW_TILE = 32
+# The widest tile a run picks by itself for its passes (`row_tile_for`).
+MAX_ROW_TILE = 128
 # The most rows a norm's or an attention query tile's fixed shape holds. Any fixed shape keeps
-# them invariant; a small one pads a one-row AR step less. 32 holds a stream's verify of 16 in
-# one norm tile. Against the probed class's 128 (bf16 SmolLM2, an Intel Xeon with AMX, the
-# probed rule [3, 128], 2026-12-04): the AR step 37.3-38.0 ms against 42.9-44.3, a 256-token
-# default DFlash decode 3.28-3.40 s against 3.53-3.87 s, the same tokens in the same steps.
+# them invariant; a small one pads a one-row AR step less. Against 128 (bf16 SmolLM2, an Intel
+# Xeon with AMX, 2026-12-04): the AR step 37.3-38.0 ms against 42.9-44.3, a 256-token default
+# DFlash decode 3.28-3.40 s against 3.53-3.87 s, the same tokens in the same steps.
 REDUCTION_TILE = 32
+
+
+def row_tile_for(rows: int) -> int:
+    """The row tile for a run whose every target pass holds about `rows` rows (a server's
+    slots x its verify width, a batch's rows x theirs): the power of two that holds them, from
+    `ROW_TILE` up to `MAX_ROW_TILE`, so the widest pass runs as one tile."""
+    tile = ROW_TILE
+    while tile < rows and tile < MAX_ROW_TILE:
+        tile *= 2
+    return tile
 
 
 @dataclasses.dataclass(frozen=True)
 class RowRule:
-    """Row counts that give every row the same bits: [min_rows, max_rows] (max_rows 0: no
-    upper bound). Hashable: it is part of the static `TargetConfig`."""
+    """The row counts every GEMM of a pass runs at: [min_rows, max_rows] (max_rows 0: no upper
+    bound). The runs use one fixed tile (`RowRule.fixed`: min = max); a wider range is what
+    the tests use for their controls. Hashable: it is part of the static `TargetConfig`."""
 
     min_rows: int = 1
     max_rows: int = 0
@@ -60,10 +85,15 @@ class RowRule:
         if self.min_rows < 1 or (self.max_rows and self.max_rows < self.min_rows):
             raise ValueError(f"bad row rule [{self.min_rows}, {self.max_rows or 'inf'}]")
 
+    @classmethod
+    def fixed(cls, tile: int) -> RowRule:
+        """Every GEMM at exactly `tile` rows."""
+        return cls(tile, tile)
+
     @property
     def tile(self) -> int:
         """The row tile of the reductions that run at one fixed shape (`fixed_rows`) and of the
-        attention's query tiles (`query_tile`): the rule's class, at most `REDUCTION_TILE`."""
+        attention's query tiles (`query_tile`): the rule's tile, at most `REDUCTION_TILE`."""
         return min(self.max_rows or max(self.min_rows, REDUCTION_TILE), REDUCTION_TILE)
 
     def rows_matmul(self, x_md: jax.Array, fn) -> jax.Array:
@@ -154,16 +184,17 @@ def transposed_matmul(rule: RowRule, x: jax.Array, w_nk: jax.Array) -> jax.Array
 def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.Array:
     """x [M, K] @ w [K, N] (transposed: w [N, K], contracted on its dim 1) as an op of its own:
     materialised input, fp32 product, rounded to `out_dtype` after another barrier. This is
-    what the row rule classes (the probe runs this very function).
+    what every tile of the row rule runs (and what the tests check row by row).
 
-    Why each part (measured on an AMD EPYC, XLA:CPU, bf16):
+    Why each part (measured on an AMD EPYC, XLA:CPU, bf16, when the rule was a range of row
+    counts probed per machine; the parts keep the op the same in every program):
     - The input barrier: XLA fuses a GEMM's elementwise producer (the MLP's silu(gate) * up)
       into its YNNPACK subgraph, and the fused subgraph classes rows differently from a plain
       dot of the same values.
     - The fp32 product: with a bf16 output XLA lets the GEMM round to bf16 itself, by a kernel
-      that changes at M = 17 (K = 768), and the probe cannot see it: a bf16 result flips for
-      about one element in 2^16, so a class boundary shows in one probe and hides in the
-      next. In fp32 every difference shows, and the rounding to bf16 is an elementwise op of
+      that changes at M = 17 (K = 768), which a probe could not see: a bf16 result flips
+      for about one element in 2^16, so a kernel boundary shows in one probe and hides in
+      the next. In fp32 every difference shows, and the rounding to bf16 is an elementwise op of
       its own, the same in every program. (A plain bf16 dot probed as one class for M in
       [2, 48]; the model's fused one flipped a near-tied token between a bf16 AR step and an
       8-row verify.)
@@ -176,87 +207,6 @@ def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.A
     return jax.lax.optimization_barrier(acc.astype(out_dtype))
 
 
-# ---------------------------------------------------------------------------------------------
-# The probe.
-
-# Part of the on-disk cache key: a rule probed by an older probe is probed again.
-PROBE_VERSION = 2
-# Up to 128: a class reaching it is used as tiles of 128 rows (a bigger tile gains little).
-_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128)
-# The row count every decode uses for its verify (block 16 at batch 1): the class to find.
-_ANCHOR_ROWS = 16
-
-
-def _row_classes(results: dict[int, np.ndarray]) -> RowRule:
-    """The contiguous run of probed row counts around _ANCHOR_ROWS whose rows' results (up to
-    the anchor's count) equal the anchor's -> RowRule (never unbounded: only probed counts
-    are known to agree)."""
-    rows = sorted(results)
-    anchor = results[_ANCHOR_ROWS]
-    same = [np.array_equal(results[m], anchor[: len(results[m])]) for m in rows]
-    i = rows.index(_ANCHOR_ROWS)
-    lo = i
-    while lo > 0 and same[lo - 1]:
-        lo -= 1
-    hi = i
-    while hi + 1 < len(rows) and same[hi + 1]:
-        hi += 1
-    return RowRule(rows[lo], rows[hi])
-
-
-def _intersect(a: RowRule, b: RowRule) -> RowRule:
-    lo = max(a.min_rows, b.min_rows)
-    his = [h for h in (a.max_rows, b.max_rows) if h]
-    return RowRule(lo, min(his) if his else 0)
-
-
-@functools.cache
-def probe_row_rule(shapes: tuple[tuple[int, int], ...], dtype: str, backend: str) -> RowRule:
-    """The row rule of this backend's GEMMs [M,K] @ [K,N] in `dtype` at each (K, N) of
-    `shapes` ((K, N, True): the weight stored [N, K], `transposed_matmul`), run as the model
-    runs them (`isolated_gemm`): each shape's output rows (the first min(M, 16)) at every
-    probed M are compared with their values at M = 16, and the contiguous run of equal ones
-    around 16 is kept (intersected over the shapes). ~5-15 s (bf16 without matrix units is
-    slow); cached per process, and on disk by `machine_row_rule`. `backend`: the cache key."""
-    del backend  # the key: a probe describes the backend it ran on
-    dt = jnp.dtype(dtype)
-    rng = np.random.default_rng(0)
-    rule = None
-    m_max = max(_PROBE_ROWS)
-    # The GEMMs as the model runs them, every M in one call, each input made by an elementwise
-    # op in the same program (as the model's are), so a fusion that reached through the
-    # barrier would show here. A transposed weight (a tied head) goes through
-    # `transposed_matmul`, whose kernels class rows apart from the [K, N] ones.
-    unbounded = RowRule(1, 1 << 30)
-    dot = dot_general(unbounded)
-    dims = (((1,), (0,)), ((), ()))
-    f = jax.jit(lambda x, w: dot(jnp.tanh(x).astype(dt), w, dims))
-    f_t = jax.jit(lambda x, w_nk: transposed_matmul(unbounded, jnp.tanh(x).astype(dt), w_nk))
-    runs = []  # (shape, m, lowered program, its arguments)
-    for shape in shapes:
-        k, n = shape[:2]
-        transposed = len(shape) > 2 and shape[2]
-        w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)) / np.sqrt(k), dt)
-        # Sliced on the host: an eager slice of a device array compiles a program per m.
-        x = rng.standard_normal((m_max, k)).astype(np.float32)
-        g = f_t if transposed else f
-        runs += [(shape, m, g.lower(x[:m], w), (x[:m], w)) for m in _PROBE_ROWS]
-    # Compiled two at a time (XLA compiles outside the GIL; most of the probe's time), each
-    # the program `g(x[:m], w)` would compile; then run one after the other.
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        compiled = list(pool.map(lambda run: run[2].compile(), runs))
-    results = {}
-    for (shape, m, _, args), program in zip(runs, compiled, strict=True):
-        # Every row up to the anchor's, not only the first: a kernel's remainder rows may round
-        # apart from its full tiles.
-        out = np.asarray(program(*args))[:_ANCHOR_ROWS].astype(np.float32)
-        results.setdefault(shape, {})[m] = out
-    for shape in shapes:
-        found = _row_classes(results[shape])
-        rule = found if rule is None else _intersect(rule, found)
-    return rule
-
-
 def target_shapes(config) -> tuple[tuple, ...]:
     """The (K, N) of every matmul a target pass runs (`config`: a `TargetConfig`); the head's
     is (D, V, True) when it is the tied embedding, used transposed."""
@@ -266,8 +216,8 @@ def target_shapes(config) -> tuple[tuple, ...]:
     return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), head)))
 
 
-# The CPU features that change which GEMM kernels XLA:CPU runs (and so row rules, floors and
-# step costs): a VM's "model name" can be the same ("AMD EPYC") on hosts with and without them.
+# The CPU features that change which GEMM kernels XLA:CPU runs (and so floors and step
+# costs): a VM's "model name" can be the same ("AMD EPYC") on hosts with and without them.
 GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -305,36 +255,3 @@ def software_name() -> str:
     device = jax.devices()[0]
     plugin = getattr(device.client, "platform_version", device.platform)
     return f"jax {jax.__version__} jaxlib {jaxlib.__version__} {device.platform} {plugin}"
-
-
-def machine_row_rule(config) -> RowRule:
-    """`probe_row_rule` for this target's matmul shapes and dtype on this machine, kept in
-    <cache_root>/row_rules.json (keyed by machine and its GEMM ISA features, `software_name`
-    (jax, jaxlib, plugin), XLA_FLAGS, dtype and shapes) so that a machine probes each target
-    once."""
-    import json
-    import os
-
-    from dflash_jax.config import cache_root, write_json_atomic
-
-    shapes = target_shapes(config)
-    parts = [
-        f"probe{PROBE_VERSION}",
-        machine_name(),
-        software_name(),
-        os.environ.get("XLA_FLAGS", ""),
-        config.dtype,
-    ]
-    key = "|".join([*parts, str(shapes)])
-    path = cache_root() / "row_rules.json"
-    table = {}
-    try:
-        table = json.loads(path.read_text())
-        if key in table:
-            return RowRule(*table[key])
-    except (OSError, ValueError, TypeError):
-        table = {}
-    rule = probe_row_rule(shapes, config.dtype, jax.default_backend())
-    table[key] = [rule.min_rows, rule.max_rows]
-    write_json_atomic(path, table)  # a read-only cache: probe again next time
-    return rule
