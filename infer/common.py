@@ -14,6 +14,7 @@ from absl import app, flags, logging
 from dflash_jax import api
 from dflash_jax.api import DEFAULT_LOOKUP_KINDS
 from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
+from dflash_jax.ops.invariance import served_row_tile
 from infer import distributed as distributed
 from infer.logs import quiet_library_logs as quiet_library_logs
 
@@ -140,8 +141,8 @@ flags.DEFINE_integer(
     "With batch invariance: the rows every matmul of a target pass runs at, by construction "
     "(an AR step's one row padded to it, a wider pass cut into tiles of it). Runs at one tile "
     "give a position the same bits whatever their batch. 0: 32 (holds a verify of 16 or a "
-    "tree of 32), except infer.acceptance: its batch's widest verify, up to 128, run as one "
-    "tile.", lower_bound=0, upper_bound=1024,
+    "tree of 32), except infer.serve: its --slots from 8 up (its plain step as one tile), and "
+    "infer.acceptance: its batch's widest verify, up to 128.", lower_bound=0, upper_bound=1024,
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
@@ -225,9 +226,11 @@ def load_models(slots: int = 0):
     if FLAGS.dtype == "auto":
         block = api.default_block_size(target, drafter) if drafter else 1
         loaded = dtype
+        # a server's tile is its own (`invariance.served_row_tile`, as infer.serve decodes)
+        tile = FLAGS.row_tile or (served_row_tile(slots) if slots > 1 else 0)
         dtype, floors = api.fastest_dtype(
             target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots,
-            row_tile=FLAGS.row_tile,
+            row_tile=tile,
         )  # fmt: skip
         if floors:  # each as the model computes it in the setting it would run
             short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")

@@ -26,6 +26,7 @@ import sys
 from absl import app, flags
 
 from dflash_jax import api
+from dflash_jax.ops.invariance import served_row_tile
 from infer import cli, common
 from infer.serving.server import make_server
 
@@ -65,8 +66,8 @@ flags.DEFINE_bool(
 def server_config(target, drafter) -> api.DecodeConfig:
     """The served decode: the flags' kinds (the measured defaults when unset), every row with
     its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
-    --nobatch_invariant (at --row_tile's tile, 32 by default, as infer.generate's: in one
-    dtype a greedy request gets the same tokens from both)."""
+    --nobatch_invariant, at --row_tile's tile (by default `invariance.served_row_tile`: the
+    slots, from 8 of them, so the plain step over every slot runs as one tile)."""
     cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
     # A plain step stays among the default kinds: with several busy slots a drafted step costs
@@ -76,8 +77,13 @@ def server_config(target, drafter) -> api.DecodeConfig:
         kinds = api.default_step_kinds(cfg.block_size)
     return dataclasses.replace(
         cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True,
-        step_kinds=kinds,
+        step_kinds=kinds, row_tile=row_tile(),
     )  # fmt: skip
+
+
+def row_tile() -> int:
+    """The served decode's row tile: --row_tile, else `invariance.served_row_tile(--slots)`."""
+    return FLAGS.row_tile or served_row_tile(FLAGS.slots)
 
 
 def main(argv):

@@ -272,6 +272,7 @@ def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
         assert programs.run_target_config(cfg, on).invariant_rows == (ROW_TILE, ROW_TILE)
     assert not hasattr(invariance, "machine_row_rule")
     assert [invariance.row_tile_for(r) for r in (1, 16, 33, 128, 384)] == [32, 32, 64, 128, 128]
+    assert [invariance.served_row_tile(n) for n in (1, 4, 8, 16)] == [32, 32, 8, 16]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])

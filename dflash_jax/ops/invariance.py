@@ -72,6 +72,17 @@ def row_tile_for(rows: int) -> int:
     return tile
 
 
+def served_row_tile(slots: int) -> int:
+    """The row tile of a server with `slots` rows (`infer.serve`): with 8 or more, its slots
+    (the plain step over every slot, the step a busy server runs most: 465 of 509 at 8 slots
+    in `serve_load`, docs/results.md), which then runs as one tile; with fewer, `ROW_TILE`,
+    since a server of a few slots drafts as a stream does. Measured at 8 slots (SmolLM2, an
+    Intel Xeon with AMX, 2026-12-04, ms per served step, plain / block 4 / block 16): fp32 at
+    a tile of 8 58.8 / 166 / 505, of 32 86.6 / 103 / 360; bf16 51.7 / 123 / 368 and 62.5 / 76 /
+    214."""
+    return slots if slots >= 8 else ROW_TILE
+
+
 @dataclasses.dataclass(frozen=True)
 class RowRule:
     """The row counts every GEMM of a pass runs at: [min_rows, max_rows] (max_rows 0: no upper
