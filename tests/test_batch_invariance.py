@@ -252,7 +252,7 @@ def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
     0: ROW_TILE), the same for this CPU and for a TPU or GPU program lowered here: nothing is
     probed or cached per machine (issue 40, item 6). On the code before it was this machine's
     probed range ([3, 128] in bf16 on an Intel Xeon with AMX), and for another platform a
-    ConfigError."""
+    ConfigError. A MoE or hybrid target runs without it."""
     from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import programs
     from dflash_jax.ops import invariance
@@ -271,6 +271,12 @@ def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
         monkeypatch.setattr(ops_platform, "is_this_process", lambda: False)
         assert programs.run_target_config(cfg, on).invariant_rows == (ROW_TILE, ROW_TILE)
     assert not hasattr(invariance, "machine_row_rule")
+    # MoE and hybrid layers are not built to the rule: such a target runs (and reports itself)
+    # without it, asked or not (on the code before it got a rule its layers ignored)
+    moe = dataclasses.replace(
+        cfg, arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+    )
+    assert programs.run_target_config(moe, on).invariant_rows is None
     assert [invariance.row_tile_for(r) for r in (1, 16, 33, 128, 384)] == [32, 32, 64, 128, 128]
     assert [invariance.served_row_tile(n) for n in (1, 4, 8, 16)] == [32, 32, 8, 16]
 

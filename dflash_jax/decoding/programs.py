@@ -172,10 +172,16 @@ def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
     """The target config a decode compiles with: under `cfg.batch_invariant` (None:
     `default_invariant`), every GEMM at one fixed row tile (`cfg.row_tile`, 0:
     `ops.invariance.ROW_TILE`) unless the config already names a rule; without, with none.
-    Nothing is probed: the same on every platform, this process's or another's (infer.lower)."""
+    Nothing is probed: the same on every platform, this process's or another's (infer.lower).
+    A MoE or hybrid target (`TargetConfig.layered`) runs without (one log line when it was
+    asked for): its experts' grouped products and its Gated DeltaNet chunks are not built to
+    the rule, so the run reports itself not batch-invariant instead of claiming it."""
     invariant = cfg.batch_invariant
     if invariant is None:
         invariant = default_invariant(tcfg)
+    if invariant and tcfg.layered:
+        _log_layered_once(tcfg)
+        invariant = False
     if not invariant:
         return dataclasses.replace(tcfg, invariant_rows=None)
     if tcfg.invariant_rows is not None:
@@ -184,7 +190,20 @@ def run_target_config(tcfg: TargetConfig, cfg: DecodeConfig) -> TargetConfig:
     return dataclasses.replace(tcfg, invariant_rows=(tile, tile))
 
 
-_OFF_LOGGED: set[str] = set()  # the platforms whose invariance-off line was logged
+_OFF_LOGGED: set[str] = set()  # the platforms and target archs whose invariance-off line was logged
+
+
+def _log_layered_once(tcfg: TargetConfig) -> None:
+    if tcfg.arch in _OFF_LOGGED:
+        return
+    _OFF_LOGGED.add(tcfg.arch)
+    logging.warning(
+        "batch invariance is not built for %s's MoE and linear-attention layers: its passes run "
+        "as XLA picks them (reported batch_invariant: false), so %s greedy DFlash output may "
+        "differ from AR; float32 keeps the differences at ~1e-6",
+        tcfg.arch,
+        tcfg.dtype,
+    )
 
 
 def default_invariant(tcfg: TargetConfig) -> bool:
