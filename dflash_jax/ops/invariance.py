@@ -51,7 +51,8 @@ from dflash_jax.ops import dots, quant
 # (2026-12-04): 31 ms a pass at 1 row padded to 16 or 32, 37 at 64, 48 at 128 (unpadded: 48,
 # the matrix-vector loop). A wider tile pays for every narrow pass; a narrower one runs a wide
 # pass as several tiles, one after another (128 rows as 4 tiles of 32: 147 ms against 55 as
-# one of 128), so a run whose passes are all wide (a server's slots) sets its own.
+# one of 128), so a run whose passes are all wide (a batched acceptance run, `row_tile_for`)
+# sets a wider one, and a server the rows of its plain step (`served_row_tile`).
 ROW_TILE = 32
 # The widest tile a run picks by itself for its passes (`row_tile_for`).
 MAX_ROW_TILE = 128
@@ -63,9 +64,9 @@ REDUCTION_TILE = 32
 
 
 def row_tile_for(rows: int) -> int:
-    """The row tile for a run whose every target pass holds about `rows` rows (a server's
-    slots x its verify width, a batch's rows x theirs): the power of two that holds them, from
-    `ROW_TILE` up to `MAX_ROW_TILE`, so the widest pass runs as one tile."""
+    """The row tile for a run whose passes are about `rows` rows wide (a batch's rows x their
+    widest verify): the power of two that holds them, from `ROW_TILE` up to `MAX_ROW_TILE`,
+    so the widest pass runs as one tile."""
     tile = ROW_TILE
     while tile < rows and tile < MAX_ROW_TILE:
         tile *= 2
@@ -205,8 +206,8 @@ def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.A
     - The fp32 product: with a bf16 output XLA lets the GEMM round to bf16 itself, by a kernel
       that changes at M = 17 (K = 768), which a probe could not see: a bf16 result flips
       for about one element in 2^16, so a kernel boundary shows in one probe and hides in
-      the next. In fp32 every difference shows, and the rounding to bf16 is an elementwise op of
-      its own, the same in every program. (A plain bf16 dot probed as one class for M in
+      the next. In fp32 every difference shows, and the rounding to bf16 is an elementwise op
+      of its own, the same in every program. (A plain bf16 dot probed as one class for M in
       [2, 48]; the model's fused one flipped a near-tied token between a bf16 AR step and an
       8-row verify.)
     - The output barriers: the excess-precision rewrite may otherwise drop the rounding in
