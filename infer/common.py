@@ -201,6 +201,12 @@ def decode_config(
     )  # fmt: skip
 
 
+def row_tile(slots: int = 0) -> int:
+    """The row tile a run decodes at: --row_tile, else a server's of `slots` rows
+    (`invariance.served_row_tile`: ROW_TILE below 8 slots, so a stream's too)."""
+    return FLAGS.row_tile or served_row_tile(slots)
+
+
 def load_models(slots: int = 0):
     """(target, drafter, dtype, why) as the flags ask, on the mesh of --mesh (`distributed`),
     with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` (a stream's step at
@@ -226,11 +232,9 @@ def load_models(slots: int = 0):
     if FLAGS.dtype == "auto":
         block = api.default_block_size(target, drafter) if drafter else 1
         loaded = dtype
-        # a server's tile is its own (`invariance.served_row_tile`, as infer.serve decodes)
-        tile = FLAGS.row_tile or (served_row_tile(slots) if slots > 1 else 0)
         dtype, floors = api.fastest_dtype(
             target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots,
-            row_tile=tile,
+            row_tile=row_tile(slots),
         )  # fmt: skip
         if floors:  # each as the model computes it in the setting it would run
             short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")

@@ -26,7 +26,6 @@ import sys
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.ops.invariance import served_row_tile
 from infer import cli, common
 from infer.serving.server import make_server
 
@@ -77,13 +76,8 @@ def server_config(target, drafter) -> api.DecodeConfig:
         kinds = api.default_step_kinds(cfg.block_size)
     return dataclasses.replace(
         cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True,
-        step_kinds=kinds, row_tile=row_tile(),
+        step_kinds=kinds, row_tile=common.row_tile(FLAGS.slots),
     )  # fmt: skip
-
-
-def row_tile() -> int:
-    """The served decode's row tile: --row_tile, else `invariance.served_row_tile(--slots)`."""
-    return FLAGS.row_tile or served_row_tile(FLAGS.slots)
 
 
 def main(argv):

@@ -219,15 +219,6 @@ def isolated_gemm(x_mk, w, out_dtype, precision=None, transposed=False) -> jax.A
     return jax.lax.optimization_barrier(acc.astype(out_dtype))
 
 
-def target_shapes(config) -> tuple[tuple, ...]:
-    """The (K, N) of every matmul a target pass runs (`config`: a `TargetConfig`); the head's
-    is (D, V, True) when it is the tied embedding, used transposed."""
-    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * h, config.num_kv_heads * h
-    head = (d, config.vocab_size, True) if config.tie_word_embeddings else (d, config.vocab_size)
-    return tuple(dict.fromkeys(((d, q), (d, kv), (q, d), (d, f), (f, d), head)))
-
-
 # The CPU features that change which GEMM kernels XLA:CPU runs (and so floors and step
 # costs): a VM's "model name" can be the same ("AMD EPYC") on hosts with and without them.
 GEMM_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
