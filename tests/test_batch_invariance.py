@@ -462,6 +462,20 @@ def test_bf16_tree_decoding_equals_bf16_ar():
     )  # fmt: skip
 
 
+def test_what_is_kept_per_machine_names_jaxlib_and_the_plugin(monkeypatch):
+    """What is still measured and kept per machine (the --dtype=auto floors, the step costs) is
+    keyed by `software_name`, which names jaxlib and the backend plugin: another jaxlib or
+    plugin may pick other GEMM kernels (issue 40; these assertions were the row-rule cache
+    test's, kept when the rule stopped being probed)."""
+    import jaxlib
+
+    from dflash_jax.ops import invariance
+
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.0")
+    assert "jaxlib 0.0.0" in invariance.software_name()
+    assert jax.devices()[0].client.platform_version in invariance.software_name()
+
+
 @pytest.mark.parametrize("rows", [ROW_TILE, pytest.param(128, marks=pytest.mark.slow)])
 def test_within_one_gemm_call_a_row_gets_its_own_bits(rows):
     """What the fixed tile rests on (the one property of the machine's GEMM kernels it needs,
