@@ -223,6 +223,7 @@ def test_the_check_fails_without_the_padding(target):
     """The same comparison with the AR step left at one row (min_rows 1, the matrix-vector
     kernel): some position's logits differ. This is what the rule exists for."""
     cfg, params, rule = target
+    assert rule.min_rows > 1, f"the rule pads nothing: {rule}"
     unpadded = dataclasses.replace(cfg, invariant_rows=(1, rule.max_rows))
     ways = _ways(unpadded, params, _tokens())
     assert not np.array_equal(ways["ar"], ways["verify16"])
