@@ -14,17 +14,22 @@ Speed is not measured here (use infer.benchmark): rows of one batch share their 
 --dataset, --num_prompts and --output are infer.benchmark's; MT-Bench: each question's first
 turn. --default_mode adds the decode infer.generate runs by default ("default": adaptive, with
 lookup kinds), checked against AR the same way.
+
+A long run keeps what it has done: the AR reference and each shape's result go to
+`<--output>.partial` as they finish, and the same command run again skips them (a run with other
+settings starts over, and says so); the partial file is removed when the report is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
@@ -63,6 +68,29 @@ flags.DEFINE_bool(
 def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
     """Each row's mean accepted tokens per step over its own `steps_b[b]` steps -> [B]."""
     return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
+
+
+def _load_partial(path: str, settings: dict) -> dict:
+    """What an earlier run with the same `settings` kept at `path` ({} when nothing fits)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"{path}: unreadable ({e}); starting over", flush=True)
+        return {}
+    if kept.get("settings") != settings:
+        print(f"{path}: kept by a run with other settings; starting over", flush=True)
+        return {}
+    return kept
+
+
+def _save_partial(path: str, kept: dict) -> None:
+    """Writes `kept` whole or not at all (a kill mid-write leaves the previous file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(kept, f)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv):
@@ -126,10 +154,41 @@ def main(argv):
     key = jax.random.key(0)
     kw = dict(target_config=target.config)
     t0 = time.perf_counter()
-    ar = autoregressive_decode(target.params, prompt, lengths, key, **kw, decode_config=base)
-    ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
-    results = {}
+    # Everything the kept results depend on: a rerun with any of it changed starts over.
+    settings = {
+        "flags": {
+            n: FLAGS[n].value
+            for n in ("dataset", "num_prompts", "max_new_tokens", "quantize", "target", "drafter")
+        },
+        "dtype": dtype,
+        "runs": {name: repr(cfg) for name, cfg in runs},
+        "prompt": np.asarray(prompt).tolist(),
+    }
+    partial = FLAGS.output + ".partial"
+    kept = _load_partial(partial, settings)
+    if "ar" in kept:
+        ar_tokens = np.asarray(kept["ar"]["tokens"])
+        ar_lengths = np.asarray(kept["ar"]["lengths"])
+        print(f"AR reference and {len(kept['results'])} result(s) kept in {partial}", flush=True)
+    else:
+        ar = autoregressive_decode(target.params, prompt, lengths, key, **kw, decode_config=base)
+        ar_tokens, ar_lengths = np.asarray(ar.tokens), np.asarray(ar.lengths)
+        kept = {
+            "settings": settings,
+            "ar": {
+                "tokens": ar_tokens.tolist(),
+                "lengths": ar_lengths.tolist(),
+                "seconds": time.perf_counter() - t0,
+            },
+            "results": {},
+        }
+        _save_partial(partial, kept)
+        print(f"AR reference: {kept['ar']['seconds']:.0f} s", flush=True)
+    results = kept["results"]
     for name, cfg in runs:
+        if name in results:
+            continue
+        t_run = time.perf_counter()
         extra = {}
         if cfg.adaptive:
             extra["step_costs"] = calibration.calibrate_step_costs(
@@ -158,8 +217,15 @@ def main(argv):
             "outputs_identical": int(sum(same)),
             # row-steps by recorded kind (a cut run: the batch's verify width)
             "steps_by_kind": {int(k): int(c) for k, c in zip(kinds, counts, strict=True) if k},
+            "seconds": time.perf_counter() - t_run,  # compile and calibration included
         }
-        logging.info("%s: tau %.3f, identical %d/%d", name, tau_b.mean(), sum(same), len(same))
+        _save_partial(partial, kept)
+        print(
+            f"{name}: {results[name]['seconds']:.0f} s, tau {tau_b.mean():.3f}, "
+            f"identical {sum(same)}/{len(same)}",
+            flush=True,
+        )
+    results = {name: results[name] for name, _ in runs}  # the order asked for
     chain = results.get(f"chain{block}", {}).get("tau_mean", float("nan"))
     report = {
         "dataset": FLAGS.dataset,
@@ -176,10 +242,12 @@ def main(argv):
         "tau_vs_chain": {k: v["tau_mean"] / chain for k, v in results.items()}
         if FLAGS.chain
         else {},
-        "seconds": time.perf_counter() - t0,
+        # AR and every shape, summed over the runs that made them (a resumed run included)
+        "seconds": kept["ar"]["seconds"] + sum(r["seconds"] for r in results.values()),
     }
     with open(FLAGS.output, "w") as f:
         json.dump(report, f, indent=1)
+    os.remove(partial)
     for name, r in results.items():
         print(
             f"{FLAGS.dataset} {name}: tau {r['tau_mean']:.2f} "
