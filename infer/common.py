@@ -128,13 +128,10 @@ flags.DEFINE_bool(
     "output in any dtype. Its cost: every matmul an isolated GEMM at one fixed row tile "
     "(--row_tile; an AR step's row padded to it), norms and attention at fixed shapes. "
     "--nobatch_invariant runs the passes as XLA picks them: faster, but bf16 output may then "
-    "differ from AR. In bf16 on a "
-    "2-core AMD EPYC with avx512_bf16 (docs/results.md, 2026-12-04, 64 tokens, median of 5 "
-    "runs in one process): the default decode 57 tok/s with, 71 without; block 16: 44 and 51; "
-    "the target alone: 49 and 60. (A process's first decode also sets up XLA:CPU's bf16 "
-    "kernels, ~0.3 s more without.) Unset: on for bfloat16 on a CPU (off on GPU and TPU, where no "
-    "test has checked the row rule yet; one log line says so), off for float32 (whose rounding "
-    "differences have not flipped a token on any benchmark prompt).",
+    "differ from AR. Its measured cost, with and without, is in docs/results.md (\"bf16 at "
+    "full speed\", \"One fixed row tile\"). Unset: on for bfloat16 on a CPU (off on GPU and "
+    "TPU, where no test has checked the row rule yet; one log line says so), off for float32 "
+    "(whose rounding differences have not flipped a token on any benchmark prompt).",
 )  # fmt: skip
 flags.DEFINE_integer(
     "row_tile", 0,
