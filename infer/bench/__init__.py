@@ -9,6 +9,7 @@ serve_load          infer.serve under 8 concurrent openai clients against one by
 slot_cost           a step of the served program with 1 and with N busy slots
 invariance_cost     bf16 with and without batch invariance (and fp32), same prompt, one run
 quant_speed         fp32, bf16, int8 and int4 targets, alone and default decode, one run
+first_answer        infer.generate --compare_ar phase by phase (imports, load, programs, decodes)
 
 docs/results.md says which script made which figure. The user CLIs are the modules of infer/.
 """
