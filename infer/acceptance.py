@@ -23,18 +23,21 @@ settings starts over, and says so); the partial file is removed when the report 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 from absl import app, flags
 
+import dflash_jax
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, calibration, programs, speculative_decode
-from dflash_jax.ops.invariance import row_tile_for
+from dflash_jax.ops.invariance import machine_name, row_tile_for, software_name
 from infer import benchmark, cli, common
 
 FLAGS = flags.FLAGS
@@ -68,6 +71,15 @@ flags.DEFINE_bool(
 def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
     """Each row's mean accepted tokens per step over its own `steps_b[b]` steps -> [B]."""
     return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
+
+
+def _code_digest() -> str:
+    """A digest of the package's sources: results kept by other code are not reused."""
+    root = Path(dflash_jax.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _load_partial(path: str, settings: dict) -> dict:
@@ -154,12 +166,14 @@ def main(argv):
     key = jax.random.key(0)
     kw = dict(target_config=target.config)
     t0 = time.perf_counter()
-    # Everything the kept results depend on: a rerun with any of it changed starts over.
+    # Everything the kept results depend on (the code, jax and the CPU included: a row's bits
+    # do): a rerun with any of it changed starts over.
+    names = ("dataset", "num_prompts", "max_new_tokens", "quantize", "target", "drafter")
     settings = {
-        "flags": {
-            n: FLAGS[n].value
-            for n in ("dataset", "num_prompts", "max_new_tokens", "quantize", "target", "drafter")
-        },
+        "flags": {n: FLAGS[n].value for n in (*names, "attention_impl")},
+        "code": _code_digest(),
+        "software": software_name(),
+        "machine": machine_name(),
         "dtype": dtype,
         "runs": {name: repr(cfg) for name, cfg in runs},
         "prompt": np.asarray(prompt).tolist(),
