@@ -23,22 +23,19 @@ settings starts over, and says so); the partial file is removed when the report 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from absl import app, flags
 
-import dflash_jax
 from dflash_jax import api
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, calibration, programs, speculative_decode
 from dflash_jax.ops.invariance import machine_name, row_tile_for, software_name
-from infer import benchmark, cli, common
+from infer import benchmark, cli, common, keep
 
 FLAGS = flags.FLAGS
 # --dataset, --num_prompts and --output are infer.benchmark's (one definition, the same sets).
@@ -71,38 +68,6 @@ flags.DEFINE_bool(
 def prompt_tau(acceptance_bs: np.ndarray, steps_b: np.ndarray) -> np.ndarray:
     """Each row's mean accepted tokens per step over its own `steps_b[b]` steps -> [B]."""
     return np.array([acceptance_bs[b, : max(int(n), 1)].mean() for b, n in enumerate(steps_b)])
-
-
-def _code_digest() -> str:
-    """A digest of the package's sources: results kept by other code are not reused."""
-    root = Path(dflash_jax.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _load_partial(path: str, settings: dict) -> dict:
-    """What an earlier run with the same `settings` kept at `path` ({} when nothing fits)."""
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            kept = json.load(f)
-    except (OSError, ValueError) as e:
-        print(f"{path}: unreadable ({e}); starting over", flush=True)
-        return {}
-    if kept.get("settings") != settings:
-        print(f"{path}: kept by a run with other settings; starting over", flush=True)
-        return {}
-    return kept
-
-
-def _save_partial(path: str, kept: dict) -> None:
-    """Writes `kept` whole or not at all (a kill mid-write leaves the previous file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(kept, f)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv):
@@ -171,7 +136,7 @@ def main(argv):
     names = ("dataset", "num_prompts", "max_new_tokens", "quantize", "target", "drafter")
     settings = {
         "flags": {n: FLAGS[n].value for n in (*names, "attention_impl")},
-        "code": _code_digest(),
+        "code": keep.code_digest(),
         "software": software_name(),
         "machine": machine_name(),
         "dtype": dtype,
@@ -179,7 +144,7 @@ def main(argv):
         "prompt": np.asarray(prompt).tolist(),
     }
     partial = FLAGS.output + ".partial"
-    kept = _load_partial(partial, settings)
+    kept = keep.load(partial, settings)
     if "ar" in kept:
         ar_tokens = np.asarray(kept["ar"]["tokens"])
         ar_lengths = np.asarray(kept["ar"]["lengths"])
@@ -196,7 +161,7 @@ def main(argv):
             },
             "results": {},
         }
-        _save_partial(partial, kept)
+        keep.save(partial, kept)
         print(f"AR reference: {kept['ar']['seconds']:.0f} s", flush=True)
     results = kept["results"]
     for name, cfg in runs:
@@ -233,7 +198,7 @@ def main(argv):
             "steps_by_kind": {int(k): int(c) for k, c in zip(kinds, counts, strict=True) if k},
             "seconds": time.perf_counter() - t_run,  # compile and calibration included
         }
-        _save_partial(partial, kept)
+        keep.save(partial, kept)
         print(
             f"{name}: {results[name]['seconds']:.0f} s, tau {tau_b.mean():.3f}, "
             f"identical {sum(same)}/{len(same)}",
