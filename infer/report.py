@@ -1,7 +1,21 @@
 """The end-of-run summaries of infer.generate and infer.benchmark: a title line, then aligned
-`label  value` lines. No flags are defined here, so that any CLI can import it."""
+`label  value` lines; and the measuring scripts' one JSON object (`emit_json`). No flags are
+defined here, so that any CLI can import it."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def emit_json(result: dict, output: str | None) -> None:
+    """A measuring script's result: printed as indented JSON and, with `output`, written there
+    too (its directory made if missing)."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
 
 
 def kind_words(label: str) -> str:

@@ -18,14 +18,13 @@ import time
 _T0 = time.perf_counter()
 
 import concurrent.futures  # noqa: E402
-import json  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
 from dflash_jax import api  # noqa: E402
 from dflash_jax.decoding import calibration, runner  # noqa: E402
 from dflash_jax.ops.invariance import machine_name, software_name  # noqa: E402
-from infer import cli, common  # noqa: E402
+from infer import cli, common, report  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -88,11 +87,7 @@ def main(argv):
         "new_tokens": [n, ar_n],
         "total_s": time.perf_counter() - _T0,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if FLAGS.output:
-        with open(FLAGS.output, "w") as f:
-            f.write(text + "\n")
+    report.emit_json(result, FLAGS.output)
 
 
 if __name__ == "__main__":

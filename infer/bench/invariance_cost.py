@@ -15,15 +15,13 @@ equal the target alone's in the same setting.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.decoding import calibration
-from infer import cli, common
+from infer import cli, common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -85,11 +83,7 @@ def main(argv):
         }
         for name in runs
     }
-    text = json.dumps({"runs": result, "repeats": FLAGS.repeats}, indent=1)
-    print(text)
-    if FLAGS.output:
-        Path(FLAGS.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.output).write_text(text + "\n")
+    report.emit_json({"runs": result, "repeats": FLAGS.repeats}, FLAGS.output)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,13 @@ same target's alone.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding import floors as floors_lib
-from infer import cli, common
+from infer import cli, common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
@@ -102,11 +99,7 @@ def main(argv):
         for name in runs
     }
     out = {"runs": result, "gemm_floors_ms": floors, "repeats": FLAGS.repeats}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if FLAGS.output:
-        Path(FLAGS.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.output).write_text(text + "\n")
+    report.emit_json(out, FLAGS.output)
 
 
 if __name__ == "__main__":

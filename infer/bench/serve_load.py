@@ -33,7 +33,7 @@ from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.io.assets import load_dev_prompts
-from infer import cli, common
+from infer import cli, common, report
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(common)
@@ -241,12 +241,7 @@ def main(argv):
             for r, s in zip(reqs, served, strict=True)
         ],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if FLAGS.output:
-        os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-        with open(FLAGS.output, "w") as f:
-            f.write(text + "\n")
+    report.emit_json(result, FLAGS.output)
 
 
 if __name__ == "__main__":

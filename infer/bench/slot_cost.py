@@ -13,14 +13,12 @@ throughput over one-by-one decoding is at most N / that ratio at equal tau. --ma
 
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
 
 from dflash_jax import api
 from dflash_jax.config import kind_label
 from dflash_jax.decoding.slots import SlotDecoder
-from infer import cli, common, serve
+from infer import cli, common, report, serve
 from infer.serving.server import WARM_PROMPT
 
 FLAGS = flags.FLAGS
@@ -71,11 +69,7 @@ def main(argv):
             str(n): {label(k): best[n, k] / best[counts[0], k] for k in kinds} for n in counts[1:]
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if FLAGS.output:
-        with open(FLAGS.output, "w") as f:
-            f.write(text + "\n")
+    report.emit_json(result, FLAGS.output)
 
 
 if __name__ == "__main__":
