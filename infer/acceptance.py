@@ -104,7 +104,7 @@ def main(argv):
         # one that holds the batch's widest verify (`row_tile_for`, at most 128; 24 rows x a
         # tree of 32 run as 6 tiles of 128 instead of 24 of 32): a position's bits are then the
         # same in all of them, by construction.
-        tile = FLAGS.row_tile or row_tile_for(len(convs) * max(block, *trees))
+        tile = FLAGS.row_tile or row_tile_for(len(convs) * max([block, *trees]))
         base = DecodeConfig(
             max_new_tokens=FLAGS.max_new_tokens,
             block_size=block,

@@ -161,6 +161,28 @@ def test_row_does_not_depend_on_other_rows(temperature):
     np.testing.assert_array_equal(full.acceptance_lengths[0], changed.acceptance_lengths[0])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_classic_and_typed_keys_give_the_same_tokens(temperature):
+    """Both public decodes take a classic key (`jax.random.PRNGKey`, uint32 [2]) as well as a
+    typed one (`jax.random.key`), and the same seed gives the same tokens, sampled or greedy
+    (issue 54: a classic key ended in "invalid PRNG key data"); anything else is refused with
+    a ConfigError naming the fix. Same configs as the test above: no new speculative program."""
+    tcfg, tp, dcfg, dp = make_pair()
+    cfg = DecodeConfig(max_new_tokens=24, block_size=8, temperature=temperature)
+    kw = dict(target_config=tcfg, decode_config=cfg)
+    outs = {}
+    for style, key in (("typed", jax.random.key(3)), ("classic", jax.random.PRNGKey(3))):
+        sp = speculative_decode(tp, dp, PROMPT, LENS, key, drafter_config=dcfg, **kw)
+        ar = autoregressive_decode(tp, PROMPT, LENS, key, **kw)
+        outs[style] = (np.asarray(sp.tokens), np.asarray(ar.tokens))
+    for typed, classic in zip(outs["typed"], outs["classic"], strict=True):
+        np.testing.assert_array_equal(classic, typed)
+    if temperature == 0.0:  # greedy: the two decodes agree too
+        np.testing.assert_array_equal(outs["classic"][0], outs["classic"][1])
+    with pytest.raises(ConfigError, match=r"jax\.random\.key\(seed\)"):
+        autoregressive_decode(tp, PROMPT, LENS, 3, **kw)
+
+
 def _exact_two_token_distribution(tcfg, tp, prompt, temperature):
     """p(t1, t2 | prompt) for the whole tiny vocabulary, from full target forwards."""
     v = tcfg.vocab_size

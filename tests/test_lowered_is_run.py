@@ -117,6 +117,23 @@ def test_infer_lower_prints_the_programs_infer_generate_compiles(pair, flags):
         assert lower[name] == fingerprint, (name, run, lower)
 
 
+def test_acceptance_measures_chains_alone(pair, tmp_path):
+    """`infer.acceptance --trees=` (chains only, the cheap way to measure tau) exits 0 and
+    reports the chain against AR (issue 54: an empty tree list ended in a TypeError), on the
+    tiny pair at 4 new tokens."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    out = tmp_path / "acc.json"
+    _run(
+        pair, "infer.acceptance", f"--target={pair['target']}", f"--drafter={pair['drafter']}",
+        f"--dataset=jsonl:{prompts}", "--num_prompts=1", "--max_new_tokens=4", "--block_size=4",
+        "--trees=", "--dtype=float32", "--notarget_cache", f"--output={out}",
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["chain4"], report
+    assert report["results"]["chain4"]["outputs_identical"] == 1, report
+
+
 def test_decisions_follow_the_platform_compiled_for(monkeypatch):
     """What infer.lower relies on to lower another platform's program from this CPU: the
     decode config's defaults (`api.generate_config(platform=)`), invariance by dtype and

@@ -18,6 +18,7 @@ from dflash_jax.decoding.programs import (
     run,
     run_target_config,
     step_limit_array,
+    typed_key,
 )
 from dflash_jax.decoding.state import (
     DecodeOutput,
@@ -137,7 +138,8 @@ def autoregressive_decode(
 ) -> DecodeOutput:
     """The target decoding alone, one token per step: the baseline and the lossless reference.
 
-    prompt: int32 [B, P] right-padded; prompt_lengths: int32 [B]; rng: a PRNG key.
+    prompt: int32 [B, P] right-padded; prompt_lengths: int32 [B]; rng: a PRNG key, typed
+    (`jax.random.key`) or classic (`jax.random.PRNGKey`): the same seed gives the same draws.
     mesh: a `jax.sharding.Mesh` (axes data/fsdp/tensor, `sharding.make_mesh`) to run on, else the
     one set by `jax.set_mesh`, else one device; the tokens are the same (see `on_mesh`).
     step_limit: stop after this many loop steps (None: `max_steps`); an input, so a new limit
@@ -146,7 +148,7 @@ def autoregressive_decode(
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
     limit = step_limit_array(decode_config, step_limit)
-    args = (target_params, prompt, prompt_lengths, rng, limit)
+    args = (target_params, prompt, prompt_lengths, typed_key(rng), limit)
     statics = dict(
         target_config=run_target_config(target_config, decode_config),
         decode_config=autoregressive_config(decode_config),

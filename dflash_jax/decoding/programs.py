@@ -333,3 +333,21 @@ def check_tree_target(tcfg: TargetConfig, cfg: DecodeConfig) -> None:
             "attention (a recurrent state follows one chain of tokens, not a tree); use "
             "tree_nodes=0 to verify a chain of block_size tokens"
         )
+
+
+def typed_key(rng) -> jax.Array:
+    """`rng` as a typed PRNG key: a typed key (`jax.random.key`) as it is, a classic one
+    (`jax.random.PRNGKey`: uint32 [..., 2] for the default threefry) wrapped with
+    `jax.random.wrap_key_data`, so both styles of the same seed give the same draws, per-row
+    keys ([B] typed or [B, 2] classic) included."""
+    if isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    data = jnp.asarray(rng)
+    width = jax.random.key_data(jax.random.key(0)).shape[-1]
+    if data.dtype != jnp.uint32 or data.ndim < 1 or data.shape[-1] != width:
+        raise ConfigError(
+            f"rng: expected a PRNG key, jax.random.key(seed) or jax.random.PRNGKey(seed) "
+            f"(uint32 [..., {width}]); got {data.dtype} {list(data.shape)}: make one with "
+            "jax.random.key(seed)"
+        )
+    return jax.random.wrap_key_data(data)

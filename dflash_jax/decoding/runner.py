@@ -167,7 +167,7 @@ def timed_run(
     what each row committed since (row b's new tokens are tokens[b, :counts[b]]); without it
     the loop runs in one call."""
     cfg: DecodeConfig = statics["decode_config"]
-    head = (*lead, prompt, lengths, rng)
+    head = (*lead, prompt, lengths, programs.typed_key(rng))
     start_x, start_args, start_compile = compile_half(start, head, statics, mesh)
     state_info = start_x.out_info
     adv_head = (*head, *inputs, np.int32(0))

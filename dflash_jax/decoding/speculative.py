@@ -31,6 +31,7 @@ from dflash_jax.decoding.programs import (
     run,
     run_target_config,
     step_limit_array,
+    typed_key,
 )
 from dflash_jax.decoding.state import (
     DecodeOutput,
@@ -342,7 +343,7 @@ def speculative_decode(
         drafter_params,
         prompt,
         prompt_lengths,
-        rng,
+        typed_key(rng),
         step_cost_array(decode_config, step_costs),
         jnp.int32(-1),
         step_limit_array(decode_config, step_limit),
