@@ -42,7 +42,8 @@ _FORMAT = flags.DEFINE_enum(
     "orbax: our checkpoint (drafter_config.json + params/), "
     "for load_drafter/restore_drafter. zlab: config.json + model.safetensors for the reference "
     "dflash package, vLLM and SGLang. speculators: config.json + model.safetensors for "
-    "vllm-project/speculators (DFlash and DFlash2 with the target's vocabulary).",
+    "vllm-project/speculators (DFlash, DFlash2 and DSpark, over the target's vocabulary or a "
+    "draft vocabulary of their own).",
     required=True,
 )
 _VERIFIER = flags.DEFINE_string(

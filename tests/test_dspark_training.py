@@ -314,3 +314,18 @@ def test_smollm2_dspark_config_warm_starts_from_the_shipped_drafter():
         assert jax.tree.all(jax.tree.map(np.array_equal, params[name], leaf)), name
     assert params["markov_head"]["markov_w2"]["kernel"].shape == (64, 49152)
     assert params["confidence_head"]["proj"]["kernel"].shape == (576 + 64, 1)
+
+
+def test_the_loss_decay_defaults_to_each_references():
+    """loss_gamma 0 takes the published decay of the drafter's kind: speculators' 4.0 for
+    DSpark (any block size), the paper's 7 for a DFlash block of 16; a set value wins."""
+    import types
+
+    import ml_collections
+
+    cfg = ml_collections.ConfigDict({"loss_gamma": 0.0, "block_size": 16})
+    dspark_kind, dflash_kind = (types.SimpleNamespace(is_dspark=k) for k in (True, False))
+    assert trainer.loss_gamma_for(cfg, dspark_kind) == dspark_loss.DSPARK_GAMMA == 4.0
+    assert trainer.loss_gamma_for(cfg, dflash_kind) == 7.0
+    cfg.loss_gamma = 5.0
+    assert trainer.loss_gamma_for(cfg, dspark_kind) == 5.0

@@ -145,6 +145,39 @@ def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pai
     np.testing.assert_array_equal(outs[0].acceptance_lengths, outs[1].acceptance_lengths)
 
 
+def test_an_embedding_tap_loads_decodes_and_exports(pair, tmp_path):
+    """Aux id 0 (the embedding's output, which the format allows) is our tap -1: loaded from
+    speculators, written back as 0 and to z-lab as -1, the tap is the embedding, and greedy
+    decoding equals the target alone (issue 54: it was refused)."""
+    target_dir, zlab_dir = pair
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    hf = json.loads((spec_dir / "config.json").read_text())
+    (spec_dir / "config.json").write_text(json.dumps(hf | {"aux_hidden_state_layer_ids": [0, 4]}))
+    target = dj.load_target(str(target_dir), cache=False)
+    drafter = dj.load_drafter(spec_dir, target)
+    assert drafter.config.target_layer_ids == (-1, 3)
+    write_speculators(tmp_path / "again", drafter.config, drafter.params, dtype="float32")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["aux_hidden_state_layer_ids"] == [0, 4]
+    write_zlab(tmp_path / "zlab", drafter.config, drafter.params, dtype="float32")
+    assert read_zlab(tmp_path / "zlab")[0].target_layer_ids == (-1, 3)
+
+    tokens = jnp.array([[5, 9, 13, 2]], jnp.int32)
+    model = Transformer(target.config)
+    _, taps, _ = model.apply({"params": target.params}, tokens, jnp.arange(4)[None],
+                             tap_layers=(-1, 3), method=Transformer.hidden)  # fmt: skip
+    embedded = model.apply({"params": target.params}, tokens, method=lambda m, t: m.embed(t))
+    np.testing.assert_array_equal(taps[..., : target.config.hidden_size], embedded)
+
+    out = _decode(target, drafter)
+    ar = dj.autoregressive_decode(
+        target.params, jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]]),
+        jnp.array([8, 3], jnp.int32), jax.random.key(0), target_config=target.config,
+        decode_config=DecodeConfig(max_new_tokens=24, block_size=4),
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+
 def _decode(target, drafter, tree_nodes: int = 0):
     """A greedy speculative decode of two prompts (one compile per drafter config)."""
     prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
@@ -158,7 +191,7 @@ def _decode(target, drafter, tree_nodes: int = 0):
 REFUSED = {
     "anchor drafts": ({"sample_from_anchor": True}, "sample_from_anchor=true"),
     "eagle3": ({"speculators_model_type": "eagle3"}, "a speculators 'eagle3' model"),
-    "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
+    "negative tap": ({"aux_hidden_state_layer_ids": [-1, 4]}, "from 0 \\(the embedding\\)"),
     "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
                 "sliding-window draft layers"),
     "no vocab": ({"transformer_layer_config": {"vocab_size": None}}, "lacks \\['vocab_size'\\]"),

@@ -15,7 +15,8 @@ draft id + d2t[draft id]) and `t2d` [V] bool.
 What differs from z-lab, and how it maps:
   * `aux_hidden_state_layer_ids` index the target's hidden states with the embedding as 0
     (vLLM's auxiliary states: the input of layer i), ours (z-lab's) the layer whose output is
-    tapped: ours = aux - 1. Aux id 0 (the embedding) is refused.
+    tapped: ours = aux - 1. Aux id 0 is the embedding's output, our tap -1 (z-lab's -1 too:
+    the reference reads hidden state id + 1).
   * Full-attention layers are always bidirectional in the block; sliding layers are causal
     unless `sliding_window_non_causal`. Ours: `causal` None (sliding layers causal) or False.
   * The embedding and lm_head are the verifier's (not stored, or stored and ignored, as the
@@ -133,10 +134,10 @@ def zlab_config(spec: dict, where: str) -> dict:
     if layer.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={layer['hidden_act']!r}, not silu; {_FIX}")
     aux = spec.get("aux_hidden_state_layer_ids")
-    if not aux or min(aux) < 1:
+    if not aux or min(aux) < 0:
         raise ConfigError(
-            f"{where}: aux_hidden_state_layer_ids={aux}: our targets tap the output of layers "
-            "(aux ids from 1; 0 is the embedding); use a drafter trained on layer outputs"
+            f"{where}: aux_hidden_state_layer_ids={aux}: each id is a hidden state of the "
+            "target, from 0 (the embedding); set the ids the drafter was trained on"
         )
     if spec.get("mask_token_id") is None:
         raise ConfigError(f"{where}: no mask_token_id; set it in config.json")

@@ -418,11 +418,11 @@ def check_fits(
             f"drafter mask_token_id={d.mask_token_id} is not a row of the target embedding "
             f"(vocab_size={t.vocab_size})"
         )
-    bad = [l for l in d.target_layer_ids if not 0 <= l < t.num_layers]
+    bad = [l for l in d.target_layer_ids if not -1 <= l < t.num_layers]
     if bad:
         raise ConfigError(
             f"drafter target_layer_ids {list(d.target_layer_ids)} include {bad}, outside "
-            f"[0, {t.num_layers - 1}] for a {t.num_layers}-layer target"
+            f"[-1 (the embedding), {t.num_layers - 1}] for a {t.num_layers}-layer target"
         )
     if drafter_params is not None and d.draft_vocab_size:
         ids = np.asarray(jax.device_get(drafter_params["draft_to_target"]))

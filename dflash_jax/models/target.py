@@ -229,8 +229,11 @@ class Transformer(nn.Module):
         cache and the new tokens it marks (`ops.attention.tree_attention_mask`)."""
         c = self.config
         for l in tap_layers:
-            if not 0 <= l < c.num_layers:
-                raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
+            if not -1 <= l < c.num_layers:
+                raise ValueError(
+                    f"tap layer {l} out of range for a {c.num_layers}-layer target "
+                    "(-1: the embedding)"
+                )
         x_btd = self.embed(tokens_bt)
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
@@ -238,7 +241,7 @@ class Transformer(nn.Module):
                 x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices,
                 defer_cache_write, tree_mask,
             )  # fmt: skip
-        taps, new_k, new_v = {}, [], []
+        taps, new_k, new_v = {-1: x_btd}, [], []  # tap -1: the embedding's output
         params = None if self.is_initializing() else self.variables["params"]
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
@@ -270,10 +273,12 @@ class Transformer(nn.Module):
         if cache is not None and cache_lengths is None and logit_indices is not None:
             state_lengths = logit_indices[:, -1] + 1
         params = None if self.is_initializing() else self.variables["params"]
+        x_embed = x_btd
         x_btd, taps, new = hybrid.forward_layers(
             self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
             state_lengths, tap_layers, defer, tree_mask,
         )  # fmt: skip
+        taps[-1] = x_embed  # tap -1: the embedding's output
         taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
         if logit_indices is not None:
             x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)

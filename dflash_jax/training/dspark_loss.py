@@ -37,6 +37,7 @@ from dflash_jax.ops.reductions import argmax_last
 from dflash_jax.training.loss import block_stats, map_row_chunks
 
 KL_EPS = 1e-5  # the reference's _LOSS_REDUCTION_EPS
+DSPARK_GAMMA = 4.0  # the reference's default decay (its loss_decay_factor), any block size
 CONFIDENCE_EPS = 1e-8  # its metrics._EPS
 
 

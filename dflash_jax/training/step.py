@@ -204,7 +204,7 @@ def drafter_loss(
         pass_config = (
             target_config
             if whole_target
-            else target_config.first_layers(max(drafter_config.target_layer_ids) + 1)
+            else target_config.first_layers(max(*drafter_config.target_layer_ids, 0) + 1)
         )
         final_bsd, taps_bsf, _ = Transformer(pass_config).apply(
             {"params": target_params},

@@ -254,7 +254,7 @@ def _build(
             len(fresh),
         )
 
-    tap_config = target.config.first_layers(max(tap_layers) + 1)
+    tap_config = target.config.first_layers(max(*tap_layers, 0) + 1)
 
     @jax.jit
     def taps_fn(params, tokens_bt):

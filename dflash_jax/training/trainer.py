@@ -37,7 +37,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_
 from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
-from dflash_jax.training import checkpoint, data, tap_cache
+from dflash_jax.training import checkpoint, data, dspark_loss, tap_cache
 from dflash_jax.training.evaluation import (
     EVAL_SOURCES,
     eval_prompts,
@@ -98,7 +98,7 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.block_size = 16
     cfg.seq_len = 3072
     cfg.num_anchors = 512
-    cfg.loss_gamma = 0.0  # 0: the published value for block_size (7 for 16)
+    cfg.loss_gamma = 0.0  # 0: the published value (DFlash: 7 for block 16; DSpark: 4.0)
     cfg.ce_chunk_rows = 2048
     # 0: CE over the full vocabulary (the paper). M > 0: a sampled softmax over the batch's
     # distinct labels plus M uniform negatives with log(V/M) correction (loss.sampled_vocabulary),
@@ -379,6 +379,17 @@ def initial_state(cfg, drafter_config: DrafterConfig, target, optimizer, mesh) -
     return state if mesh is None else sharding.put(state, sharding.state_shardings(state, mesh))
 
 
+def loss_gamma_for(cfg, drafter_config: DrafterConfig) -> float:
+    """The loss decay of run `cfg`: its `loss_gamma`, else the published one for its drafter
+    (DSpark: speculators' default `dspark_loss.DSPARK_GAMMA`; DFlash: the paper's per block
+    size, `loss.default_gamma`)."""
+    if cfg.loss_gamma:
+        return float(cfg.loss_gamma)
+    if drafter_config.is_dspark:
+        return dspark_loss.DSPARK_GAMMA
+    return float(default_gamma(cfg.block_size))
+
+
 def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
     """The keyword arguments of `train_step` for training config `cfg` (loss decay, CE chunks,
     vocabulary negatives, distillation, DFlash2's selector term): what `train` runs and
@@ -387,7 +398,7 @@ def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
         "target_config": target_config,
         "drafter_config": drafter_config,
         "optimizer": optimizer,
-        "loss_gamma": float(cfg.loss_gamma or default_gamma(cfg.block_size)),
+        "loss_gamma": loss_gamma_for(cfg, drafter_config),
         "ce_chunk_rows": cfg.ce_chunk_rows,
         "vocab_negatives": cfg.vocab_negatives,
     }
@@ -479,7 +490,7 @@ def train(
     checkpoint.check_run_config(workdir, signature, cfg)
     if cfg.init_from_target:  # refused before a tap cache is built, not after
         check_init_from_target(target.config)
-    loss_gamma = cfg.loss_gamma or default_gamma(cfg.block_size)
+    loss_gamma = loss_gamma_for(cfg, drafter_config)
 
     source = data.record_source(shards)
     train_records, held_out = data.split_holdout(source, cfg.num_eval_prompts, cfg.seed)
