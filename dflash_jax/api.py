@@ -5,10 +5,12 @@ call `speculative_decode` directly."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DecodeConfig, cache_root, write_json_atomic
@@ -53,10 +55,12 @@ CPU_DEFAULT_BLOCK_SIZE = 16
 
 def default_block_size(target, drafter, platform: str | None = None) -> int:
     """The block size to decode with when the user gives none (see CPU_DEFAULT_BLOCK_SIZE) on
-    `platform` (None: this process's backend)."""
+    `platform` (None: this process's backend); on a CPU at most the row tile of a target
+    config that names a rule (`choose_decode`'s choice): a wider block runs as several tiles."""
     trained = drafter.config.block_size
     if (platform or jax.default_backend()) == "cpu":
-        return min(trained, CPU_DEFAULT_BLOCK_SIZE)
+        rule = getattr(getattr(target, "config", None), "invariant_rows", None)
+        return min(trained, CPU_DEFAULT_BLOCK_SIZE, *(rule[1:] if rule else ()))
     return trained
 
 
@@ -67,8 +71,10 @@ DEFAULT_LOOKUP_KINDS = (8, 16)
 
 
 def default_lookup_kinds(block_size: int) -> tuple[int, ...]:
-    """The `DEFAULT_LOOKUP_KINDS` an adaptive decode at `block_size` can run."""
-    return tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+    """The `DEFAULT_LOOKUP_KINDS` an adaptive decode at `block_size` can run; a block of 4 to 7
+    (a small row tile's, `default_block_size`) copies blocks of its own size."""
+    kinds = tuple(b for b in DEFAULT_LOOKUP_KINDS if b <= block_size)
+    return kinds or ((block_size,) if block_size >= 4 else ())
 
 
 def default_adaptive(target, drafter, platform: str | None = None) -> bool:
@@ -85,26 +91,35 @@ def default_step_kinds(block_size: int, plain: bool = True) -> tuple[int, ...]:
     return ((1,) if plain or len(drafts) < 2 else ()) + drafts
 
 
-def plain_steps_pay(target, batch_invariant: bool | None, platform: str | None = None) -> bool:
-    """Whether an adaptive decode's default kinds include a plain step: not under a row rule
-    (`batch_invariant`; None: by dtype, `programs.default_invariant`) on a CPU (`platform`;
-    None: this process's backend). There a one-row target pass costs what a pass of a few rows
-    does: its products pad the row to the rule's minimum, its attention runs whole query tiles
-    and its norms whole row tiles, so a block of 4 costs no more than a plain step and drafts
-    besides, and the controller never picks the plain step (bf16, SmolLM2 and its drafter, in
-    AR steps: block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16, 0.97
-    on an Intel Xeon with AMX). Leaving it out takes one of the loop's four target passes out
-    of the compiled program: on the Intel Xeon a fresh compile of the default loop takes 16.0 s
-    instead of 23.6, a load from the persistent cache 2.5 s instead of 3.4-3.6, and 256 tokens
-    decode as fast (3.36-3.50 s against 3.36-3.44; docs/results.md)."""
+# The widest row tile under which an adaptive decode's default kinds keep the plain step.
+PLAIN_STEP_MAX_TILE = 8
+
+
+def plain_steps_pay(
+    target, batch_invariant: bool | None, platform: str | None = None, row_tile: int = 0
+) -> bool:
+    """Whether an adaptive decode's default kinds include a plain step: on a CPU (`platform`;
+    None: this process's backend) not under a row rule (`batch_invariant`; None: by dtype,
+    `programs.default_invariant`) of a tile wider than `PLAIN_STEP_MAX_TILE` (the target
+    config's rule, else `row_tile`, else `ROW_TILE`). Under a wide tile a one-row target pass
+    costs what a pass of the tile's rows does (its products pad the row to the tile, its
+    attention and norms run whole tiles), so a block of 4 costs no more than a plain step and
+    drafts besides, and the controller never picks the plain step (bf16 at a tile of 32, in AR
+    steps: block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16); leaving
+    it out takes one of the loop's target passes out of the compiled program (docs/results.md).
+    Under a small tile the plain step is the cheap one (tile 4, same CPU: block 4 1.29 against
+    1.00), the step to fall back on where drafts fail."""
     from dflash_jax.decoding import programs
+    from dflash_jax.ops.invariance import ROW_TILE
 
     if (platform or jax.default_backend()) != "cpu":
         return True
     invariant = batch_invariant
     if invariant is None:
         invariant = programs.default_invariant(target.config)
-    return not invariant
+    rule = getattr(target.config, "invariant_rows", None)
+    tile = rule[1] if rule else (row_tile or ROW_TILE)
+    return not invariant or tile <= PLAIN_STEP_MAX_TILE
 
 
 def decode_mode(
@@ -207,6 +222,178 @@ class TokenStream:
                     self._text[row] = text
 
 
+# The row tiles `choose_decode` judges a batch-invariant decode at (those up to the drafter's
+# trained block): a small tile pads a one-row step less and cuts a wide verify into more tiles,
+# so which one is fastest depends on the machine's GEMMs (bf16 SmolLM2, an AMD EPYC with
+# avx512_bf16, 2026-12-06, GEMM floors in ms, one row / a step of the tile's rows: tile 4
+# 21.8 / 26.7, 8 29.6 / 31.9, 16 30.3 / 37.0, 32 47.9 / 52.4; plain bf16 19.3 per row).
+CANDIDATE_TILES = (4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChoice:
+    """What `choose_decode` picked: the dtype, the row tile of a batch-invariant decode (0: no
+    row rule), whether to draft at all (False: the target alone is predicted fastest), and
+    every candidate's predicted tokens/s ({"bfloat16 tile 4": ..., "float32 plain": ...,
+    "AR bfloat16": ...}), from which `why` says it in one line."""
+
+    dtype: str
+    row_tile: int
+    drafter: bool
+    speeds: dict
+
+    @property
+    def name(self) -> str:
+        return candidate_name(self.dtype, self.row_tile, self.drafter)
+
+    def why(self) -> str:
+        fastest_ar = max((k for k in self.speeds if k.startswith("AR ")), key=self.speeds.get)
+        rest = [f"{k} {v:.1f}" for k, v in sorted(self.speeds.items(), key=lambda kv: -kv[1])
+                if k not in (self.name, fastest_ar)]  # fmt: skip
+        if self.drafter:
+            head = (f"{self.name}: {self.speeds[self.name]:.1f} tok/s predicted against the "
+                    f"fastest AR ({fastest_ar}) {self.speeds[fastest_ar]:.1f}")  # fmt: skip
+        else:
+            head = (f"the target alone ({fastest_ar}, {self.speeds[fastest_ar]:.1f} tok/s "
+                    "predicted): no DFlash setting is predicted faster")  # fmt: skip
+        return head + (f"; {', '.join(rest)}" if rest else "")
+
+
+def candidate_name(dtype: str, row_tile: int, drafter: bool = True) -> str:
+    """A decode setting in words: "bfloat16 tile 4", "float32 plain", "AR bfloat16"."""
+    if not drafter:
+        return f"AR {dtype}"
+    return f"{dtype} tile {row_tile}" if row_tile else f"{dtype} plain"
+
+
+def candidate_settings(
+    batch_invariant: bool | None, row_tile: int, block_size: int
+) -> list[tuple[str, int]]:
+    """The (dtype, row tile; 0 = no rule) DFlash settings `choose_decode` compares: each dtype
+    with the row rule where `batch_invariant` (None: in bf16, not in fp32, as
+    `programs.default_invariant` on a CPU) asks for it, at `row_tile` or else each of
+    `CANDIDATE_TILES` up to `block_size` (the drafter's), else without."""
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        invariant = dtype != "float32" if batch_invariant is None else batch_invariant
+        if not invariant:
+            out.append((dtype, 0))
+            continue
+        tiles = [row_tile] if row_tile else [t for t in CANDIDATE_TILES if t <= block_size]
+        out += [(dtype, t) for t in tiles or [min(CANDIDATE_TILES)]]
+    return out
+
+
+def predicted_speed(ar_s: float, step_s: float, rows: int, row_tile: int, prior: float) -> float:
+    """Tokens/s a decode is expected to reach from its GEMM floors: the best of its kinds, a
+    plain step (one token per `ar_s`), a drafted block of `rows` (E[tau] at acceptance `prior`
+    per position, `expected_tau`, per `step_s`) and, under a row rule, a copied block of the
+    tile's rows, whose verify costs what the padded plain step does (a copy is accepted less
+    often: half the prior). What decides between settings, not a figure to report: the measured
+    speed is `infer.benchmark`'s."""
+    speeds = [1.0 / ar_s, expected_tau(prior, rows) / step_s]
+    if row_tile:
+        speeds.append(expected_tau(prior / 2, rows) / ar_s)
+    return max(speeds)
+
+
+def expected_tau(alpha: float, rows: int) -> float:
+    """E[tokens per step] of a block of `rows` when each draft is accepted with chance `alpha`
+    given the earlier ones: 1 + alpha + ... + alpha^(rows-1) (`decoding.adaptive`'s model)."""
+    return float(sum(alpha**j for j in range(rows)))
+
+
+def choose_decode(
+    target,
+    drafter,
+    batch_invariant: bool | None = None,
+    remember: str = "",
+    row_tile: int = 0,
+) -> DecodeChoice:
+    """How to decode a stream when the user does not say (--dtype=auto): the setting with the
+    highest predicted tokens/s (`predicted_speed`) among DFlash in each dtype, with the row
+    rule at each candidate tile where the dtype needs it (`candidate_settings`), and the
+    target alone in each dtype without the rule (the fastest AR this code runs). When no DFlash
+    setting is predicted faster than the fastest AR, the choice is that AR (`drafter` False):
+    the default never decodes slower than the target alone on purpose. Each prediction comes
+    from GEMM floors computed as the model computes them in its setting (`floors.gemm_floors`
+    under `floors.run_config`): one row, padded to the tile under a rule, and a step of the
+    tile's rows (4 without a rule), the drafter's layers and head included; acceptance at the
+    controller's prior (`DecodeConfig.adaptive_prior`). Measured once per machine (its CPU
+    features included), shapes and setting, kept in <cache_root>/dtype_floors.json. `remember`
+    (the request as the caller names it): the dtype is also kept under that name, for
+    `remembered_dtype` to tell the next run which dtype to load first."""
+    from dflash_jax.decoding import floors as floors_lib
+    from dflash_jax.ops.invariance import machine_name, software_name
+
+    if drafter is None:
+        return DecodeChoice("float32", 0, False, {})
+    block = min(drafter.config.block_size, CPU_DEFAULT_BLOCK_SIZE)
+    settings = candidate_settings(batch_invariant, row_tile, block)
+    path = cache_root() / "dtype_floors.json"
+    key = "|".join(
+        [f"choice{floors_lib.FLOORS_VERSION}", machine_name(), software_name(),
+         *(repr(getattr(target.config, f)) for f in
+           ("num_layers", "hidden_size", "intermediate_size", "vocab_size", "quantize")),
+         repr(drafter.config.num_layers), repr(settings)]
+    )  # fmt: skip
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = _measure_floors(target, drafter, settings)
+        write_json_atomic(path, table)  # a read-only cache: measured again next time
+    measured = table[key]
+    prior = DecodeConfig().adaptive_prior
+    speeds = {f"AR {d}": 1.0 / measured[f"{d} plain"]["ar"] for d in ("float32", "bfloat16")}
+    for dtype, tile in settings:
+        f = measured[candidate_name(dtype, tile)]
+        rows = tile or min(CANDIDATE_TILES)
+        speeds[candidate_name(dtype, tile)] = predicted_speed(f["ar"], f["step"], rows, tile, prior)
+    best = max((candidate_name(*s) for s in settings), key=speeds.get)
+    fastest_ar = max((k for k in speeds if k.startswith("AR ")), key=speeds.get)
+    if speeds[best] > speeds[fastest_ar]:
+        dtype, tile = next(s for s in settings if candidate_name(*s) == best)
+        choice = DecodeChoice(dtype, tile, True, speeds)
+    else:
+        choice = DecodeChoice(fastest_ar.split()[1], 0, False, speeds)
+    if remember and table.get(_remembered_key(remember)) != choice.dtype:
+        table[_remembered_key(remember)] = choice.dtype
+        write_json_atomic(path, table)
+    return choice
+
+
+def _measure_floors(target, drafter, settings) -> dict:
+    """{setting name: {"ar": one row's GEMM floor, "step": a step's}} for each DFlash setting
+    (`candidate_settings`) and the plain one of each dtype (the target alone's)."""
+    from dflash_jax.decoding import floors as floors_lib
+    from dflash_jax.ops.quant import QWeight
+
+    out = {}
+    wanted = list(dict.fromkeys([*settings, ("float32", 0), ("bfloat16", 0)]))
+    for dtype, tile in wanted:
+        cast = lambda tree, dt=dtype: jax.tree.map(
+            lambda w: (
+                w
+                if isinstance(w, QWeight) or not jnp.issubdtype(w.dtype, jnp.floating)
+                else w.astype(dt)
+            ),
+            tree,
+            is_leaf=lambda w: isinstance(w, QWeight),
+        )  # quantized kernels as stored: the dot dequantizes them to dt
+        tcfg = floors_lib.run_config(target.config, dtype, bool(tile), tile)
+        f = floors_lib.gemm_floors(
+            cast(target.params), tcfg, cast(drafter.params), tile or min(CANDIDATE_TILES),
+            repeats=5,
+        )  # fmt: skip
+        out[candidate_name(dtype, tile)] = {
+            "ar": f["gemm_floor_ar_s"],
+            "step": f["gemm_floor_step_s"],
+        }
+    return out
+
+
 def fastest_dtype(
     target,
     drafter,
@@ -216,22 +403,15 @@ def fastest_dtype(
     slots: int = 0,
     row_tile: int = 0,
 ) -> tuple[str, dict[str, float]]:
-    """The precision to decode in when the user does not say: the one whose DFlash step floor
-    (`block_size` rows through the target's and the drafter's matrices and the head, weights
-    cast) is fastest on this machine, each computed as the model computes it in the setting
-    the decode will run (`decoding.floors.gemm_floors` under `floors.run_config`: the dot
-    policy, the row rule when `batch_invariant` (None: each dtype's default) makes it
-    invariant, the decode's compiler options). bf16 wins where bf16 units make a 16-row pass
-    cheap (an AMD EPYC with avx512_bf16, an Intel Xeon with AMX) and loses without them (an AMD
-    EPYC without AVX-512: ~9x slower). Measured once per machine (its CPU features included),
-    shapes and setting, kept in <cache_root>/dtype_floors.json. The target alone (drafter
-    None): float32, whose one-row pass is the fast one everywhere measured. `remember` (the
-    request as the caller names it, e.g. its sources and flags): the choice is also kept under
-    that name, for `remembered_dtype` to tell the next run which dtype to load first. A
-    server (`slots` > 1 busy rows a step, `infer.serve`) is judged instead by the plain step
-    of its slots, attention included (`floors.served_step_floor`): there the rows' attention
-    weighs as much as the matrices.
-    -> (dtype, {setting, e.g. "bfloat16 batch-invariant": its step floor in seconds})."""
+    """The precision a server (`slots` > 1 busy rows a step, `infer.serve`) decodes in when the
+    user does not say: the one whose plain step over its slots, attention included
+    (`floors.served_step_floor`), is fastest in the setting it will run (`floors.run_config`:
+    the dot policy, the row rule where `batch_invariant`, None: each dtype's default, makes it
+    invariant, at `row_tile`): there the rows' attention weighs as much as the matrices. A
+    stream is judged by `choose_decode` instead. Measured once per machine (its CPU features
+    included), shapes and setting, kept in <cache_root>/dtype_floors.json; `remember` as in
+    `choose_decode`. The target alone (drafter None): float32.
+    -> (dtype, {setting, e.g. "bfloat16 batch-invariant": its served step in seconds})."""
     if drafter is None:
         return "float32", {}
     from dflash_jax.decoding import floors as floors_lib
@@ -247,8 +427,7 @@ def fastest_dtype(
         [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), software_name(),
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
-         repr(drafter.config.num_layers),
-         f"served{slots}v{floors_lib.SERVED_VERSION}" if slots > 1 else str(block_size),
+         repr(drafter.config.num_layers), f"served{slots}v{floors_lib.SERVED_VERSION}",
          *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
          *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
@@ -264,14 +443,9 @@ def fastest_dtype(
                 tree,
                 is_leaf=lambda w: isinstance(w, QWeight),
             )  # quantized kernels as stored: the dot dequantizes them to dt
-            if slots > 1:
-                floor = floors_lib.served_step_floor(cast(target.params), tcfg, slots)
-            else:
-                floor = floors_lib.gemm_floors(
-                    cast(target.params), tcfg, cast(drafter.params), block_size, repeats=5,
-                    only=("gemm_floor_step_s",),
-                )["gemm_floor_step_s"]  # fmt: skip
-            floors[floors_lib.setting_name(tcfg)] = floor
+            floors[floors_lib.setting_name(tcfg)] = floors_lib.served_step_floor(
+                cast(target.params), tcfg, slots
+            )
         table[key] = floors
         write_json_atomic(path, table)  # a read-only cache: measured again next time
     floors = table[key]
@@ -428,7 +602,7 @@ def generate_config(
     `target` and `drafter` need only `.config` (and the target a `.tokenizer`, if any)."""
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
     if adaptive and not step_kinds:
-        plain = plain_steps_pay(target, batch_invariant, platform)
+        plain = plain_steps_pay(target, batch_invariant, platform, row_tile)
         step_kinds = default_step_kinds(block_size, plain)
     return decode_config(
         block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),

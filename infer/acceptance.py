@@ -91,7 +91,7 @@ def main(argv):
             f"--trees={','.join(FLAGS.trees)}: a tree has 2 to {common.MAX_TREE_NODES} nodes"
         )
     with common.usage_errors():
-        target, drafter, dtype, _ = common.load_models()
+        target, drafter, dtype, _ = common.load_models(choose_tile=False)
         if drafter is None:
             raise app.UsageError("--drafter=none: tau needs a drafter")
         block = FLAGS.block_size or api.default_block_size(target, drafter)

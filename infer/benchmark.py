@@ -461,14 +461,17 @@ def main(argv):
     common.distributed.initialize()
     convs = load_conversations(FLAGS.dataset, FLAGS.num_prompts)
     with common.usage_errors():
-        target, drafter, dtype, dtype_why = common.load_models()
-        if drafter is None:
+        if FLAGS.drafter == "none":
             raise ValueError("--drafter=none: the benchmark compares DFlash with the target")
+        # --dtype=auto may find the target alone fastest: then the default decode (the
+        # "DFlash" side) is that AR, as infer.generate's would be.
+        target, drafter, dtype, dtype_why = common.load_models(ar_fallback=True)
         # The same builder as infer.generate (`api.generate_config`): no flags, the same decode.
         cfg = common.run_config(target, drafter)
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
     block = cfg.block_size
-    floors_before = gemm_floors(target, drafter, cfg) if FLAGS.breakdown else None
+    breakdown_on = FLAGS.breakdown and drafter is not None
+    floors_before = gemm_floors(target, drafter, cfg) if breakdown_on else None
     warmed, turns, step_costs, plain_ars, ar_probe = set(), [], None, None, {}
     for conv_id, user_turns in enumerate(
         tqdm(
@@ -499,7 +502,7 @@ def main(argv):
     if step_costs is not None:
         agg["step_kinds"] = list(cfg.all_kinds)
         agg["step_costs"] = [float(c) for c in step_costs]
-    if FLAGS.breakdown:
+    if breakdown_on:
         agg.update(run_breakdown(target, drafter, turns, cfg))
         agg.update(breakdown.bracket_floors(floors_before, agg))
         agg["gemm_floors_by_dtype"] = breakdown.floors_by_dtype(
@@ -542,7 +545,7 @@ def main(argv):
     if FLAGS.plot:
         plot(FLAGS.plot, result, turns, block)
     agg = result["aggregate"]
-    if FLAGS.breakdown:
+    if breakdown_on:
         print(breakdown_table(agg))
         print(dtype_floor_table(agg["gemm_floors_by_dtype"]))
     print(report.benchmark_summary(result, FLAGS.output))

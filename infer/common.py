@@ -30,12 +30,13 @@ flags.DEFINE_string(
 )  # fmt: skip
 flags.DEFINE_enum(
     "dtype", "auto", ["auto", "float32", "bfloat16"],
-    "Compute/parameter dtype. 'auto': the one whose DFlash step floor (a block of rows through "
-    "the target's and drafter's matrices and the head; infer.serve: the plain step of its "
-    "--slots busy rows, attention included; each product computed as the model "
-    "computes it in the --batch_invariant setting that dtype runs) is lower on this machine, "
-    "measured once and cached (api.fastest_dtype), its choice and the floors printed on one "
-    "line: bfloat16 where bf16 units make it cheap (avx512_bf16, AMX), else float32.",
+    "Compute/parameter dtype. 'auto': the decode predicted fastest on this machine "
+    "(api.choose_decode): DFlash in float32, or in bfloat16 under the row rule at a row tile "
+    "of 4, 8 or 16 (unless --row_tile), or the target alone in its fastest dtype when no DFlash "
+    "setting is predicted faster than it; each predicted from GEMM floors computed as the "
+    "model computes them in that setting, measured once and cached, the choice and every "
+    "candidate's predicted tok/s printed on one line. infer.serve: the dtype whose plain step "
+    "over its --slots busy rows, attention included, is fastest (api.fastest_dtype).",
 )  # fmt: skip
 flags.DEFINE_enum(
     "quantize", None, ["int8", "int4", "fp8"],
@@ -137,9 +138,10 @@ flags.DEFINE_integer(
     "row_tile", 0,
     "With batch invariance: the rows every matmul of a target pass runs at, by construction "
     "(an AR step's one row padded to it, a wider pass cut into tiles of it). Runs at one tile "
-    "give a position the same bits whatever their batch. 0: 32 (holds a verify of 16 or a "
-    "tree of 32), except infer.serve: its --slots from 8 up (its plain step as one tile), and "
-    "infer.acceptance: its batch's widest verify, up to 128.", lower_bound=0, upper_bound=1024,
+    "give a position the same bits whatever their batch. 0: with --dtype=auto the tile it "
+    "chose (4, 8 or 16), else 32 (holds a verify of 16 or a tree of 32), except infer.serve: "
+    "its --slots from 8 up (its plain step as one tile), and infer.acceptance: its batch's "
+    "widest verify, up to 128.", lower_bound=0, upper_bound=1024,
 )  # fmt: skip
 flags.DEFINE_string(
     "compilation_cache", "~/.cache/dflash_jax/xla",
@@ -204,12 +206,16 @@ def row_tile(slots: int = 0) -> int:
     return FLAGS.row_tile or served_row_tile(slots)
 
 
-def load_models(slots: int = 0):
+def load_models(slots: int = 0, ar_fallback: bool = False, choose_tile: bool = True):
     """(target, drafter, dtype, why) as the flags ask, on the mesh of --mesh (`distributed`),
-    with --attention_impl; --dtype=auto resolved by `api.fastest_dtype` (a stream's step at
-    the default block size; with `slots` > 1, a server's plain step over that many busy
-    slots) and --batch_invariant, `why` saying what it chose and the floors it compared, on
-    one line, which is also printed (None when --dtype was given)."""
+    with --attention_impl. --dtype=auto: a stream's decode is chosen by `api.choose_decode`
+    (the dtype, and under the row rule the row tile, whose predicted tokens/s is highest; the
+    tile goes into the target's config, where the decode and its defaults read it); with
+    `ar_fallback`, a choice of the target alone (no DFlash setting predicted faster than the
+    fastest AR) returns no drafter; without `choose_tile` (a batched run that sets its own
+    tile: infer.acceptance) only the dtype is taken. A server (`slots` > 1) is judged by its
+    plain step over that many busy slots (`api.fastest_dtype`). `why` says what was chosen and
+    why on one line, which is also printed (None when --dtype was given)."""
     mesh = distributed.mesh()
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
     # --dtype=auto: the request as named here; the dtype it chose last time is loaded first
@@ -225,29 +231,40 @@ def load_models(slots: int = 0):
         )
     )
     target, drafter = load(dtype)
-    why = None
-    if FLAGS.dtype == "auto":
-        block = api.default_block_size(target, drafter) if drafter else 1
-        loaded = dtype
+    why, tile = None, 0
+    if FLAGS.dtype == "auto" and drafter is None:
+        why = "float32: the target alone runs one row per step, fastest in float32"
+        dtype = "float32"
+    elif FLAGS.dtype == "auto" and slots > 1:
+        block = api.default_block_size(target, drafter)
         dtype, floors = api.fastest_dtype(
             target, drafter, block, FLAGS.batch_invariant, remember=request, slots=slots,
             row_tile=row_tile(slots),
         )  # fmt: skip
-        if floors:  # each as the model computes it in the setting it would run
-            short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
-            costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())
-            what = f"{slots}-slot served step" if slots > 1 else f"{block}-row step floors"
-            why = f"{dtype}: {what} {costs}"
-        else:
-            why = "float32: the target alone runs one row per step, fastest in float32"
-        if distributed.is_primary():
-            print(f"--dtype=auto chose {why}", file=sys.stderr, flush=True)
-        if dtype != loaded and (FLAGS.quantize or loaded != "float32"):
-            target, drafter = load(dtype)
-        elif dtype != loaded:  # the float32 target as loaded, cast: its source read once
-            target, drafter = with_attention_impl(
-                *api.recast_pair(target, FLAGS.drafter, dtype, FLAGS.target_cache, mesh=mesh)
-            )
+        short = lambda name: name.replace(" plain", "").replace("batch-invariant", "invariant")
+        costs = ", ".join(f"{short(d)} {1e3 * s:.1f} ms" for d, s in floors.items())
+        why = f"{dtype}: {slots}-slot served step {costs}"
+    elif FLAGS.dtype == "auto":
+        choice = api.choose_decode(
+            target, drafter, FLAGS.batch_invariant, remember=request, row_tile=FLAGS.row_tile
+        )
+        dtype, tile, why = choice.dtype, choice.row_tile * choose_tile, choice.why()
+        if not choice.drafter and ar_fallback:
+            drafter = None
+    if why is not None and distributed.is_primary():
+        print(f"--dtype=auto chose {why}", file=sys.stderr, flush=True)
+    loaded = target.config.dtype
+    if dtype != loaded and (FLAGS.quantize or loaded != "float32"):
+        target, reloaded = load(dtype)
+        drafter = drafter and reloaded
+    elif dtype != loaded:  # the float32 target as loaded, cast: its source read once
+        target, recast = with_attention_impl(
+            *api.recast_pair(target, FLAGS.drafter, dtype, FLAGS.target_cache, mesh=mesh)
+        )
+        drafter = drafter and recast
+    if tile:  # the chosen tile, in the config every decode of this run reads its rule from
+        config = dataclasses.replace(target.config, invariant_rows=(tile, tile))
+        target = dataclasses.replace(target, config=config)
     return target, drafter, dtype, why
 
 

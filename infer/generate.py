@@ -48,7 +48,7 @@ def main(argv):
         raise app.UsageError("--prompt is required (and must not be empty)")
     t0 = time.perf_counter()
     with common.usage_errors():
-        target, drafter, dtype, dtype_why = common.load_models()
+        target, drafter, dtype, dtype_why = common.load_models(ar_fallback=True)
         cfg = common.run_config(target, drafter)
         prompt, lengths = api.pad_prompts(
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]

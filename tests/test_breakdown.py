@@ -201,12 +201,13 @@ def test_breakdown_of_a_tree_step_sums_its_phases():
     assert out["break_even_tau_tree"] == out["gemm_floor_tree_step_s"] / out["gemm_floor_ar_s"]
 
 
-def test_dtype_auto_measures_once_and_remembers_the_choice(tmp_path, monkeypatch):
-    """`api.fastest_dtype` measures the floors once per machine and shapes (a second call with
-    other timings keeps the first), and keeps its choice under the caller's name for
-    `remembered_dtype` (which dtype a second --dtype=auto run loads first); an unknown name or
-    an unreadable table: None. The floors are stubbed and the row rule off (no probe): what is
-    checked is the bookkeeping."""
+def test_dtype_auto_picks_the_fastest_predicted_decode_and_remembers_it(tmp_path, monkeypatch):
+    """`api.choose_decode` (--dtype=auto for a stream) predicts each candidate's tokens/s from
+    stand-in GEMM floors (no compile) and picks the highest: a bf16 row tile where a small tile
+    drafts cheaply, the target alone (no drafter) where no DFlash setting beats the fastest
+    AR. The floors are measured once per machine and shapes (a second call with other timings
+    keeps the first), and the dtype is kept under the caller's name for `remembered_dtype`; a
+    server (slots > 1) is still judged by its served plain step, under its own key."""
     from dflash_jax import api
     from dflash_jax.config import TargetConfig
     from dflash_jax.decoding import floors
@@ -214,25 +215,54 @@ def test_dtype_auto_measures_once_and_remembers_the_choice(tmp_path, monkeypatch
     monkeypatch.setattr(api, "cache_root", lambda: tmp_path)  # the table alone
     pair = (
         types.SimpleNamespace(config=TargetConfig("qwen3", 64, 32, 64, 2, 2, 1, 16), params={}),
-        types.SimpleNamespace(config=types.SimpleNamespace(num_layers=1), params={}),
-    )
-    timings = {"float32": 2.0, "bfloat16": 1.0}
-    monkeypatch.setattr(
-        floors, "gemm_floors", lambda t, cfg, *a, **k: {"gemm_floor_step_s": timings[cfg.dtype]}
-    )
+        types.SimpleNamespace(config=types.SimpleNamespace(num_layers=1, block_size=16),
+                              params={}),
+    )  # fmt: skip
+    # ms: (one row, a step of the tile's rows; 4 rows without a rule), by (dtype, tile)
+    timings = {("float32", 0): (23.5, 37.2), ("bfloat16", 0): (19.3, 26.3),
+               ("bfloat16", 4): (21.8, 26.7), ("bfloat16", 8): (29.6, 31.9),
+               ("bfloat16", 16): (30.3, 37.0)}  # fmt: skip
+
+    def stand_in(t, cfg, d, rows, *a, **k):
+        tile = cfg.invariant_rows[1] if cfg.invariant_rows else 0
+        assert rows == (tile or 4)
+        ar, step = timings[(cfg.dtype, tile)]
+        return {"gemm_floor_ar_s": ar / 1e3, "gemm_floor_step_s": step / 1e3}
+
+    monkeypatch.setattr(floors, "gemm_floors", stand_in)
     assert api.remembered_dtype("smol|default") is None
-    choice, measured = api.fastest_dtype(*pair, 8, False, remember="smol|default")
-    assert choice == "bfloat16" and sorted(measured.values()) == [1.0, 2.0]
+    choice = api.choose_decode(*pair, remember="smol|default")
+    tau = lambda rows, a=0.3: sum(a**j for j in range(rows))
+    expected = {  # each the best of its kinds: plain, a drafted block, a copy (a rule's tile)
+        "AR float32": 1e3 / 23.5, "AR bfloat16": 1e3 / 19.3,
+        "float32 plain": max(1e3 / 23.5, 1e3 * tau(4) / 37.2),
+        "bfloat16 tile 4": max(1e3 * tau(4) / 26.7, 1e3 * tau(4, 0.15) / 21.8),
+        "bfloat16 tile 8": max(1e3 * tau(8) / 31.9, 1e3 * tau(8, 0.15) / 29.6),
+        "bfloat16 tile 16": max(1e3 * tau(16) / 37.0, 1e3 * tau(16, 0.15) / 30.3),
+    }  # fmt: skip
+    assert choice.speeds == pytest.approx(expected)
+    assert (choice.dtype, choice.row_tile, choice.drafter) == ("bfloat16", 4, True)
+    assert choice.why().startswith("bfloat16 tile 4: 53.") and "AR bfloat16) 51.8" in choice.why()
     assert api.remembered_dtype("smol|default") == "bfloat16"
-    timings.update(float32=0.5)  # not measured again: the first measurement stands
-    assert api.fastest_dtype(*pair, 8, False, remember="smol|default")[0] == "bfloat16"
+    timings[("bfloat16", 4)] = (25.0, 40.0)  # not measured again: the first measurement stands
+    assert api.choose_decode(*pair, remember="smol|default").row_tile == 4
     assert api.remembered_dtype("other|request") is None
+
+    # Where no DFlash setting beats the fastest AR, the choice is that AR, without a drafter.
+    (tmp_path / "dtype_floors.json").unlink()
+    choice = api.choose_decode(*pair, remember="smol|default")
+    assert (choice.dtype, choice.row_tile, choice.drafter) == ("bfloat16", 0, False)
+    assert choice.why().startswith("the target alone (AR bfloat16")
+    # A rule the user named: only that tile competes.
+    assert {k for k in api.choose_decode(*pair, row_tile=8).speeds if "tile" in k} == {
+        "bfloat16 tile 8"
+    }
+
     # A server (slots > 1) is judged by its served plain step instead, kept under its own key.
     served = {"float32": 1.0, "bfloat16": 3.0}
     monkeypatch.setattr(floors, "served_step_floor", lambda t, cfg, n: served[cfg.dtype] * n)
-    choice, measured = api.fastest_dtype(*pair, 8, False, slots=4)
-    assert choice == "float32" and sorted(measured.values()) == [4.0, 12.0]
-    assert api.fastest_dtype(*pair, 8, False)[0] == "bfloat16"  # a stream's choice stands
+    dtype, measured = api.fastest_dtype(*pair, 8, False, slots=4)
+    assert dtype == "float32" and sorted(measured.values()) == [4.0, 12.0]
     (tmp_path / "dtype_floors.json").write_text("{not json")
     assert api.remembered_dtype("smol|default") is None
 

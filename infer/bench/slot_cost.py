@@ -39,7 +39,7 @@ def main(argv):
     if FLAGS.batch_invariant is None:
         FLAGS.batch_invariant = True  # as infer.serve
     with common.usage_errors():
-        target, drafter, dtype, _ = common.load_models()
+        target, drafter, dtype, _ = common.load_models(choose_tile=False)
         cfg = serve.server_config(target, drafter)
         counts = [int(n) for n in FLAGS.slot_counts]
         decoders = {
