@@ -504,3 +504,27 @@ def test_within_one_gemm_call_a_row_gets_its_own_bits(rows):
             np.testing.assert_array_equal(mixed[keep], ref[keep], err_msg=f"{dtype} {shape}")
             rolled = np.asarray(gemm(jnp.roll(a, 5, axis=0), w, transposed))  # rows moved
             np.testing.assert_array_equal(np.roll(rolled, -5, axis=0), ref, err_msg=f"{shape}")
+
+
+@pytest.mark.slow
+def test_a_small_step_tile_with_a_wide_prefill_is_lossless_in_bf16():
+    """Slow (~1 min on 2 cores: bf16 programs under the rule): the one decode-level check that
+    a prefill at another tile than the steps' keeps bf16 greedy DFlash identical to the target
+    alone (the real model's is infer.benchmark's outputs_identical). A bf16 decode at a step tile of 4 (`api.choose_decode`'s pick on a CPU with bf16 units)
+    prefills at a wider tile (`invariance.prefill_rows`: the buffer's width, up to
+    MAX_ROW_TILE), which the target alone and DFlash share: greedy speculative decoding equals
+    the target alone token for token (tiny random pair, block 4, some drafts accepted)."""
+    from _decode_check import assert_greedy_speculative_equals_ar
+
+    from dflash_jax.config import DrafterConfig
+    from dflash_jax.ops.invariance import MAX_ROW_TILE, prefill_rows
+
+    assert prefill_rows((4, 4), 8192) == (MAX_ROW_TILE, MAX_ROW_TILE)
+    assert prefill_rows((4, 4), 32) == (32, 32) and prefill_rows((32, 32), 8) == (32, 32)
+    assert prefill_rows(None, 64) is None
+    tcfg = TargetConfig("llama", 64, 32, 64, 2, 4, 2, 8, dtype="bfloat16", invariant_rows=(4, 4))
+    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8, vocab_size=64, mask_token_id=63,
+                         target_layer_ids=(0, 1), num_target_layers=2, block_size=4,
+                         dtype="bfloat16")  # fmt: skip
+    assert_greedy_speculative_equals_ar(tcfg, dcfg, tcfg, max_new_tokens=24)

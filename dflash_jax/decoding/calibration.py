@@ -27,6 +27,11 @@ CALIBRATION_STEPS = 16
 # Part of the cache key: 2 since every product accumulates in fp32 (`ops.dots`), which changed
 # what a bf16 step costs.
 COSTS_VERSION = 2
+# The widest prompt buffer a calibration runs at: a longer prompt is calibrated on its first
+# this many tokens (the costs are ratios to an AR step at the same context, and the loops'
+# prefills would otherwise dominate: a 5k-token prompt took many minutes before its first
+# token), so every long prompt shares one measurement per machine and setting.
+CALIBRATION_MAX_PROMPT = 256
 
 
 def _cache_file() -> Path:
@@ -76,7 +81,11 @@ def calibrate_step_costs(
     compiles beyond them), timed from the loop state the prefill left (the prefill is not a
     step); the AR loop likewise. The first run of each executable warms it up and is not
     counted. A row that stops early ends its run early: the cost is per step taken.
-    -> costs [num_kinds] float32 (each loop's fastest of `repeats` rounds)."""
+    -> costs [num_kinds] float32 (each loop's fastest of `repeats` rounds). A prompt buffer
+    wider than `CALIBRATION_MAX_PROMPT` is calibrated on its first that many tokens."""
+    if np.shape(prompt)[1] > CALIBRATION_MAX_PROMPT:
+        prompt = np.asarray(prompt)[:, :CALIBRATION_MAX_PROMPT]
+        prompt_lengths = np.minimum(np.asarray(prompt_lengths), CALIBRATION_MAX_PROMPT)
     key = calibration_key(target, drafter, np.shape(prompt), cfg)
     path = _cache_file()
     table = {}

@@ -8,6 +8,8 @@ Letters: B batch, T verified block, G = T - 1 drafts, D model width, F taps, V v
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -33,6 +35,7 @@ from dflash_jax.models.drafter import (
 from dflash_jax.models.target import Head, Transformer, init_cache
 from dflash_jax.ops.attention import KEY_TILE
 from dflash_jax.ops.caches import write_rows
+from dflash_jax.ops.invariance import prefill_rows
 from dflash_jax.ops.reductions import argmax_last
 
 
@@ -56,7 +59,11 @@ def prefill(
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
     cache = init_cache(tcfg, b, cache_len)
     positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden_b1d, taps_bpf, cache = Transformer(tcfg).apply(
+    # Under a row rule, at a tile as wide as the buffer allows (`prefill_rows`): every decode
+    # of this prompt runs this same prefill, the target alone's too.
+    rule = prefill_rows(tcfg.invariant_rows, p)
+    ptcfg = tcfg if rule == tcfg.invariant_rows else dataclasses.replace(tcfg, invariant_rows=rule)
+    hidden_b1d, taps_bpf, cache = Transformer(ptcfg).apply(
         {"params": target_params},
         prompt_bp,
         positions_bp,

@@ -73,6 +73,20 @@ def row_tile_for(rows: int) -> int:
     return tile
 
 
+def prefill_rows(rows: tuple[int, int] | None, width: int) -> tuple[int, int] | None:
+    """The row rule a prefill of a `width`-token prompt buffer runs under, given the decode's
+    `rows` (`TargetConfig.invariant_rows`): the decode's tile widened to the buffer, up to
+    `MAX_ROW_TILE` (never narrowed). A prefill's bits need only be the same in every decode of
+    the same prompt, the target alone's and DFlash's (both run this one prefill, so they start
+    from the same cache and first token); its tile need not be the steps'. A small step tile
+    (`api.choose_decode`: 4 on some CPUs) would otherwise cut a 5k-token prefill into ~2,000
+    tiles run one after another, each reading every weight."""
+    if rows is None:
+        return None
+    tile = max(rows[1], min(width, MAX_ROW_TILE))
+    return (tile, tile)
+
+
 def served_row_tile(slots: int) -> int:
     """The row tile of a server with `slots` rows (`infer.serve`): with 8 or more, its slots
     (the plain step over every slot, the step a busy server runs most: 465 of 509 at 8 slots
