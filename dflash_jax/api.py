@@ -474,6 +474,13 @@ def _remembered_key(remember: str) -> str:
     return "|".join(["choice", machine_name(), software_name(), remember])
 
 
+# The widest prompt buffer whose decodes `compile_decodes` warms up: each warm-up runs the
+# prefill again, which for a long prompt costs far more than the ~0.25 s per step kind that the
+# first timed decode then carries (a 5k-token prompt with --compare_ar: 305 s with its five
+# warm-ups, 175 s without, a 2-core AMD EPYC, 2026-12-06; results/long_prompt_2026-12-06.json).
+WARM_UP_MAX_PROMPT = 512
+
+
 def compile_decodes(
     target, drafter, prompt, lengths, cfg: DecodeConfig, *, with_target_alone: bool = False
 ) -> float:
@@ -483,7 +490,8 @@ def compile_decodes(
     executable). XLA:CPU sets each YNNPACK fusion up at its first execution, ~0.25 s per
     target-pass kind of the bf16 adaptive loop of SmolLM2 (2026-12-04, an AMD EPYC with
     avx512_bf16), a one-time cost that the first timed decode would otherwise carry and later
-    ones do not. Every half is lowered in turn and compiled in threads as soon as it is lowered
+    ones do not (a prompt buffer wider than `WARM_UP_MAX_PROMPT`: compiled only). Every half
+    is lowered in turn and compiled in threads as soon as it is lowered
     (XLA compiles, and loads from the persistent cache, outside the GIL: `runner.precompile`);
     each warm-up runs, two at a time, as soon as its decode is compiled. -> seconds."""
     jobs = [drafter] + ([None] if with_target_alone and drafter is not None else [])
@@ -498,7 +506,12 @@ def compile_decodes(
             zip(jobs, pending, strict=True), key=lambda job: job[0] is not None
         ):
             adaptive = d is not None and cfg.adaptive
-            for kind in [None, *range(len(cfg.all_kinds))] if adaptive else [-1]:
+            kinds = [None, *range(len(cfg.all_kinds))] if adaptive else [-1]
+            if np.shape(prompt)[1] > WARM_UP_MAX_PROMPT:  # compiled, not run: see its comment
+                for future in futures:
+                    future.result()
+                continue
+            for kind in kinds:
                 args = (futures, target, d, prompt, lengths, cfg, kind)
                 warm_ups.append(warming.submit(_warm, *args))
         for future in warm_ups:

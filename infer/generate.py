@@ -91,6 +91,7 @@ def main(argv):
         "tau_mean": float(acc[:steps].mean()) if steps else None,
         "tokens_per_s": n / run.run_s,
         "decode_s": run.run_s,
+        "prefill_s": run.start_s,  # part of decode_s: the start half, the prompt's prefill
         "compile_s": compile_s + run.compile_s,
         "load_s": load_s,
         "mode": mode_name(cfg, drafter),
@@ -114,6 +115,7 @@ def main(argv):
         ar_n = int(ar.output.lengths[0])
         result.update(
             ar_tokens_per_s=ar_n / ar.run_s,
+            ar_prefill_s=ar.start_s,
             ar_compile_s=ar.compile_s,  # 0 unless compile_decodes left it out
             speedup=(n / run.run_s) / (ar_n / ar.run_s),
             outputs_identical=bool(ar_n == n and np.array_equal(ar.output.tokens[0, :n], tokens)),
