@@ -35,6 +35,7 @@ from infer.serving.server import make_server
 
 FLAGS = flags.FLAGS
 API_KEY_ENV = "DFLASH_API_KEY"  # as vLLM's VLLM_API_KEY
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
@@ -77,7 +78,8 @@ def server_config(target, drafter) -> api.DecodeConfig:
     """The served decode: the flags' kinds (the measured defaults when unset), every row with
     its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
     --nobatch_invariant, at --row_tile's tile (by default `invariance.served_row_tile`: the
-    slots, from 8 of them, so the plain step over every slot runs as one tile)."""
+    slots, from 8 of them, so the plain step over every slot runs as one tile), keeping up to
+    MAX_LOGPROBS alternatives per token for the requests that ask for logprobs."""
     cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
     # A plain step stays among the default kinds: with several busy slots a drafted step costs
@@ -87,7 +89,7 @@ def server_config(target, drafter) -> api.DecodeConfig:
         kinds = api.default_step_kinds(cfg.block_size)
     return dataclasses.replace(
         cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True,
-        step_kinds=kinds, row_tile=common.row_tile(FLAGS.slots),
+        step_kinds=kinds, row_tile=common.row_tile(FLAGS.slots), logprobs=MAX_LOGPROBS,
     )  # fmt: skip
 
 

@@ -87,6 +87,7 @@ def decode_config(adaptive: bool = False) -> DecodeConfig:
     return DecodeConfig(
         max_new_tokens=MAX_NEW, block_size=8, stop_token_ids=(2,), adaptive=adaptive,
         lookup_kinds=(8,) if adaptive else (), batch_invariant=True, row_settings=True,
+        logprobs=20,
     )  # fmt: skip
 
 
@@ -341,6 +342,47 @@ def test_prometheus_metrics(served):
     assert {s.labels["kind"] for s in families["dflash:spec_decode_steps"].samples} >= {"8"}
 
 
+def test_logprobs_are_the_targets(served, fp32_pair):
+    """logprobs on both endpoints: one entry per completion token with the alternatives asked
+    for, streamed as answered; a greedy token is its step's likeliest; each token's
+    log-probability is the target's own (a forward over prompt + answer, fp32) under the
+    distribution the row samples (temperature 0.8, top-k 5)."""
+    from dflash_jax.models.target import Transformer
+
+    target, client = fp32_pair[0], served.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12)
+    chat = client.chat.completions.create(**kw, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.token == c.top_logprobs[0].token
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6)
+    chunks = client.chat.completions.create(
+        **kw, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [c.token for c in streamed] == [c.token for c in content]
+    prompt, tok = "Hello there", target.tokenizer
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=1, logprobs=3,
+        extra_body={"top_k": 5},
+    )  # fmt: skip
+    lp = done.choices[0].logprobs
+    ids = tok.encode(prompt)
+    answer = [tok.convert_tokens_to_ids(t) for t in lp.tokens]
+    seq = jnp.asarray([ids + answer])
+    logits = Transformer(target.config).apply(
+        {"params": target.params}, seq, jnp.arange(seq.shape[1])[None]
+    )
+    x = np.asarray(logits[0] if isinstance(logits, tuple) else logits)[0] / 0.8
+    x = x[len(ids) - 1 : len(ids) - 1 + len(answer)]
+    x = np.where(x < np.sort(x, -1)[:, -5:-4], -np.inf, x)
+    want = np.asarray(jax.nn.log_softmax(x, -1))[np.arange(len(answer)), answer]
+    assert len(answer) == done.usage.completion_tokens and len(lp.top_logprobs[0]) == 3
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+
+
 class StandIn:
     """A stand-in for the SlotDecoder (no program compiled): every busy row commits token 3
     ("0") per advance until its max_new; `fail` makes advance raise, as a device error would;
@@ -523,7 +565,7 @@ def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch)
     zeros = lambda *shape: np.zeros(shape, np.int32)
     monkeypatch.setattr(
         slots_lib, "_peek", lambda state: (zeros(2, 4), zeros(2), zeros(2), zeros(2),
-                                           zeros(2, 1), zeros(2, 1), 0)
+                                           zeros(2, 1), zeros(2, 1), 0, None)
     )  # fmt: skip
     dec.insert(0, [5, 6], max_new=4)
     dec.advance(1)

@@ -6,7 +6,7 @@ Starts `python -m infer.serve` on the flags' target and drafter (the embedded de
 said) and waits for /health; then --workers threads send --requests chat completions through
 the `openai` client (the dev set's prompts in turn: a quarter each greedy / sampled, streamed /
 not; max_tokens --max_new_tokens) and time each one (latency; time to the first text when
-streamed). It reads the server's /metrics (tau, steps by kind), stops it with SIGTERM, then
+streamed). It reads the server's /stats (tau, steps by kind), stops it with SIGTERM, then
 runs the same requests one by one through `dflash_jax.api.generate` in this process (each
 distinct setting run once untimed first, so neither side counts compilation), and checks that
 every greedy answer is the same text. Prints one JSON object (and writes it to --output):
@@ -186,7 +186,7 @@ def main(argv):
         with concurrent.futures.ThreadPoolExecutor(FLAGS.workers) as pool:
             served = list(pool.map(lambda r: send(client, model, r), reqs))
         wall_s = time.perf_counter() - t0
-        metrics = get_json("/metrics")[1]
+        metrics = get_json("/stats")[1]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

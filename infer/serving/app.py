@@ -72,6 +72,7 @@ class Limits:
     context: int
     max_chars: int = 0  # 0: 32 per prompt token
     max_body: int = 0  # 0: 4 bytes per character, plus 64 KiB
+    logprobs: int = 0  # the most alternatives per token a request may ask for (0: no logprobs)
 
     def __post_init__(self):
         self.max_chars = self.max_chars or 32 * self.max_prompt
@@ -123,6 +124,7 @@ def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[J
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop", "every stop sequence must be a non-empty string")
     seed = _number(body, "seed", None, 0, MAX_SEED - 1, integer=True)
+    logprobs = _logprobs(body, chat, limits)
     job = Job(
         prompt_ids=ids,
         max_tokens=max_tokens,
@@ -132,8 +134,29 @@ def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[J
         # Unseeded: a fresh seed, so that asking again gives another answer.
         seed=secrets.randbelow(MAX_SEED) if seed is None else seed,
         stop=tuple(stop),
+        logprobs=logprobs,
     )
     return job, opts
+
+
+def _logprobs(body: dict, chat: bool, limits: Limits) -> int | None:
+    """The alternatives a request wants per token (None: no logprobs). Chat: logprobs (bool)
+    and top_logprobs; completions: logprobs, the number of alternatives."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise BadRequest("logprobs", "logprobs must be true or false")
+        top = body.get("top_logprobs")
+        if top is not None and not wanted:
+            raise BadRequest("top_logprobs", "top_logprobs needs logprobs: true")
+        name, top = "top_logprobs", (top or 0) if wanted else None
+    else:
+        name, top = "logprobs", body.get("logprobs")
+    if top is None:
+        return None
+    if not limits.logprobs:
+        raise BadRequest(name, "this server keeps no logprobs")
+    return _number({name: top}, name, 0, 0, limits.logprobs, integer=True)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -154,8 +177,8 @@ def _refuse_unsupported(body: dict) -> None:
             "response_format", "response_format is not supported by this server (only "
             '{"type": "text"}): no JSON mode or schema-guided decoding',
         )  # fmt: skip
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
-        if body.get(name) not in (None, False, [], 0 if name == "top_logprobs" else None):
+    for name in ("echo", "suffix", "tools", "functions"):
+        if body.get(name) not in (None, False, []):
             raise BadRequest(name, f"{name} is not supported by this server")
     if body.get("logit_bias") not in (None, {}):
         raise BadRequest("logit_bias", "logit_bias is not supported by this server")
@@ -399,11 +422,12 @@ def make_app(
         return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
     def _response(job: Job, rid: str, chat: bool) -> dict:
+        lp = _logprobs_of(job, 0, job.counted, chat, tokenizer)
         if chat:
             message = {"role": "assistant", "content": job.text}
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": job.text, "logprobs": None}
+            choice = {"index": 0, "text": job.text, "logprobs": lp}
         choice["finish_reason"] = job.finish_reason
         extra = {"dflash": {"tau": job.tau, "steps": job.steps, "acceptance": job.acceptance}}
         return {**_head(rid, chat), "choices": [choice], "usage": _usage(job), **extra}
@@ -412,14 +436,17 @@ def make_app(
         head = _head(rid, chat)
         if chat:
             head["object"] = "chat.completion.chunk"
-        delta = lambda text, reason=None: {
-            **head,
-            "choices": [
-                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            ],
-        }
+        sent = 0  # tokens whose logprobs went out
+
+        def delta(text, reason=None, covered=0):
+            nonlocal sent
+            lp = _logprobs_of(job, sent, covered, chat, tokenizer)
+            sent = max(sent, covered)
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
+            return {**head, "choices": [{**choice, "logprobs": lp, "finish_reason": reason}]}
+
         sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
         try:
             if chat:
@@ -427,16 +454,16 @@ def make_app(
                 first["choices"][0]["delta"]["role"] = "assistant"
                 yield sse(first)
             while True:
-                kind, text = await job.events.get()
+                kind, event = await job.events.get()
                 if kind == "done":
                     break
-                yield sse(delta(text))
+                yield sse(delta(*event))
             if job.error is not None:  # the status line is sent: the error is an event
                 yield sse({"error": {"message": job.error, "type": "server_error",
                                      "param": None, "code": 500}})  # fmt: skip
                 yield "data: [DONE]\n\n"
                 return
-            last = delta("", job.finish_reason)
+            last = delta("", job.finish_reason, job.counted)
             if chat:
                 last["choices"][0]["delta"] = {}
             yield sse(last)
@@ -448,6 +475,36 @@ def make_app(
                 job.cancel()
 
     return app
+
+
+def _logprobs_of(job: Job, lo: int, hi: int, chat: bool, tokenizer) -> dict | None:
+    """OpenAI's logprobs object for tokens lo:hi of `job` (None: none asked or none new)."""
+    if job.logprobs is None or hi <= lo:
+        return None
+    text = lambda i: tokenizer.decode([i])
+    entries = job.token_logprobs[lo:hi]
+    tokens = [text(t) for t in job.tokens[lo:hi]]
+    if chat:
+        item = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode())}
+        tops = lambda ids, lps: [item(text(i), v) for i, v in zip(ids, lps, strict=True)]
+        return {
+            "content": [
+                {**item(t, lp), "top_logprobs": tops(ids, lps)}
+                for t, (lp, ids, lps) in zip(tokens, entries, strict=True)
+            ]
+        }
+    offsets, at = [], len("".join(text(t) for t in job.tokens[:lo])) if lo else 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [
+            {text(i): v for i, v in zip(ids, lps, strict=True)} for _, ids, lps in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 async def _until_done(job: Job) -> None:

@@ -41,7 +41,8 @@ class NotServing(Exception):
 @dataclasses.dataclass
 class Request:
     """One completion: its prompt token ids and settings, and what the engine writes back.
-    events receives ("text", str) deltas, then ("done", None); `cancel()` frees its slot."""
+    events receives ("text", (str, n)) deltas, n: the tokens the text so far covers (whose
+    logprobs may go out with it), then ("done", None); `cancel()` frees its slot."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -50,10 +51,13 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none wanted; else the alternatives wanted per token
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
+    # With logprobs: per token (its log-probability, its step's likeliest ids, theirs).
+    token_logprobs: list = dataclasses.field(default_factory=list)
     text: str = ""  # the answer so far (cut at a stop string)
     sent: int = 0  # characters of `text` handed out
     finish_reason: str | None = None
@@ -274,6 +278,7 @@ class Engine:
                 dec.insert(
                     slot, req.prompt_ids, max_new=req.max_tokens, temperature=req.temperature,
                     top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                    logprobs=req.logprobs is not None,
                 )  # fmt: skip
             if admit:  # the prefill's token: the first text, without waiting for a chunk
                 self._deliver(dec.advance(0))
@@ -300,6 +305,14 @@ class Engine:
         freed = []
         for slot, req in list(self._active.items()):
             new = chunk.gen[slot, len(req.tokens) : int(chunk.n_gen[slot])].tolist()
+            if req.logprobs is not None and chunk.logprobs is not None:
+                lp, top_lp, top_ids = (x[slot, len(req.tokens) : len(req.tokens) + len(new)]
+                                       for x in chunk.logprobs)  # fmt: skip
+                k = req.logprobs
+                req.token_logprobs.extend(
+                    (float(a), b[:k].tolist(), c[:k].tolist())
+                    for a, b, c in zip(lp, top_ids, top_lp, strict=True)
+                )
             req.tokens.extend(new)
             req.steps = int(chunk.num_steps[slot])
             req.drafted += int(drafted[slot].sum())
@@ -346,7 +359,10 @@ class Engine:
         if upto > req.sent:
             if req.first_text is None:
                 req.first_text = time.perf_counter()
-            req._post(("text", text[req.sent : upto]))
+            covered = req.counted
+            if req.logprobs is not None and req.finish_reason is None:
+                covered = self._tokens_for(req.tokens, upto)
+            req._post(("text", (text[req.sent : upto], covered)))
             req.sent = upto
 
     def _tokens_for(self, tokens: list[int], chars: int) -> int:

@@ -56,7 +56,10 @@ def make_server(
         on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
         metrics=Metrics(model_name),
     )
-    limits = Limits(max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings)
+    limits = Limits(
+        max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings,
+        logprobs=cfg.logprobs,
+    )  # fmt: skip
     web = make_app(
         engine, model=model_name, tokenizer=target.tokenizer, limits=limits, api_key=api_key
     )
