@@ -258,8 +258,9 @@ class SlotDecoder:
     # -- start-up ------------------------------------------------------------------------
     def warm_up(self, token_ids, steps: int = 1) -> None:
         """Runs every step kind once over all rows, every other one sampling and all keeping
-        log-probabilities (with `DecodeConfig.logprobs`), so that those branches run too (XLA:CPU sets each fusion up at its first execution;
-        `api._warm`), then frees the rows."""
+        log-probabilities (with `DecodeConfig.logprobs`), so that those branches run too
+        (XLA:CPU sets each fusion up at its first execution; `api._warm`), then frees the
+        rows."""
         kinds = range(len(self.cfg.all_kinds)) if self.cfg.adaptive else (-1,)
         for kind in kinds:
             self._fill(token_ids, sampled=True, logprobs=bool(self.cfg.logprobs))
