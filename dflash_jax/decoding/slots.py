@@ -82,10 +82,16 @@ def _insert(
 
 def _release(state: LoopState, release_n) -> LoopState:
     """Between chunks: rows in `release_n` [N] bool stop (done, greedy, so no free row keeps
-    the sampling arithmetic running) and the step counter restarts, so the per-step records
-    (acc, kinds) of the next chunk start at column 0."""
+    the sampling arithmetic running) and shrink to one generated token and one context entry
+    (with the host's prompt length of 1, `SlotDecoder.release`: a free row's attention reads
+    one key tile, not its last request's length), and the step counter restarts, so the
+    per-step records (acc, kinds) of the next chunk start at column 0."""
     rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
-    return state.replace(done=state.done | release_n, step=jnp.int32(0), rows=rows)
+    return state.replace(
+        done=state.done | release_n, step=jnp.int32(0), rows=rows,
+        n_gen=jnp.where(release_n, 1, state.n_gen),
+        drf_len=jnp.where(release_n, 1, state.drf_len),
+    )  # fmt: skip
 
 
 @jax.jit
@@ -249,10 +255,12 @@ class SlotDecoder:
         return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds, lp)
 
     def release(self, rows) -> None:
-        """Marks the rows `rows` (indices) free (done), and restarts the step count."""
+        """Marks the rows `rows` (indices) free (done, their lengths one token: they cost the
+        loop's passes almost nothing), and restarts the step count."""
         mask = np.zeros((self.slots,), bool)
         mask[list(rows)] = True
         self._sampling[mask] = False
+        self.lengths[mask] = 1
         self.state = self._release(self.state, mask)
 
     # -- start-up ------------------------------------------------------------------------
