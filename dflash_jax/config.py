@@ -828,8 +828,18 @@ class DecodeConfig:
     # every active row's kept drafts (`decoding/cut.py`: what a cut saves); adaptive kinds
     # apply the cut to their own drafts. 0: no cut (the measured default, docs/results.md).
     confidence_cut: float = 0.0
+    # With row_settings: log-probabilities kept for every committed token (a server's
+    # `logprobs`): the token's and those of the `logprobs` likeliest tokens, from the
+    # distribution the row draws from (its temperature, top-k and top-p; a greedy row's raw
+    # distribution), computed in a step only while some row asks (`RowSettings.logprobs`).
+    # 0: none kept (the loop state has no room for them).
+    logprobs: int = 0
 
     def __post_init__(self):
+        if self.logprobs and not (0 < self.logprobs <= 20 and self.row_settings):
+            raise ConfigError(
+                f"logprobs={self.logprobs}: 1 to 20 alternatives, with row_settings (0: none)"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         if not 0 <= self.row_tile <= 1024:

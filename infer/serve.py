@@ -6,13 +6,16 @@ r"""An OpenAI-compatible server: continuous batching over the jitted DFlash loop
          "max_tokens": 64, "temperature": 0}'
 
 POST /v1/completions and /v1/chat/completions (`stream: true` as server-sent events; per
-request max_tokens, temperature, top_p, top_k, stop, seed), GET /v1/models, /health (200 once
-every program is compiled and warmed up, 503 before and while draining) and /metrics (requests,
-queue, tokens/s, tau, steps by kind). The --slots rows of one running decode are the slots:
-between chunks of --chunk_steps loop steps, finished rows are freed and queued requests are
-prefilled into free rows (`dflash_jax.decoding.slots`). Target passes are batch-invariant
-unless --nobatch_invariant, so a greedy request's answer is the same alone or beside others.
-A full queue (--max_queue) answers 429 with Retry-After; a bad request 400 naming the field.
+request max_tokens, temperature, top_p, top_k, stop, seed; an unseeded request draws a fresh
+seed), GET /v1/models, /health (200 once every program is compiled and warmed up, 503 before,
+while draining and after a failure, with the reason), /metrics (Prometheus: requests, queue,
+tokens, latency histograms, speculative decoding) and /stats (the same summary as JSON). The
+--slots rows of one running decode are the slots: between chunks of --chunk_steps loop steps,
+finished rows are freed and queued requests are prefilled into free rows
+(`dflash_jax.decoding.slots`). Target passes are batch-invariant unless --nobatch_invariant, so
+a greedy request's answer is the same alone or beside others. Past --max_queue requests
+waiting beyond the free slots: 429 with Retry-After; a bad request: 400 naming the field; a
+failure of the decoder: 500 to every request it held. --api_key (or DFLASH_API_KEY) guards /v1/.
 SIGTERM (or Ctrl-C) stops admitting, lets every accepted request finish, then exits. Loopback
 by default (--host). The sampling flags of infer.generate do not apply: each request brings
 its own (OpenAI's defaults: temperature 1, top_p 1). docs/serving.md has the details.
@@ -21,6 +24,7 @@ its own (OpenAI's defaults: temperature 1, top_p 1). docs/serving.md has the det
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from absl import app, flags
@@ -30,6 +34,8 @@ from infer import cli, common
 from infer.serving.server import make_server
 
 FLAGS = flags.FLAGS
+API_KEY_ENV = "DFLASH_API_KEY"  # as vLLM's VLLM_API_KEY
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
 flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
@@ -37,10 +43,16 @@ flags.DEFINE_integer(
     "slots", 8, "Requests decoded at once: the rows of the running decode.", lower_bound=1
 )
 flags.DEFINE_integer(
-    "max_prompt_tokens", 512,
+    "max_prompt_tokens", None,
     "Longest prompt (in tokens, after the chat template) a request may have; one insert "
-    "program is compiled per power-of-two width from 32 up to it.",
+    "program is compiled per power-of-two width from 32 up to it. Default: the target's "
+    "context less --max_new_tokens.",
     lower_bound=1,
+)  # fmt: skip
+flags.DEFINE_string(
+    "api_key", None,
+    f"With a key, every /v1/ request needs the header 'Authorization: Bearer <key>' (401 "
+    f"otherwise); /health and /metrics stay open. Default: the environment's {API_KEY_ENV}.",
 )  # fmt: skip
 flags.DEFINE_integer(
     "chunk_steps", 8,
@@ -66,7 +78,8 @@ def server_config(target, drafter) -> api.DecodeConfig:
     """The served decode: the flags' kinds (the measured defaults when unset), every row with
     its own settings, --max_new_tokens the most a request may ask for, batch-invariant unless
     --nobatch_invariant, at --row_tile's tile (by default `invariance.served_row_tile`: the
-    slots, from 8 of them, so the plain step over every slot runs as one tile)."""
+    slots, from 8 of them, so the plain step over every slot runs as one tile), keeping up to
+    MAX_LOGPROBS alternatives per token for the requests that ask for logprobs."""
     cfg = common.run_config(target, drafter)
     invariant = True if FLAGS.batch_invariant is None else FLAGS.batch_invariant
     # A plain step stays among the default kinds: with several busy slots a drafted step costs
@@ -76,7 +89,7 @@ def server_config(target, drafter) -> api.DecodeConfig:
         kinds = api.default_step_kinds(cfg.block_size)
     return dataclasses.replace(
         cfg, temperature=0.0, top_k=0, top_p=1.0, batch_invariant=invariant, row_settings=True,
-        step_kinds=kinds, row_tile=common.row_tile(FLAGS.slots),
+        step_kinds=kinds, row_tile=common.row_tile(FLAGS.slots), logprobs=MAX_LOGPROBS,
     )  # fmt: skip
 
 
@@ -96,25 +109,27 @@ def main(argv):
         cfg = server_config(target, drafter)
         api.check_inputs(target, drafter, [[1]], [1], cfg)
         context = target.config.max_position_embeddings
-        if FLAGS.max_prompt_tokens + cfg.max_new_tokens > context:
+        max_prompt = FLAGS.max_prompt_tokens or context - cfg.max_new_tokens
+        if max_prompt < 1 or max_prompt + cfg.max_new_tokens > context:
             raise ValueError(
-                f"--max_prompt_tokens {FLAGS.max_prompt_tokens} + --max_new_tokens "
+                f"--max_prompt_tokens {max_prompt} + --max_new_tokens "
                 f"{cfg.max_new_tokens} exceed the target's context of {context} tokens"
             )
     server, engine = make_server(
         target, drafter, cfg, host=FLAGS.host, port=FLAGS.port, slots=FLAGS.slots,
-        max_prompt=FLAGS.max_prompt_tokens, chunk_steps=FLAGS.chunk_steps,
+        max_prompt=max_prompt, chunk_steps=FLAGS.chunk_steps,
         max_queue=FLAGS.max_queue, model_name=FLAGS.model_name or FLAGS.target,
-        calibrate=FLAGS.calibrate,
+        calibrate=FLAGS.calibrate, api_key=FLAGS.api_key or os.environ.get(API_KEY_ENV),
     )  # fmt: skip
     print(
         f"serving {FLAGS.model_name or FLAGS.target} on http://{FLAGS.host}:{FLAGS.port} "
-        f"({FLAGS.slots} slots; /health is 200 once compiled)",
+        f"({FLAGS.slots} slots, prompts up to {max_prompt} tokens; /health is 200 once "
+        "compiled)",
         file=sys.stderr,
         flush=True,
     )
     server.run()
-    if engine.error is not None:
+    if engine.error is not None and not engine.ready.is_set():
         raise ValueError(f"the decoder failed to start: {engine.error}")
 
 

@@ -34,6 +34,8 @@ from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import init_params
 from infer.serving import server as serve
+from infer.serving.app import Limits, make_app
+from infer.serving.engine import Engine
 
 MODEL = "tiny"
 RULE = (2, 16)  # a row rule given: a range, as a test may give (a decode's is one fixed tile)
@@ -55,7 +57,7 @@ class Served:
         return httpx.post(f"{self.url}{path}", json=body, timeout=60)
 
     def metrics(self) -> dict:
-        return httpx.get(f"{self.url}/metrics").json()
+        return httpx.get(f"{self.url}/stats").json()
 
 
 def tiny_pair(dtype: str):
@@ -85,6 +87,7 @@ def decode_config(adaptive: bool = False) -> DecodeConfig:
     return DecodeConfig(
         max_new_tokens=MAX_NEW, block_size=8, stop_token_ids=(2,), adaptive=adaptive,
         lookup_kinds=(8,) if adaptive else (), batch_invariant=True, row_settings=True,
+        logprobs=20,
     )  # fmt: skip
 
 
@@ -249,6 +252,243 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_free_slots_take_requests_without_429(served):
+    """Requests that a free slot takes at the next chunk boundary are not queued against
+    --max_queue: with max_queue 0 (no waiting queue) and 4 free slots, 4 requests that arrive
+    while the decoder is busy are all answered; a fifth, with no slot left, is 429 (the old
+    count refused all of them)."""
+    gate = threading.Event()
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+    engine, before = served.engine, served.engine.max_queue
+    engine.max_queue = 0
+    try:
+        with slowed(engine, gate=gate), concurrent.futures.ThreadPoolExecutor(4) as pool:
+            start = engine.stats["requests"]
+            futures = [pool.submit(served.post, "/v1/completions", body) for _ in range(4)]
+            deadline = time.time() + 30
+            while engine.stats["requests"] < start + 4 and time.time() < deadline:
+                time.sleep(0.02)
+            fifth = served.post("/v1/completions", body)
+            gate.set()
+            codes = [f.result().status_code for f in futures]
+    finally:
+        engine.max_queue = before
+    assert codes == [200] * 4 and fifth.status_code == 429, (codes, fifth.text)
+
+
+def test_unseeded_samples_differ_seeded_repeat(served):
+    client = served.client()
+    kw = dict(model=MODEL, prompt="Hello there", max_tokens=MAX_NEW, temperature=1.0)
+    unseeded = {client.completions.create(**kw).choices[0].text for _ in range(4)}
+    seeded = {client.completions.create(**kw, seed=7).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1 and len(seeded) == 1, (unseeded, seeded)
+
+
+def test_request_shapes_apps_send(served):
+    """Content parts and the developer role (the system role of a template without one); a
+    tool message where the template has no tool role: 400; n null; the usage chunk of
+    stream_options.include_usage (choices empty); acceptance in usage; fields not implemented
+    refused naming them; an unknown route and a wrong method in OpenAI's error shape."""
+    client = served.client()
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0)
+    answer = client.chat.completions.create(messages=messages, n=None, **kw)
+    same = client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        **kw,
+    )  # fmt: skip
+    assert answer.choices[0].message.content == same.choices[0].message.content
+    assert answer.usage.prompt_tokens == same.usage.prompt_tokens
+    assert 0 <= answer.usage.model_extra["dflash"]["accepted_tokens"]
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+    tool = [{"role": "tool", "content": "42", "tool_call_id": "a"}]
+    for body, param in (
+        ({"messages": tool}, "messages[0]"),
+        ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = served.post(path, {"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for r, status in (
+        (httpx.get(f"{served.url}/v1/nothing"), 404),
+        (httpx.get(f"{served.url}/v1/completions"), 405),
+    ):
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
+def test_prometheus_metrics(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served.client().completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0)
+    r = httpx.get(f"{served.url}/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    value = lambda name, suffix="_total": sum(
+        s.value for s in families[name].samples if s.name == name + suffix
+    )
+    assert value("dflash:spec_decode_num_drafts") >= 1
+    drafted = value("dflash:spec_decode_num_draft_tokens")
+    assert drafted >= value("dflash:spec_decode_num_accepted_tokens") >= 0
+    assert value("dflash:time_to_first_token_seconds", "_count") >= 1
+    assert value("dflash:request_success") >= 1 and value("dflash:generation_tokens") >= 1
+    assert {s.labels["kind"] for s in families["dflash:spec_decode_steps"].samples} >= {"8"}
+
+
+def test_logprobs_are_the_targets(served, fp32_pair):
+    """logprobs on both endpoints: one entry per completion token with the alternatives asked
+    for, streamed as answered; a greedy token is its step's likeliest; each token's
+    log-probability is the target's own (a forward over prompt + answer, fp32) under the
+    distribution the row samples (temperature 0.8, top-k 5)."""
+    from dflash_jax.models.target import Transformer
+
+    target, client = fp32_pair[0], served.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12)
+    chat = client.chat.completions.create(**kw, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.token == c.top_logprobs[0].token
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6)
+    chunks = client.chat.completions.create(
+        **kw, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [c.token for c in streamed] == [c.token for c in content]
+    prompt, tok = "Hello there", target.tokenizer
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=1, logprobs=3,
+        extra_body={"top_k": 5},
+    )  # fmt: skip
+    lp = done.choices[0].logprobs
+    ids = tok.encode(prompt)
+    answer = [tok.convert_tokens_to_ids(t) for t in lp.tokens]
+    seq = jnp.asarray([ids + answer])
+    logits = Transformer(target.config).apply(
+        {"params": target.params}, seq, jnp.arange(seq.shape[1])[None]
+    )
+    x = np.asarray(logits[0] if isinstance(logits, tuple) else logits)[0] / 0.8
+    x = x[len(ids) - 1 : len(ids) - 1 + len(answer)]
+    x = np.where(x < np.sort(x, -1)[:, -5:-4], -np.inf, x)
+    want = np.asarray(jax.nn.log_softmax(x, -1))[np.arange(len(answer)), answer]
+    assert len(answer) == done.usage.completion_tokens and len(lp.top_logprobs[0]) == 3
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+
+
+class StandIn:
+    """A stand-in for the SlotDecoder (no program compiled): every busy row commits token 3
+    ("0") per advance until its max_new; `fail` makes advance raise, as a device error would;
+    `gate` holds each advance until set."""
+
+    def __init__(self, slots=2, width=64):
+        self.slots, self.cfg = slots, decode_config()
+        self.gen = np.zeros((slots, width), np.int32)
+        self.n, self.max_new = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        self.gate, self.fail = threading.Event(), False
+        self.gate.set()
+
+    def insert(self, slot, ids, *, max_new, **_):
+        self.n[slot], self.max_new[slot] = 0, max_new
+
+    def advance(self, steps, forced_kind=-1):
+        from dflash_jax.decoding.slots import Chunk
+
+        self.gate.wait(30)
+        if self.fail:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (stand-in)")
+        busy = self.n < self.max_new
+        self.gen[busy, self.n[busy]] = 3
+        self.n = self.n + busy
+        acc = busy[:, None].astype(np.int32)
+        done = self.n >= self.max_new
+        return Chunk(self.gen.copy(), self.n.copy(), done, self.n.copy(), acc, acc, 0.001)
+
+    def release(self, rows):
+        pass
+
+
+@contextlib.contextmanager
+def stand_in_server(decoder, **app_kw):
+    """The HTTP app and engine of `infer.serve` on `decoder` (a StandIn), on loopback."""
+    import uvicorn
+
+    tok = char_tokenizer(CHATML)
+    engine = Engine(lambda: decoder, tok, (2,), max_queue=4, chunk_steps=1)
+    web = make_app(engine, model=MODEL, tokenizer=tok, limits=Limits(64, MAX_NEW, 256), **app_kw)
+    config = uvicorn.Config(web, host="127.0.0.1", port=0, log_level="error", lifespan="on")
+    server = serve.DrainingServer(config, engine)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not (server.started and engine.ready.is_set()):
+        assert thread.is_alive()
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", server, engine, thread)
+    finally:
+        decoder.gate.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_a_failing_decoder_answers_500_and_health_503():
+    """The engine thread survives its decoder raising: the requests it held or queued (one
+    streamed, one not) end with a 500 in OpenAI's error shape, /health is 503 with the reason, new requests
+    are 503, and a drain completes (before: the thread died, every request hung)."""
+    dec = StandIn()
+    with stand_in_server(dec) as s:
+        ok = s.post("/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "000", ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        dec.gate.clear()
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 30}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(s.post, "/v1/completions", body)
+            with httpx.stream(
+                "POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=30
+            ) as r:
+                while s.engine.stats["requests"] < 3:  # both in flight (held or queued)
+                    time.sleep(0.01)
+                dec.fail = True
+                dec.gate.set()
+                events = [line for line in r.iter_lines() if line.startswith("data: {")]
+            failed = plain.result(timeout=30)
+        assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
+        assert "out of memory" in events[-1] and '"error"' in events[-1]
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "out of memory" in health.json()["error"]
+        assert s.post("/v1/completions", body).status_code == 503
+        s.engine.drain(timeout=10)
+        assert not s.engine._thread.is_alive()
+
+
+def test_api_key_and_body_cap():
+    """With an API key, /v1/ without the bearer token is 401 (OpenAI's error shape), with it
+    200; /health stays open. A body past the cap is 413 before it is parsed."""
+    with stand_in_server(StandIn(), api_key="sesame") as s:
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
+        refused = s.post("/v1/completions", body)
+        assert refused.status_code == 401 and refused.json()["error"]["type"]
+        with pytest.raises(openai.AuthenticationError):
+            s.client().completions.create(**body)
+        good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sesame")
+        assert good.completions.create(**body).choices[0].text == "00"
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        big = httpx.post(
+            f"{s.url}/v1/completions", json={**body, "prompt": "a" * 10**6},
+            headers={"Authorization": "Bearer sesame"},
+        )  # fmt: skip
+        assert big.status_code == 413 and big.json()["error"]["message"]
+
+
 def test_per_row_cuts_equal_the_sorted_cuts():
     """Each row's top-k / top-p support (found among the largest values, or by bisection for
     rows whose cut lies past them) is the one `process_logits` finds by sorting, per setting."""
@@ -325,7 +565,7 @@ def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch)
     zeros = lambda *shape: np.zeros(shape, np.int32)
     monkeypatch.setattr(
         slots_lib, "_peek", lambda state: (zeros(2, 4), zeros(2), zeros(2), zeros(2),
-                                           zeros(2, 1), zeros(2, 1), 0)
+                                           zeros(2, 1), zeros(2, 1), 0, None)
     )  # fmt: skip
     dec.insert(0, [5, 6], max_new=4)
     dec.advance(1)

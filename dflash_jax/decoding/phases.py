@@ -23,6 +23,7 @@ from dflash_jax.decoding.sampling import (
     process_logits,
     row_keys,
     sample,
+    token_logprobs,
 )
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
 from dflash_jax.models.drafter import (
@@ -87,6 +88,13 @@ def prefill(
         else jnp.zeros((b,), bool)
     )
     done_b = done_b | (limit_b <= 1)
+    kept = {}
+    if cfg.logprobs:  # the first token's, at slot 0 of each buffer beside gen
+        lp_b1, top_b1k, ids_b1k = token_logprobs(
+            head.logits(hidden_b1d), first_b[:, None], rows, cfg.logprobs, rows.logprobs
+        )
+        room = lambda x: jnp.zeros((b, width) + x.shape[2:], x.dtype).at[:, :1].set(x)
+        kept = dict(logp=room(lp_b1), top_logp=room(top_b1k), top_ids=room(ids_b1k))
     state = LoopState(
         gen=gen_bw,
         n_gen=jnp.ones((b,), jnp.int32),
@@ -97,6 +105,7 @@ def prefill(
         kinds=jnp.zeros((b, max_steps(cfg)), jnp.int32),
         cache=cache,
         rows=rows,
+        **kept,
     )
     return state, taps_bpf
 

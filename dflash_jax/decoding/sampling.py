@@ -20,15 +20,17 @@ class RowSettings:
     different requests (`DecodeConfig.row_settings`: a server's slots, `decoding.slots`):
     temperature [B] (0 = greedy), top_k [B] (0 = off), top_p [B] (1 = off), key_data [B, 2]
     (the raw PRNG key of the request's seed) and max_new [B] (its token limit, at most
-    `max_new_tokens`). Passed where a DecodeConfig gives the sampling settings: it takes the
-    sampling path (`greedy` is False), and the phases give greedy rows the argmax
-    (`where_sampled`)."""
+    `max_new_tokens`), and with `DecodeConfig.logprobs` logprobs [B] (bool: whether the
+    request wants its tokens' log-probabilities). Passed where a DecodeConfig gives the
+    sampling settings: it takes the sampling path (`greedy` is False), and the phases give
+    greedy rows the argmax (`where_sampled`)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     key_data: jax.Array
     max_new: jax.Array
+    logprobs: jax.Array | None = None
 
     greedy = False  # not a field: the sampling path runs, greedy rows mixed in by the phases
 
@@ -42,6 +44,7 @@ class RowSettings:
             top_p=full(cfg.top_p, jnp.float32),
             key_data=jax.random.key_data(row_keys(rng, batch)),
             max_new=full(cfg.max_new_tokens, jnp.int32),
+            logprobs=full(False, bool) if cfg.logprobs else None,
         )
 
     def keys(self) -> jax.Array:
@@ -61,6 +64,38 @@ class RowSettings:
             )
 
         return jax.lax.cond(jnp.any(self.temperature > 0), mixed, lambda: greedy)
+
+
+# The log-probability of an alternative outside a row's support (top-k / top-p cut it): finite,
+# so that JSON can carry it (as vLLM's -9999.0).
+CUT_LOGPROB = -9999.0
+
+
+def token_logprobs(logits_btv, tokens_bt, rows: RowSettings, k: int, asked_b):
+    """Each row's log-probabilities of `tokens_bt` and of its `k` likeliest tokens under the
+    distribution it draws from (temperature, top-k, top-p; a greedy row's raw distribution);
+    computed only if a row in `asked_b` [B] asks, zeros otherwise.
+    -> (logp [B,T], top_logp [B,T,k], top_ids [B,T,k])."""
+    b, t = tokens_bt.shape
+
+    def compute():
+        raw = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+        sampled_b = rows.temperature > 0
+        logp = jax.lax.cond(
+            jnp.any(sampled_b),
+            lambda: jnp.where(sampled_b[:, None, None], process_logits(logits_btv, rows), raw),
+            lambda: raw,
+        )
+        token = jnp.take_along_axis(logp, tokens_bt[..., None], axis=-1)[..., 0]
+        top_logp, top_ids = jax.lax.top_k(logp, k)
+        return token, jnp.maximum(top_logp, CUT_LOGPROB), top_ids.astype(jnp.int32)
+
+    zeros = lambda: (
+        jnp.zeros((b, t), jnp.float32),
+        jnp.zeros((b, t, k), jnp.float32),
+        jnp.zeros((b, t, k), jnp.int32),
+    )
+    return jax.lax.cond(jnp.any(asked_b), compute, zeros)
 
 
 def process_logits(logits: jax.Array, cfg: DecodeConfig | RowSettings) -> jax.Array:

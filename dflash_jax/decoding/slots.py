@@ -82,22 +82,34 @@ def _insert(
 
 def _release(state: LoopState, release_n) -> LoopState:
     """Between chunks: rows in `release_n` [N] bool stop (done, greedy, so no free row keeps
-    the sampling arithmetic running) and the step counter restarts, so the per-step records
-    (acc, kinds) of the next chunk start at column 0."""
+    the sampling arithmetic running) and shrink to one generated token and one context entry
+    (with the host's prompt length of 1, `SlotDecoder.release`: a free row's attention reads
+    one key tile, not its last request's length), and the step counter restarts, so the
+    per-step records (acc, kinds) of the next chunk start at column 0."""
     rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
-    return state.replace(done=state.done | release_n, step=jnp.int32(0), rows=rows)
+    return state.replace(
+        done=state.done | release_n, step=jnp.int32(0), rows=rows,
+        n_gen=jnp.where(release_n, 1, state.n_gen),
+        drf_len=jnp.where(release_n, 1, state.drf_len),
+    )  # fmt: skip
 
 
 @jax.jit
 def _peek(state: LoopState):
-    return state.gen, state.n_gen, state.done, state.num_steps, state.acc, state.kinds, state.step
+    logprobs = None if state.logp is None else (state.logp, state.top_logp, state.top_ids)
+    return (
+        state.gen, state.n_gen, state.done, state.num_steps, state.acc, state.kinds, state.step,
+        logprobs,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
 class Chunk:
     """What one advance call did. gen [N,W], n_gen [N], done [N], num_steps [N] as the state
     holds them after the chunk; acc [N,steps], kinds [N,steps]: each step's committed tokens
-    and kind per row (0 where the row ran no step); seconds: the call's wall time."""
+    and kind per row (0 where the row ran no step); seconds: the call's wall time; logprobs:
+    with `DecodeConfig.logprobs`, (logp [N,W], top_logp [N,W,K], top_ids [N,W,K]) beside gen
+    (filled for the rows inserted with logprobs), else None."""
 
     gen: np.ndarray
     n_gen: np.ndarray
@@ -106,6 +118,7 @@ class Chunk:
     acc: np.ndarray
     kinds: np.ndarray
     seconds: float
+    logprobs: tuple | None = None
 
 
 class SlotDecoder:
@@ -169,7 +182,7 @@ class SlotDecoder:
         )
         options = programs.executable_options(self.statics["target_config"])
         insert = jax.jit(_insert, static_argnames=tuple(self.statics), donate_argnames="state")
-        row = self._row_settings(0.0, 0, 1.0, 0, 1)
+        row = self._row_settings(0.0, 0, 1.0, 0, 1, False)
         self._inserts = {
             width: insert.lower(
                 *self.params, np.zeros((1, width), np.int32), np.ones((1,), np.int32), row,
@@ -182,13 +195,14 @@ class SlotDecoder:
         self.compile_s = time.perf_counter() - t0
 
     # -- rows ----------------------------------------------------------------------------
-    def _row_settings(self, temperature, top_k, top_p, seed, max_new) -> RowSettings:
+    def _row_settings(self, temperature, top_k, top_p, seed, max_new, logprobs) -> RowSettings:
         return RowSettings(
             temperature=np.full((1,), temperature, np.float32),
             top_k=np.full((1,), top_k, np.int32),
             top_p=np.full((1,), top_p, np.float32),
             key_data=np.asarray(jax.random.key_data(jax.random.key(seed)))[None],
             max_new=np.full((1,), max_new, np.int32),
+            logprobs=np.full((1,), logprobs, bool) if self.cfg.logprobs else None,
         )
 
     def insert(
@@ -201,8 +215,12 @@ class SlotDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        logprobs: bool = False,
     ) -> None:
-        """Prefills a request's prompt into row `slot` (a free one) with its own settings."""
+        """Prefills a request's prompt into row `slot` (a free one) with its own settings;
+        `logprobs`: keep its tokens' log-probabilities (with `DecodeConfig.logprobs`)."""
+        if logprobs and not self.cfg.logprobs:
+            raise ValueError("logprobs: this decoder keeps none (DecodeConfig.logprobs=0)")
         n = len(token_ids)
         if not 1 <= n <= self.max_prompt:
             raise ValueError(f"prompt of {n} tokens: between 1 and {self.max_prompt} fit")
@@ -214,7 +232,7 @@ class SlotDecoder:
         self.prompt[slot] = 0
         self.prompt[slot, :n] = token_ids
         self.lengths[slot] = n
-        row = self._row_settings(temperature, top_k, top_p, seed, max_new)
+        row = self._row_settings(temperature, top_k, top_p, seed, max_new, logprobs)
         self._sampling[slot] = temperature > 0
         self.state = self._inserts[width](
             *self.params, prompt, np.asarray([n], np.int32), row, np.int32(slot), self.state
@@ -231,37 +249,42 @@ class SlotDecoder:
             *self.params, self.prompt, self.lengths, self._rng, costs,
             np.int32(forced_kind), np.int32(min(steps, max_steps(self.cfg))), self.state,
         )  # fmt: skip
-        gen, n_gen, done, num_steps, acc, kinds, step = jax.device_get(_peek(self.state))
+        gen, n_gen, done, num_steps, acc, kinds, step, lp = jax.device_get(_peek(self.state))
         seconds = time.perf_counter() - t0
         ran = int(step)
-        return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds)
+        return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds, lp)
 
     def release(self, rows) -> None:
-        """Marks the rows `rows` (indices) free (done), and restarts the step count."""
+        """Marks the rows `rows` (indices) free (done, their lengths one token: they cost the
+        loop's passes almost nothing), and restarts the step count."""
         mask = np.zeros((self.slots,), bool)
         mask[list(rows)] = True
         self._sampling[mask] = False
+        self.lengths[mask] = 1
         self.state = self._release(self.state, mask)
 
     # -- start-up ------------------------------------------------------------------------
     def warm_up(self, token_ids, steps: int = 1) -> None:
-        """Runs every step kind once over all rows, every other one sampling, so that the
-        sampling branches run too (XLA:CPU sets each fusion up at its first execution;
-        `api._warm`), then frees the rows."""
+        """Runs every step kind once over all rows, every other one sampling and all keeping
+        log-probabilities (with `DecodeConfig.logprobs`), so that those branches run too
+        (XLA:CPU sets each fusion up at its first execution; `api._warm`), then frees the
+        rows."""
         kinds = range(len(self.cfg.all_kinds)) if self.cfg.adaptive else (-1,)
         for kind in kinds:
-            self._fill(token_ids, sampled=True)
+            self._fill(token_ids, sampled=True, logprobs=bool(self.cfg.logprobs))
             self.advance(steps, forced_kind=kind)
             self.release(range(self.slots))
 
-    def _fill(self, token_ids, sampled: bool) -> None:
+    def _fill(self, token_ids, sampled: bool, logprobs: bool = False) -> None:
         """Every slot busy with `token_ids`; with `sampled`, the odd ones sample (temperature
-        0.7, top_p 0.95, a seed each), the others greedy."""
+        0.7, top_p 0.95, a seed each), the others greedy; with `logprobs`, every row keeps
+        its tokens' log-probabilities."""
         for slot in range(self.slots):
             sample = sampled and slot % 2 == 1
             self.insert(
                 slot, token_ids, max_new=self.cfg.max_new_tokens,
                 temperature=0.7 if sample else 0.0, top_p=0.95 if sample else 1.0, seed=slot,
+                logprobs=logprobs,
             )  # fmt: skip
 
     def calibrate(

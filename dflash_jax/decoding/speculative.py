@@ -129,7 +129,7 @@ def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> Lo
     start_b = prompt_lengths + s.n_gen - 1
     active_b = ~s.done
     # Commit; the target cache length is implied by n_gen (rollback = lower length).
-    s, produced_b = commit(s, out.new, out.accepted + 1, cfg, out.kind)
+    s, produced_b = commit(s, out.new, out.accepted + 1, cfg, out.kind, out.logprobs)
     cache = KVCache(
         k=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.k, out.k, strict=True)),
         v=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.v, out.v, strict=True)),

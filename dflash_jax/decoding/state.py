@@ -59,6 +59,11 @@ class LoopState:
     lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
     tree_alpha: jax.Array | None = None  # [B, T-1] adaptive with a tree kind: per tree depth
     rows: object | None = None  # `sampling.RowSettings` [B] with `DecodeConfig.row_settings`
+    # With `DecodeConfig.logprobs` (K): each committed token's log-probability [B, W] and its
+    # step's K likeliest tokens [B, W, K] with theirs, beside `gen` (`sampling.token_logprobs`).
+    logp: jax.Array | None = None
+    top_logp: jax.Array | None = None
+    top_ids: jax.Array | None = None
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -81,6 +86,9 @@ _CARRY_AXES = {
     "lookup_alpha": ("batch", None),
     "tree_alpha": ("batch", None),
     "rows": ("batch",),  # each field [B] or [B, 2] (a key's data)
+    "logp": ("batch", "length"),
+    "top_logp": ("batch", "length"),
+    "top_ids": ("batch", "length"),
 }
 
 
@@ -135,12 +143,13 @@ def step_sampling(s: LoopState, cfg: DecodeConfig, rng):
 
 
 def commit(
-    state: LoopState, new_bt, produced_b, cfg: DecodeConfig, block_size: int = 1
+    state: LoopState, new_bt, produced_b, cfg: DecodeConfig, block_size: int = 1, logprobs=None
 ) -> tuple[LoopState, jax.Array]:
     """Commits new[:, :produced] per row, capped by max_new_tokens and cut after the first
     stop token inside the new span only; records the step's block size. Done rows commit
-    nothing. Each row's own limit with `state.rows` (`DecodeConfig.row_settings`). Returns
-    (state, produced)."""
+    nothing. Each row's own limit with `state.rows` (`DecodeConfig.row_settings`); with
+    `logprobs` ([B,T], [B,T,K], [B,T,K]: `sampling.token_logprobs` of new), those beside the
+    tokens. Returns (state, produced)."""
     b, t = new_bt.shape
     active_b = ~state.done
     limit_b = cfg.max_new_tokens if state.rows is None else state.rows.max_new
@@ -158,6 +167,13 @@ def commit(
     write_bt = jnp.where(idx_t[None, :] < produced_b[:, None], state.n_gen[:, None] + idx_t, width)
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     gen = state.gen.at[rows_bt, write_bt].set(new_bt, mode="drop")
+    if logprobs is not None:
+        lp_bt, top_lp_btk, top_ids_btk = logprobs
+        state = state.replace(
+            logp=state.logp.at[rows_bt, write_bt].set(lp_bt, mode="drop"),
+            top_logp=state.top_logp.at[rows_bt, write_bt].set(top_lp_btk, mode="drop"),
+            top_ids=state.top_ids.at[rows_bt, write_bt].set(top_ids_btk, mode="drop"),
+        )
     n_gen = state.n_gen + produced_b
     done = state.done | (active_b & (has_stop_b | (n_gen >= limit_b)))
     acc = state.acc.at[jnp.arange(b), state.step].set(produced_b, mode="drop")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.decoding.phases import context_rows, next_token, verify_accept, verify_hidden
+from dflash_jax.decoding.sampling import token_logprobs
 
 
 @flax.struct.dataclass
@@ -23,7 +24,8 @@ class Proposal:
     [B]: the copy proposed before the step (adaptive mode with lookup kinds, else None), which
     the controller learns from; state: a hybrid target's per-linear-layer `LinearRows`
     [B,W,...] (else None), from which `_apply` commits each row's recurrent state at its
-    accepted length."""
+    accepted length; logprobs: with `DecodeConfig.logprobs`, `sampling.token_logprobs` of new
+    ([B,W], [B,W,K], [B,W,K]), else None."""
 
     new: jax.Array
     accepted: jax.Array
@@ -35,6 +37,7 @@ class Proposal:
     copy: jax.Array | None = None
     found: jax.Array | None = None
     state: tuple | None = None
+    logprobs: tuple | None = None
 
 
 def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width, kind):
@@ -62,6 +65,13 @@ def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width,
         new_bt = next_token(head, vhidden_btd[:, 0], k_accept, draw)[:, None]
         a_b = jnp.zeros_like(start_b)
     ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
+    logprobs = None
+    if ctx.cfg.logprobs:  # at each verified position: the distribution its token came from
+        asked_b = s.rows.logprobs & ~s.done
+        logprobs = token_logprobs(
+            head.logits(vhidden_btd[:, : new_bt.shape[1]]), new_bt, s.rows, ctx.cfg.logprobs,
+            asked_b,
+        )  # fmt: skip
 
     def pad(x, axis):  # rows of this kind -> `width` rows (the tail is never read)
         extra = [(0, 0)] * x.ndim
@@ -77,4 +87,5 @@ def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width,
         ctx_k=tuple(pad(r, 2) for r in ctx_ks),
         ctx_v=tuple(pad(r, 2) for r in ctx_vs),
         state=None if kv_rows.state is None else jax.tree.map(lambda r: pad(r, 1), kv_rows.state),
+        logprobs=None if logprobs is None else tuple(pad(x, 1) for x in logprobs),
     )

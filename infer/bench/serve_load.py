@@ -6,11 +6,12 @@ Starts `python -m infer.serve` on the flags' target and drafter (the embedded de
 said) and waits for /health; then --workers threads send --requests chat completions through
 the `openai` client (the dev set's prompts in turn: a quarter each greedy / sampled, streamed /
 not; max_tokens --max_new_tokens) and time each one (latency; time to the first text when
-streamed). It reads the server's /metrics (tau, steps by kind), stops it with SIGTERM, then
+streamed). It reads the server's /stats (tau, steps by kind), stops it with SIGTERM, then
 runs the same requests one by one through `dflash_jax.api.generate` in this process (each
 distinct setting run once untimed first, so neither side counts compilation), and checks that
 every greedy answer is the same text. Prints one JSON object (and writes it to --output):
-aggregate tokens/s of both, the ratio, p50/p95 latency and time to first text, tau. Of
+aggregate tokens/s of both, the ratio, p50/p95 latency, time to first text and gap between a
+streamed answer's pieces of text (a running request's stall while others arrive), tau. Of
 infer.common's flags, --target, --drafter, --dtype and --max_new_tokens apply (the sampling
 flags do not: each request brings its own). Bounded: --deadline_s for the whole run.
 """
@@ -106,25 +107,29 @@ def start_server(dtype: str, log_path: str) -> tuple[subprocess.Popen, float]:
 
 
 def send(client, model: str, req: dict) -> dict:
-    """One request through the openai client -> text, latency, time to first text."""
+    """One request through the openai client -> text, latency, time to first text and
+    (streamed) the gaps between its successive pieces of text."""
     kw = dict(
         model=model, messages=[{"role": "user", "content": req["prompt"]}],
         max_tokens=FLAGS.max_new_tokens, temperature=req["temperature"], top_p=req["top_p"],
         seed=req["seed"],
     )  # fmt: skip
     t0 = time.perf_counter()
-    first = None
+    first, arrivals = None, []
     if req["stream"]:
         parts = []
         for chunk in client.chat.completions.create(**kw, stream=True):
             text = chunk.choices[0].delta.content if chunk.choices else None
-            if text and first is None:
-                first = time.perf_counter() - t0
+            if text:
+                arrivals.append(time.perf_counter())
+                if first is None:
+                    first = arrivals[-1] - t0
             parts.append(text or "")
         text = "".join(parts)
     else:
         text = client.chat.completions.create(**kw).choices[0].message.content
-    return {"text": text, "latency_s": time.perf_counter() - t0, "ttft_s": first}
+    gaps = np.diff(arrivals).tolist()  # a running request's waits between pieces of text
+    return {"text": text, "latency_s": time.perf_counter() - t0, "ttft_s": first, "gaps_s": gaps}
 
 
 def percentiles(values) -> dict:
@@ -186,7 +191,7 @@ def main(argv):
         with concurrent.futures.ThreadPoolExecutor(FLAGS.workers) as pool:
             served = list(pool.map(lambda r: send(client, model, r), reqs))
         wall_s = time.perf_counter() - t0
-        metrics = get_json("/metrics")[1]
+        metrics = get_json("/stats")[1]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -219,6 +224,9 @@ def main(argv):
             "tokens_per_s": served_tps,
             "latency_s": percentiles(s["latency_s"] for s in served),
             "ttft_s_streamed": percentiles(s["ttft_s"] for s in served),
+            # Between a streamed request's pieces of text, over every streamed request: what a
+            # running request waits while others are admitted (their prefills) and decoded.
+            "inter_token_gap_s_streamed": percentiles(g for s in served for g in s["gaps_s"]),
             "tau": metrics["tau"],
             "steps_by_kind": metrics["steps_by_kind"],
             "server_tokens_per_s_busy": metrics["tokens_per_s_busy"],

@@ -1,34 +1,49 @@
 """The OpenAI-compatible HTTP side of `infer.serve` (FastAPI): request validation, the
 response and server-sent-event shapes of /v1/completions and /v1/chat/completions, /v1/models,
-/health and /metrics. Every request is checked before it is queued; a bad one is answered 400
-with an OpenAI-style error naming the field (`param`)."""
+/health, /metrics (Prometheus) and /stats (JSON). Every request is checked before it is queued:
+the body's size before it is parsed, a prompt's characters before it is tokenized (off the
+event loop), then its fields; a bad one is answered 400 with an OpenAI-style error naming the
+field (`param`). Every error, the framework's 404 and 405 included, has OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
+import secrets
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from infer.serving.engine import Engine, NotServing, QueueFull
 from infer.serving.engine import Request as Job
+from infer.serving.metrics import CONTENT_TYPE
+
+log = logging.getLogger(__name__)
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_SEED = 2**32
+ROLES = ("system", "user", "assistant", "developer", "tool")
+ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
 
 
 class BadRequest(Exception):
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
-def _error(status: int, message: str, param: str | None = None, kind="invalid_request_error"):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+    if kind is None:
+        kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
@@ -46,35 +61,56 @@ def _number(body: dict, name: str, default, lo, hi, *, integer=False, lo_open=Fa
     return value
 
 
+@dataclasses.dataclass
 class Limits:
-    """What a request may ask for: its prompt tokens, new tokens, and their sum."""
+    """What a request may ask for: its prompt tokens, new tokens, their sum (the context), the
+    characters of its prompt text (checked before tokenizing) and the bytes of its body
+    (checked before parsing)."""
 
-    def __init__(self, max_prompt: int, max_tokens: int, context: int):
-        self.max_prompt, self.max_tokens, self.context = max_prompt, max_tokens, context
+    max_prompt: int
+    max_tokens: int
+    context: int
+    max_chars: int = 0  # 0: 32 per prompt token
+    max_body: int = 0  # 0: 4 bytes per character, plus 64 KiB
+    logprobs: int = 0  # the most alternatives per token a request may ask for (0: no logprobs)
+
+    def __post_init__(self):
+        self.max_chars = self.max_chars or 32 * self.max_prompt
+        self.max_body = self.max_body or 4 * self.max_chars + 65536
 
 
-def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[Job, bool]:
-    """A request body -> (the engine's job, whether to stream); BadRequest names the field."""
+@dataclasses.dataclass
+class Options:
+    """How to answer a request (beside what the engine needs)."""
+
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[Job, Options]:
+    """A request body -> (the engine's job, how to answer); BadRequest names the field. Runs
+    off the event loop: it tokenizes."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
     if body.get("model") != model:
         raise BadRequest("model", f"model {body.get('model')!r} is not served here; use {model!r}")
+    _refuse_unsupported(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", "stream must be true or false")
+    opts = Options(stream=stream, include_usage=_include_usage(body, stream))
     if chat:
-        field, ids = "messages", _chat_ids(body.get("messages"), tokenizer)
+        field, ids = "messages", _chat_ids(body.get("messages"), tokenizer, limits)
     else:
-        field, ids = "prompt", _prompt_ids(body.get("prompt"), tokenizer)
+        field, ids = "prompt", _prompt_ids(body.get("prompt"), tokenizer, limits)
     if len(ids) > limits.max_prompt:
         raise BadRequest(
             field,
             f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt}",
         )
-    if body.get("n", 1) != 1:
-        raise BadRequest("n", "n must be 1 (one choice per request)")
-    for unsupported in ("logprobs", "echo", "best_of", "suffix", "tools", "logit_bias"):
-        if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-            raise BadRequest(unsupported, f"{unsupported} is not supported by this server")
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     default = limits.max_tokens if chat else min(16, limits.max_tokens)  # OpenAI's defaults
+    default = min(default, limits.context - len(ids))
     max_tokens = _number(body, name, default, 1, limits.max_tokens, integer=True)
     if len(ids) + max_tokens > limits.context:
         raise BadRequest(
@@ -87,58 +123,206 @@ def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[J
         raise BadRequest("stop", f"stop must be a string or a list of at most {MAX_STOPS}")
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop", "every stop sequence must be a non-empty string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream", "stream must be true or false")
+    seed = _number(body, "seed", None, 0, MAX_SEED - 1, integer=True)
+    logprobs = _logprobs(body, chat, limits)
     job = Job(
         prompt_ids=ids,
         max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),  # OpenAI's default: 1
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
         top_k=_number(body, "top_k", 0, 0, None, integer=True),
-        seed=_number(body, "seed", 0, 0, MAX_SEED - 1, integer=True),
+        # Unseeded: a fresh seed, so that asking again gives another answer.
+        seed=secrets.randbelow(MAX_SEED) if seed is None else seed,
         stop=tuple(stop),
+        logprobs=logprobs,
     )
-    return job, stream
+    return job, opts
 
 
-def _prompt_ids(prompt, tokenizer) -> list[int]:
+def _logprobs(body: dict, chat: bool, limits: Limits) -> int | None:
+    """The alternatives a request wants per token (None: no logprobs). Chat: logprobs (bool)
+    and top_logprobs; completions: logprobs, the number of alternatives."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise BadRequest("logprobs", "logprobs must be true or false")
+        top = body.get("top_logprobs")
+        if top is not None and not wanted:
+            raise BadRequest("top_logprobs", "top_logprobs needs logprobs: true")
+        name, top = "top_logprobs", (top or 0) if wanted else None
+    else:
+        name, top = "logprobs", body.get("logprobs")
+    if top is None:
+        return None
+    if not limits.logprobs:
+        raise BadRequest(name, "this server keeps no logprobs")
+    return _number({name: top}, name, 0, 0, limits.logprobs, integer=True)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """A 400 naming each field this server does not implement, unless it asks for the
+    default (OpenAI's clients send some of them explicitly)."""
+    if body.get("n") not in (None, 1):
+        raise BadRequest("n", "n must be 1 (one choice per request)")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest("best_of", "best_of must be 1 (one choice per request)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise BadRequest(name, f"{name} is not supported by this server (only 0)")
+    if body.get("repetition_penalty") not in (None, 1, 1.0):
+        raise BadRequest("repetition_penalty", "repetition_penalty is not supported (only 1)")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise BadRequest(
+            "response_format", "response_format is not supported by this server (only "
+            '{"type": "text"}): no JSON mode or schema-guided decoding',
+        )  # fmt: skip
+    for name in ("echo", "suffix", "tools", "functions"):
+        if body.get(name) not in (None, False, []):
+            raise BadRequest(name, f"{name} is not supported by this server")
+    if body.get("logit_bias") not in (None, {}):
+        raise BadRequest("logit_bias", "logit_bias is not supported by this server")
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("stream_options", 'stream_options must be {"include_usage": bool}')
+    return options.get("include_usage", False)
+
+
+def _check_chars(field: str, n: int, limits: Limits) -> None:
+    if n > limits.max_chars:
+        raise BadRequest(
+            field, f"the prompt has {n} characters; this server takes at most {limits.max_chars}"
+        )
+
+
+def _prompt_ids(prompt, tokenizer, limits: Limits) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise BadRequest("prompt", "prompt must be one non-empty string")
     if not prompt:
         raise BadRequest("prompt", "prompt is empty")
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    _check_chars("prompt", len(prompt), limits)
+    try:  # special tokens (a BOS) as the tokenizer adds them, as the target was trained
+        ids = tokenizer.encode(prompt)
+    except Exception as e:  # noqa: BLE001 - the tokenizer's message says what it could not read
+        raise BadRequest("prompt", f"the tokenizer could not read the prompt: {e}") from e
     if not ids:
         raise BadRequest("prompt", "prompt is empty after tokenisation")
     return ids
 
 
-def _chat_ids(messages, tokenizer) -> list[int]:
+def _content(m: dict, i: int) -> str:
+    """A message's text: a string, or a list of text parts (joined)."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if m.get("role") == "assistant" and content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(
+                    f"messages[{i}].content[{j}]",
+                    f"content part of type {kind!r} is not supported (only text)",
+                )
+            if not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{i}].content[{j}]", "a text part needs a string text")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"messages[{i}]", "content must be a string or a list of text parts")
+
+
+def _template_has(tokenizer, role: str) -> bool:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders
+        template = template.get("default", "")
+    return f"'{role}'" in (template or "") or f'"{role}"' in (template or "")
+
+
+def _chat_ids(messages, tokenizer, limits: Limits) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "messages must be a non-empty list")
+    plain = []
     for i, m in enumerate(messages):
-        ok = isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-        if not ok or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}]", f"each message needs a role ({', '.join(ROLES)})")
+        role, text = m["role"], _content(m, i)
+        if role == "developer" and not _template_has(tokenizer, "developer"):
+            role = "system"  # OpenAI's developer role is the system role of other models
+        if role == "tool" and not _template_has(tokenizer, "tool"):
             raise BadRequest(
-                f"messages[{i}]", "each message needs a role (system, user, assistant) and "
-                "string content",
+                f"messages[{i}]", "this model's chat template has no tool role; send the "
+                "tool's result in a user message",
             )  # fmt: skip
-    if not any(m["content"] for m in messages):
+        message = {"role": role, "content": text}
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        plain.append(message)
+    if not any(m["content"] for m in plain):
         raise BadRequest("messages", "every message is empty")
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    _check_chars("messages", sum(len(m["content"]) for m in plain), limits)
+    try:
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template has its BOS
+    except Exception as e:  # noqa: BLE001 - a template that refuses these messages says why
+        raise BadRequest("messages", f"the chat template could not render them: {e}") from e
 
 
 def _usage(job: Job) -> dict:
-    done = len(job.tokens)
-    n = len(job.prompt_ids)
-    return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
+    done, n = job.counted, len(job.prompt_ids)
+    usage = {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
+    # Extensions, as some servers add them: how much of what was drafted the target accepted.
+    usage["dflash"] = {
+        "acceptance": job.acceptance, "drafted_tokens": job.drafted,
+        "accepted_tokens": job.accepted, "tau": job.tau, "steps": job.steps,
+    }  # fmt: skip
+    return usage
 
 
-def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAPI:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes before it is all read or parsed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(None, f"the request body is over {limit} bytes", status=413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(None, f"the request body is over {limit} bytes", status=413)
+        parts.append(part)
+    return b"".join(parts)
+
+
+class ApiKey:
+    """ASGI middleware: with a key, every /v1/ request needs `Authorization: Bearer <key>`
+    (401 in OpenAI's error shape otherwise); /health, /metrics and /stats stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, b"Bearer " + self.key):
+                response = _error(401, "a valid API key is needed: Authorization: Bearer <key>")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def make_app(
+    engine: Engine, *, model: str, tokenizer, limits: Limits, api_key: str | None = None
+) -> FastAPI:
     """The FastAPI app serving `engine` under the name `model`."""
 
     @contextlib.asynccontextmanager
@@ -148,12 +332,27 @@ def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAP
         await asyncio.to_thread(engine.drain)  # uvicorn has waited for the open requests
 
     app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
     created = int(time.time())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        return _error(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):
+        log.exception("an unexpected error while answering a request")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
 
     @app.get("/health")
     def health():
         if engine.error is not None:
-            return JSONResponse({"status": "failed", "error": str(engine.error)}, 500)
+            return JSONResponse({"status": "failed", "error": engine.reason}, 503)
         if engine.draining:
             return JSONResponse({"status": "draining"}, 503)
         if not engine.ready.is_set():
@@ -167,6 +366,10 @@ def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAP
 
     @app.get("/metrics")
     def metrics():
+        return Response(engine.prom.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    def stats():
         return engine.metrics()
 
     @app.post("/v1/completions")
@@ -179,25 +382,28 @@ def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAP
 
     async def _serve(request: Request, chat: bool):
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not valid JSON")
-        try:
-            job, stream = parse(body, chat=chat, model=model, tokenizer=tokenizer, limits=limits)
+            raw = await _read_body(request, limits.max_body)
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                return _error(400, "the request body is not valid JSON")
+            job, opts = await asyncio.to_thread(
+                parse, body, chat=chat, model=model, tokenizer=tokenizer, limits=limits
+            )
         except BadRequest as e:
-            return _error(400, str(e), e.param)
+            return _error(e.status, str(e), e.param)
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         try:
             engine.submit(job)
         except QueueFull as e:
-            response = _error(429, str(e), kind="rate_limit_error")
+            response = _error(429, str(e))
             response.headers["Retry-After"] = str(e.retry_after)
             return response
         except NotServing as e:
-            return _error(503, f"the server is {e}", kind="server_error")
+            return _error(503, f"the server is {e}")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if stream:
-            events = _events(job, rid, chat)
+        if opts.stream:
+            events = _events(job, rid, chat, opts)
             return StreamingResponse(events, media_type="text/event-stream")
         while True:  # a client that goes away frees its slot
             try:
@@ -207,6 +413,8 @@ def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAP
                 if await request.is_disconnected():
                     job.cancel()
                     return JSONResponse({}, 499)
+        if job.error is not None:
+            return _error(500, job.error)
         return _response(job, rid, chat)
 
     def _head(rid, chat):
@@ -214,48 +422,89 @@ def make_app(engine: Engine, *, model: str, tokenizer, limits: Limits) -> FastAP
         return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
     def _response(job: Job, rid: str, chat: bool) -> dict:
+        lp = _logprobs_of(job, 0, job.counted, chat, tokenizer)
         if chat:
             message = {"role": "assistant", "content": job.text}
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": job.text, "logprobs": None}
+            choice = {"index": 0, "text": job.text, "logprobs": lp}
         choice["finish_reason"] = job.finish_reason
-        extra = {"dflash": {"tau": job.tau, "steps": job.steps}}
+        extra = {"dflash": {"tau": job.tau, "steps": job.steps, "acceptance": job.acceptance}}
         return {**_head(rid, chat), "choices": [choice], "usage": _usage(job), **extra}
 
-    async def _events(job: Job, rid: str, chat: bool):
+    async def _events(job: Job, rid: str, chat: bool, opts: Options):
         head = _head(rid, chat)
         if chat:
             head["object"] = "chat.completion.chunk"
-        delta = lambda text, reason=None: {
-            **head,
-            "choices": [
-                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            ],
-        }
+        sent = 0  # tokens whose logprobs went out
+
+        def delta(text, reason=None, covered=0):
+            nonlocal sent
+            lp = _logprobs_of(job, sent, covered, chat, tokenizer)
+            sent = max(sent, covered)
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
+            return {**head, "choices": [{**choice, "logprobs": lp, "finish_reason": reason}]}
+
+        sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
         try:
             if chat:
                 first = delta("")
                 first["choices"][0]["delta"]["role"] = "assistant"
-                yield f"data: {json.dumps(first)}\n\n"
+                yield sse(first)
             while True:
-                kind, text = await job.events.get()
+                kind, event = await job.events.get()
                 if kind == "done":
                     break
-                yield f"data: {json.dumps(delta(text))}\n\n"
-            last = delta("", job.finish_reason)
+                yield sse(delta(*event))
+            if job.error is not None:  # the status line is sent: the error is an event
+                yield sse({"error": {"message": job.error, "type": "server_error",
+                                     "param": None, "code": 500}})  # fmt: skip
+                yield "data: [DONE]\n\n"
+                return
+            last = delta("", job.finish_reason, job.counted)
             if chat:
                 last["choices"][0]["delta"] = {}
-            last["usage"] = _usage(job)
-            yield f"data: {json.dumps(last)}\n\n"
+            yield sse(last)
+            if opts.include_usage:  # OpenAI's shape: a last chunk without choices
+                yield sse({**head, "choices": [], "usage": _usage(job)})
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the generator is closed), or the answer is complete
             if job.finish_reason is None:
                 job.cancel()
 
     return app
+
+
+def _logprobs_of(job: Job, lo: int, hi: int, chat: bool, tokenizer) -> dict | None:
+    """OpenAI's logprobs object for tokens lo:hi of `job` (None: none asked or none new)."""
+    if job.logprobs is None or hi <= lo:
+        return None
+    text = lambda i: tokenizer.decode([i])
+    entries = job.token_logprobs[lo:hi]
+    tokens = [text(t) for t in job.tokens[lo:hi]]
+    if chat:
+        item = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode())}
+        tops = lambda ids, lps: [item(text(i), v) for i, v in zip(ids, lps, strict=True)]
+        return {
+            "content": [
+                {**item(t, lp), "top_logprobs": tops(ids, lps)}
+                for t, (lp, ids, lps) in zip(tokens, entries, strict=True)
+            ]
+        }
+    offsets, at = [], len("".join(text(t) for t in job.tokens[:lo])) if lo else 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [
+            {text(i): v for i, v in zip(ids, lps, strict=True)} for _, ids, lps in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 async def _until_done(job: Job) -> None:

@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from dflash_jax.config import kind_label
+from dflash_jax.config import TREE_KIND_BASE, kind_label
+from infer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,14 @@ class QueueFull(Exception):
 
 
 class NotServing(Exception):
-    """The engine is still warming up, or draining before it exits."""
+    """The engine is still warming up, draining before it exits, or has failed."""
 
 
 @dataclasses.dataclass
 class Request:
     """One completion: its prompt token ids and settings, and what the engine writes back.
-    events receives ("text", str) deltas, then ("done", None); `cancel()` frees its slot."""
+    events receives ("text", (str, n)) deltas, n: the tokens the text so far covers (whose
+    logprobs may go out with it), then ("done", None); `cancel()` frees its slot."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -49,16 +51,25 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none wanted; else the alternatives wanted per token
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
+    # With logprobs: per token (its log-probability, its step's likeliest ids, theirs).
+    token_logprobs: list = dataclasses.field(default_factory=list)
     text: str = ""  # the answer so far (cut at a stop string)
     sent: int = 0  # characters of `text` handed out
     finish_reason: str | None = None
+    error: str | None = None  # the engine failed while this request was in flight
+    counted: int = 0  # completion tokens returned: not past a stop string
     steps: int = 0  # loop steps the row ran
+    drafted: int = 0  # tokens drafted for its row's verify steps
+    accepted: int = 0  # of those, accepted by the target
     arrived: float = 0.0
+    admitted: float | None = None
     first_text: float | None = None
+    last_tokens: float | None = None  # when it last received new tokens
     finished: float | None = None
     cancelled: bool = False
 
@@ -70,6 +81,11 @@ class Request:
         """Tokens committed per loop step (the prefill's token is not a step's)."""
         return (len(self.tokens) - 1) / self.steps if self.steps else None
 
+    @property
+    def acceptance(self) -> float | None:
+        """Drafted tokens the target accepted, as a fraction of those drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
     def _post(self, event) -> None:
         if self.loop is not None and self.events is not None:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -78,13 +94,16 @@ class Request:
 class Engine:
     """Builds its decoder on its own thread (`build()` -> a SlotDecoder ready to run: compiled,
     warmed up, calibrated; a failure is kept in `error` and passed to `on_error`), then
-    serves. submit() raises QueueFull past `max_queue` waiting requests and NotServing before
-    it is ready or once it drains; drain() lets the running and queued requests finish and
-    stops the thread."""
+    serves. submit() raises QueueFull once more than `max_queue` requests would wait for a slot
+    (requests that a free slot takes at the next chunk boundary do not count), and NotServing
+    before it is ready, once it drains or after it failed. Any failure while serving (a device
+    out of memory, say) is kept in `error`: every accepted request is finished with it (the
+    HTTP side answers 500) and the thread ends, as after a drain. drain() lets the running and
+    queued requests finish and stops the thread."""
 
     def __init__(
         self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int,
-        on_error=None,
+        on_error=None, metrics: Metrics | None = None,
     ):  # fmt: skip
         self._build, self._on_error = build, on_error
         self.tokenizer = tokenizer
@@ -93,6 +112,7 @@ class Engine:
         self.decoder = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.prom = metrics if metrics is not None else Metrics()
         self._queue: collections.deque[Request] = collections.deque()
         self._active: dict[int, Request] = {}
         self._cond = threading.Condition()
@@ -110,15 +130,26 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         with self._cond:
+            if self.error is not None:
+                raise NotServing(f"failed ({self.reason})")
             if not self.ready.is_set() or self._draining:
                 raise NotServing("warming up" if not self._draining else "draining")
-            if len(self._queue) >= self.max_queue:
+            free = self.decoder.slots - len(self._active)  # rows the next admission fills
+            if len(self._queue) + 1 - free > self.max_queue:
                 self.stats["rejected_queue_full"] += 1
+                self.prom.of(self.prom.rejected).inc()
                 raise QueueFull(self._retry_after())
             req.id, req.arrived = next(self._ids), time.perf_counter()
             self._queue.append(req)
             self.stats["requests"] += 1
+            self.prom.of(self.prom.waiting).set(len(self._queue))
             self._cond.notify()
+
+    @property
+    def reason(self) -> str | None:
+        """Why the engine stopped serving, as text (None while it is fine)."""
+        e = self.error
+        return None if e is None else f"{type(e).__name__}: {e}"
 
     def stop_admitting(self) -> None:
         """From now on submit() refuses; the accepted requests still run to their end."""
@@ -137,6 +168,7 @@ class Engine:
         return self._draining
 
     def metrics(self) -> dict:
+        """A JSON summary (`GET /stats`); `prom` holds the Prometheus metrics (`/metrics`)."""
         with self._cond:
             queued, active = len(self._queue), len(self._active)
         tokens, row_steps = self.stats["tokens"], self.stats["row_steps"]
@@ -144,19 +176,23 @@ class Engine:
         return {
             "ready": self.ready.is_set(),
             "draining": self._draining,
+            "error": self.reason,
             "slots": slots,
             "active_slots": active,
             "queue_length": queued,
             "max_queue": self.max_queue,
             "requests": {
                 k: self.stats[k]
-                for k in ("requests", "completed", "cancelled", "rejected_queue_full")
+                for k in ("requests", "completed", "cancelled", "failed", "rejected_queue_full")
             },
             "generated_tokens": tokens,
             "decode_busy_s": round(self.busy_s, 3),
             "tokens_per_s_busy": tokens / self.busy_s if self.busy_s else 0.0,
             "tokens_per_s_uptime": tokens / max(time.time() - self.started, 1e-9),
             "tau": self.stats["step_tokens"] / row_steps if row_steps else None,
+            "acceptance": (
+                self.stats["accepted"] / self.stats["drafted"] if self.stats["drafted"] else None
+            ),
             "loop_steps": self.stats["steps"],
             "steps_by_kind": dict(self.kinds),
             "step_costs": self._step_costs("step_costs"),
@@ -191,6 +227,30 @@ class Engine:
             return
         self.started = time.time()
         self.ready.set()
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - every request must hear of it
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        """The decoder failed: every accepted request ends with the error, nothing more is
+        admitted, and /health reports it."""
+        log.exception("the decoder failed while serving; every accepted request gets a 500")
+        with self._cond:
+            self.error = e
+            self._draining = True
+            failed = list(self._active.values()) + list(self._queue)
+            self._active.clear()
+            self._queue.clear()
+        for req in failed:
+            if req.finish_reason is None:
+                req.error = f"the decoder failed: {self.reason}"
+                req.finish_reason = "error"
+                self._finish(req)
+        self.prom.of(self.prom.running).set(0)
+        self.prom.of(self.prom.waiting).set(0)
+
+    def _serve(self) -> None:
         dec = self.decoder
         while True:
             with self._cond:
@@ -205,13 +265,20 @@ class Engine:
                 admit = [(s, self._queue.popleft()) for s in free[: len(self._queue)]]
                 for slot, req in admit:
                     self._active[slot] = req
+                self.prom.of(self.prom.waiting).set(len(self._queue))
+                self.prom.of(self.prom.running).set(len(self._active))
             for req in gone:
                 req.finish_reason = "cancelled"
                 self._finish(req)
+            now = time.perf_counter()
             for slot, req in admit:
+                req.admitted = now
+                self.prom.of(self.prom.queue_time).observe(now - req.arrived)
+                self.prom.of(self.prom.prompt_tokens).inc(len(req.prompt_ids))
                 dec.insert(
                     slot, req.prompt_ids, max_new=req.max_tokens, temperature=req.temperature,
                     top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                    logprobs=req.logprobs is not None,
                 )  # fmt: skip
             if admit:  # the prefill's token: the first text, without waiting for a chunk
                 self._deliver(dec.advance(0))
@@ -226,14 +293,37 @@ class Engine:
             col = chunk.kinds[:, j]
             if col.any():
                 self.kinds[kind_label(int(col[col != 0][0]))] += 1
+        self.prom.record_steps(chunk.acc, chunk.kinds)
         self.stats["step_tokens"] += int(chunk.acc.sum())
         self.stats["row_steps"] += int((chunk.kinds != 0).sum())
+        block = np.abs(chunk.kinds)
+        drafted = np.where((block > 1) & (block < TREE_KIND_BASE), block - 1, 0)
+        accepted = np.where(drafted > 0, chunk.acc - 1, 0)
+        self.stats["drafted"] += int(drafted.sum())
+        self.stats["accepted"] += int(accepted.sum())
+        now = time.perf_counter()
         freed = []
         for slot, req in list(self._active.items()):
             new = chunk.gen[slot, len(req.tokens) : int(chunk.n_gen[slot])].tolist()
+            if req.logprobs is not None and chunk.logprobs is not None:
+                lp, top_lp, top_ids = (x[slot, len(req.tokens) : len(req.tokens) + len(new)]
+                                       for x in chunk.logprobs)  # fmt: skip
+                k = req.logprobs
+                req.token_logprobs.extend(
+                    (float(a), b[:k].tolist(), c[:k].tolist())
+                    for a, b, c in zip(lp, top_ids, top_lp, strict=True)
+                )
             req.tokens.extend(new)
             req.steps = int(chunk.num_steps[slot])
+            req.drafted += int(drafted[slot].sum())
+            req.accepted += int(accepted[slot].sum())
             self.stats["tokens"] += len(new)
+            if new:
+                if req.last_tokens is None:
+                    self.prom.of(self.prom.ttft).observe(now - req.arrived)
+                else:
+                    self.prom.of(self.prom.itl).observe(now - req.last_tokens)
+                req.last_tokens = now
             if req.cancelled:
                 req.finish_reason = "cancelled"
             elif new or chunk.done[slot]:
@@ -244,6 +334,7 @@ class Engine:
         with self._cond:
             for slot in freed:
                 del self._active[slot]
+            self.prom.of(self.prom.running).set(len(self._active))
         self.decoder.release(freed)
 
     def _update_text(self, req: Request, row_done: bool) -> None:
@@ -251,9 +342,11 @@ class Engine:
         if row_done:
             last = req.tokens[-1] if req.tokens else None
             req.finish_reason = "stop" if last in self.stop_token_ids else "length"
+        req.counted = len(req.tokens)
         cuts = [i for i in (text.find(s) for s in req.stop) if i >= 0]
         if cuts:
             text, req.finish_reason = text[: min(cuts)], "stop"
+            req.counted = self._tokens_for(req.tokens, len(text))
         if req.finish_reason is None:
             if text.endswith("\ufffd"):  # half a character: wait for the rest
                 return
@@ -266,11 +359,31 @@ class Engine:
         if upto > req.sent:
             if req.first_text is None:
                 req.first_text = time.perf_counter()
-            req._post(("text", text[req.sent : upto]))
+            covered = req.counted
+            if req.logprobs is not None and req.finish_reason is None:
+                covered = self._tokens_for(req.tokens, upto)
+            req._post(("text", (text[req.sent : upto], covered)))
             req.sent = upto
+
+    def _tokens_for(self, tokens: list[int], chars: int) -> int:
+        """The fewest leading `tokens` whose text holds the first `chars` characters (the
+        tokens an answer cut at a stop string returned; bisection over decodes)."""
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(tokens[:mid], skip_special_tokens=True)) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _finish(self, req: Request) -> None:
         req.finished = time.perf_counter()
-        self.stats["cancelled" if req.cancelled else "completed"] += 1
+        kind = "failed" if req.error else "cancelled" if req.cancelled else "completed"
+        self.stats[kind] += 1
         self.stats["request_s"] += req.finished - req.arrived
+        prom = self.prom
+        prom.of(prom.success, finished_reason=req.finish_reason or "cancelled").inc()
+        prom.of(prom.generation_tokens).inc(req.counted)
+        prom.of(prom.e2e).observe(req.finished - req.arrived)
         req._post(("done", None))

@@ -10,6 +10,7 @@ from dflash_jax import api
 from dflash_jax.decoding.slots import SlotDecoder
 from infer.serving.app import Limits, make_app
 from infer.serving.engine import Engine
+from infer.serving.metrics import Metrics
 
 WARM_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -38,10 +39,12 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_server(target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue,
-                model_name, calibrate=True) -> tuple[DrainingServer, Engine]:  # fmt: skip
+def make_server(
+    target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue, model_name,
+    calibrate=True, api_key=None,
+) -> tuple[DrainingServer, Engine]:  # fmt: skip
     """(server, engine): the engine builds its decoder on its own thread once the server runs
-    (`server.run()`); /health says ready when it is built."""
+    (`server.run()`); /health says ready when it is built. With `api_key`, /v1/ needs it."""
     engine = Engine(
         lambda: build_decoder(
             target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate
@@ -51,9 +54,15 @@ def make_server(target, drafter, cfg, *, host, port, slots, max_prompt, chunk_st
         max_queue=max_queue,
         chunk_steps=chunk_steps,
         on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
+        metrics=Metrics(model_name),
     )
-    limits = Limits(max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings)
-    web = make_app(engine, model=model_name, tokenizer=target.tokenizer, limits=limits)
+    limits = Limits(
+        max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings,
+        logprobs=cfg.logprobs,
+    )  # fmt: skip
+    web = make_app(
+        engine, model=model_name, tokenizer=target.tokenizer, limits=limits, api_key=api_key
+    )
     config = uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="on")
     server = DrainingServer(config, engine)
     return server, engine

@@ -1,0 +1,111 @@
+"""The server's Prometheus metrics (`GET /metrics`, the text format, through prometheus_client):
+names after vLLM's (`vllm:` -> `dflash:`) so that dashboards built for it read these. One
+registry per engine (tests build several servers in one process).
+
+Requests: `num_requests_running`, `num_requests_waiting` (gauges), `request_success_total` by
+`finished_reason` (stop, length, cancelled, error), `prompt_tokens_total`,
+`generation_tokens_total` (returned tokens only), histograms `time_to_first_token_seconds`,
+`inter_token_latency_seconds` (between a request's successive deliveries of new tokens: one per
+chunk that gave it any, as vLLM's per step), `e2e_request_latency_seconds`,
+`request_queue_time_seconds`. Speculative decoding: `spec_decode_num_drafts_total` (drafted
+steps of a row), `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`,
+`spec_decode_num_accepted_tokens_per_pos_total` by `position` (1 = the first drafted token),
+and `spec_decode_steps_total` by step `kind` (`config.kind_label`: "1" a plain step, "8" a
+block of 8, "-8" a copied block)."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dflash_jax.config import TREE_KIND_BASE, kind_label
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Buckets as vLLM's: latencies from milliseconds (a chunk) to minutes (a long answer).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class Metrics:
+    """The engine's counters, gauges and histograms, in their own registry."""
+
+    def __init__(self, model: str = ""):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lab = ("model_name",)
+        self.model = model
+
+        def metric(kind, name, doc, labels=(), **kw):
+            return kind(f"dflash:{name}", doc, lab + tuple(labels), registry=r, **kw)
+
+        self.running = metric(Gauge, "num_requests_running", "Requests holding a slot.")
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting for a slot.")
+        self.success = metric(
+            Counter, "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.rejected = metric(Counter, "request_rejected", "Requests refused (429: queue full).")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = metric(
+            Counter, "generation_tokens", "Completion tokens returned (not past a stop string)."
+        )
+        self.ttft = metric(
+            Histogram, "time_to_first_token_seconds", "Arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = metric(
+            Histogram, "inter_token_latency_seconds",
+            "Between a request's successive deliveries of new tokens.", buckets=ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = metric(
+            Histogram, "e2e_request_latency_seconds", "Arrival to the last token.",
+            buckets=REQUEST_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = metric(
+            Histogram, "request_queue_time_seconds", "Arrival to admission into a slot.",
+            buckets=REQUEST_BUCKETS,
+        )  # fmt: skip
+        self.drafts = metric(Counter, "spec_decode_num_drafts", "Drafted steps of a row.")
+        self.draft_tokens = metric(
+            Counter, "spec_decode_num_draft_tokens", "Tokens drafted (or copied) for verify."
+        )
+        self.accepted = metric(
+            Counter, "spec_decode_num_accepted_tokens", "Drafted tokens the target accepted."
+        )
+        self.accepted_per_pos = metric(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted at each position of the block (1 = the first).",
+            ("position",),
+        )  # fmt: skip
+        self.steps = metric(
+            Counter, "spec_decode_steps", "Loop steps by kind (1 = a plain target step).",
+            ("kind",),
+        )  # fmt: skip
+
+    def of(self, metric, **labels):
+        return metric.labels(model_name=self.model, **labels)
+
+    def record_steps(self, acc: np.ndarray, kinds: np.ndarray) -> None:
+        """One chunk's records: acc [N, steps] tokens each row committed, kinds [N, steps] the
+        step's kind per row (0 where the row ran no step)."""
+        for j in range(kinds.shape[1]):
+            col = kinds[:, j]
+            if col.any():
+                self.of(self.steps, kind=kind_label(int(col[col != 0][0]))).inc()
+        block = np.abs(kinds)
+        drafted = (block > 1) & (block < TREE_KIND_BASE)  # trees are not served
+        if not drafted.any():
+            return
+        accepted = np.where(drafted, acc - 1, 0)
+        self.of(self.drafts).inc(int(drafted.sum()))
+        self.of(self.draft_tokens).inc(int(np.where(drafted, block - 1, 0).sum()))
+        self.of(self.accepted).inc(int(accepted.sum()))
+        for pos in range(1, int(block[drafted].max())):
+            n = int((accepted >= pos).sum())
+            if n:
+                self.of(self.accepted_per_pos, position=str(pos)).inc(n)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
