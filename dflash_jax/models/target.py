@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.models import hybrid
+from dflash_jax.models import hybrid, sliding
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.linear_attention import commit_state, init_state
 from dflash_jax.ops import dots, invariance, platform
@@ -161,7 +161,10 @@ class Transformer(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype)
-        if c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
+        if c.sliding:  # Gemma 3 / gpt-oss: sliding-window layers (models/sliding.py)
+            self.layers = sliding.make_layers(c)
+            self.norm = sliding.final_norm(c)
+        elif c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
             self.layers = hybrid.make_layers(c)
             self.norm = hybrid.final_norm(c)
         else:
@@ -177,7 +180,12 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        return self.embed_tokens(tokens_bt)
+        x_btd = self.embed_tokens(tokens_bt)
+        scale = sliding.embed_scale(self.config)
+        if scale is None:
+            return x_btd
+        # As HF: the multiplier rounded to the embedding's dtype first (bf16: sqrt(3072) -> 55.5)
+        return x_btd * jnp.asarray(scale, self.embed_tokens.embedding.dtype).astype(x_btd.dtype)
 
     def unembed(self, x_btd: jax.Array) -> jax.Array:
         """Frozen LM head on already-normalised hidden states -> logits [..., V]."""
@@ -232,6 +240,12 @@ class Transformer(nn.Module):
             if not 0 <= l < c.num_layers:
                 raise ValueError(f"tap layer {l} out of range for a {c.num_layers}-layer target")
         x_btd = self.embed(tokens_bt)
+        if c.sliding:
+            tables = sliding.rope_tables(c, positions_bt, x_btd.dtype)
+            return self._layered_hidden(
+                x_btd, tables, None, cache, cache_lengths, tap_layers, logit_indices,
+                defer_cache_write, tree_mask,
+            )  # fmt: skip
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
             return self._layered_hidden(
@@ -270,10 +284,17 @@ class Transformer(nn.Module):
         if cache is not None and cache_lengths is None and logit_indices is not None:
             state_lengths = logit_indices[:, -1] + 1
         params = None if self.is_initializing() else self.variables["params"]
-        x_btd, taps, new = hybrid.forward_layers(
-            self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
-            state_lengths, tap_layers, defer, tree_mask,
-        )  # fmt: skip
+        if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
+            x_btd, taps, new = sliding.forward_layers(
+                self.layers, params, self.config, x_btd, cos, cache, cache_lengths, tap_layers,
+                defer, tree_mask,
+            )  # fmt: skip
+            new = None if new is None else (*new, ())
+        else:
+            x_btd, taps, new = hybrid.forward_layers(
+                self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
+                state_lengths, tap_layers, defer, tree_mask,
+            )  # fmt: skip
         taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
         if logit_indices is not None:
             x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)

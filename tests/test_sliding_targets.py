@@ -1,0 +1,140 @@
+"""The sliding-window targets (gemma3_text, gpt_oss) against transformers: tiny random models of
+configs unlike the project's fixtures (window 8, sliding and full layers alternating, Gemma's
+own RoPE base per kind, gpt-oss's sinks, YaRN and clamped-SwiGLU experts), saved by
+transformers and loaded by our loader; prompts of 6 to 40 tokens, longer than the window.
+
+The target's lm_head row 0 is amplified so it often emits token 0, and the random z-lab
+drafter's final norm is zeroed so it always proposes token 0: acceptance then varies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _tiny_sliding import FAMILIES, WINDOW, load_torch, make_tiny_sliding
+
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.io import load_target
+from dflash_jax.io.drafter_io import load_drafter
+from dflash_jax.io.hf_layered import dequantize_mxfp4
+from dflash_jax.io.zlab import write_zlab
+from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.target import Transformer
+
+PROMPTS = [
+    [5, 17, 33, 3, 42, 7],
+    [11, 2, 60, 31, 9, 9, 4, 70, 21, 13, 5, 6, 7, 8, 1, 2, 3],
+    [(7 * i + 3) % 90 + 1 for i in range(40)],
+]
+MAX_NEW = 16
+ZERO_BOOST = 3.0
+
+
+@functools.cache
+def _family(family: str, tmp: str):
+    path = make_tiny_sliding(tmp, family)
+    model = load_torch(path)
+    with torch.no_grad():
+        model.lm_head.weight[0] *= ZERO_BOOST  # tied (Gemma): the embedding row too
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    path, model = _family(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return request.param, path, model, load_target(str(path), cache=False)
+
+
+def _batch(prompts=PROMPTS):
+    prompt = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        prompt[i, : len(p)] = p
+    return prompt, np.array([len(p) for p in prompts], np.int32)
+
+
+def test_logits_and_taps_match_transformers(family):
+    name, _, model, target = family
+    tokens = np.array([PROMPTS[2][:24]])  # 3 windows
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), output_hidden_states=True)
+    positions = np.arange(tokens.shape[1])[None]
+    taps = (0, 1, 2)
+    logits, taps_btf, _ = Transformer(target.config).apply(
+        {"params": target.params}, tokens, positions, tap_layers=taps
+    )
+    np.testing.assert_allclose(np.asarray(logits), ref.logits.numpy(), atol=2e-5, rtol=1e-4)
+    want = np.concatenate([ref.hidden_states[i + 1].numpy() for i in taps], -1)
+    np.testing.assert_allclose(np.asarray(taps_btf), want, atol=2e-5, rtol=1e-4)
+
+
+# gemma3 in the default suite; gpt_oss (slow) alone guards gpt-oss's greedy decodes (sinks and
+# experts in the cached verify and AR step) against transformers' generate.
+@pytest.mark.parametrize(
+    "family", ["gemma3", pytest.param("gpt_oss", marks=pytest.mark.slow)], indirect=True
+)
+@torch.no_grad()
+def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
+    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR equals transformers' greedy
+    generate row by row; speculative with a random z-lab drafter (written, then loaded with
+    the fit check) equals AR token for token, with acceptance varying."""
+    name, _, model, target = family
+    prompt, lengths = _batch()
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
+    key = jax.random.key(0)
+    ar = autoregressive_decode(
+        target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
+    )
+    for row, p in enumerate(PROMPTS):
+        ids = torch.tensor([p])
+        hf = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        assert np.asarray(ar.tokens[row]).tolist() == hf[0, len(p) :].tolist(), (name, row)
+    c = target.config
+    dcfg = DrafterConfig(
+        hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, vocab_size=c.vocab_size, mask_token_id=c.vocab_size - 1,
+        target_layer_ids=(0, 1), num_target_layers=c.num_layers, block_size=4,
+    )  # fmt: skip
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always proposes token 0
+    write_zlab(tmp_path / "drafter", dcfg, dp, dtype="float32")
+    drafter = load_drafter(str(tmp_path / "drafter"), target)
+    sp = speculative_decode(
+        target.params, drafter.params, prompt, lengths, key,
+        target_config=c, drafter_config=drafter.config, decode_config=cfg,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+    acc = np.asarray(sp.acceptance_lengths)
+    assert acc.max() > 1 and (acc[acc > 0] == 1).any(), acc  # partial acceptance happened
+
+
+def test_config_round_trips_and_refusals(family):
+    """to_hf / from_hf round-trip; the kernels and token trees refuse these attentions."""
+    name, _, _, target = family
+    c = target.config
+    assert TargetConfig.from_hf(c.to_hf()) == c
+    assert c.window(0) == WINDOW and c.window(1) is None
+    tokens = np.array([PROMPTS[0]])
+    pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))
+    with pytest.raises(ConfigError, match="sliding window, sinks"):
+        pallas.apply({"params": target.params}, tokens, np.arange(6)[None])
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 10, 2, 16), dtype=np.uint8)
+    scales = rng.integers(120, 134, (3, 10, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(
+        torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32
+    ).numpy()
+    got = dequantize_mxfp4(blocks, scales)
+    assert got.shape == (3, 64, 10)
+    np.testing.assert_array_equal(got, want)
