@@ -23,6 +23,7 @@ from dflash_jax.decoding import autoregressive_decode, speculative_decode
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter
 from dflash_jax.io.hf_layered import dequantize_mxfp4
+from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer
@@ -76,6 +77,35 @@ def test_logits_and_taps_match_transformers(family):
 
 # gemma3 in the default suite; gpt_oss (slow) alone guards gpt-oss's greedy decodes (sinks and
 # experts in the cached verify and AR step) against transformers' generate.
+def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
+    kw = dict(
+        hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, vocab_size=c.vocab_size, mask_token_id=c.vocab_size - 1,
+        target_layer_ids=(0, 1), num_target_layers=c.num_layers, block_size=4,
+    )  # fmt: skip
+    return DrafterConfig(**{**kw, **overrides})
+
+
+def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
+    """A z-lab drafter (a sliding-window drafter layer, window 8) and a speculators one load
+    for the target; one tapping past its last layer is refused by the fit check."""
+    _, _, _, target = family
+    c = target.config
+    zcfg = _drafter_config(c, layer_types=("sliding_attention",), sliding_window=WINDOW)
+    write_zlab(tmp_path / "zlab", zcfg, init_drafter_params(zcfg, jax.random.key(1)), "float32")
+    scfg = _drafter_config(c)
+    write_speculators(tmp_path / "spec", scfg, init_drafter_params(scfg, jax.random.key(1)),
+                      "float32")  # fmt: skip
+    for fmt, want in (("zlab", zcfg), ("spec", scfg)):
+        loaded = load_drafter(str(tmp_path / fmt), target)
+        assert loaded.config.target_layer_ids == (0, 1), fmt
+        assert loaded.config.sliding_window == want.sliding_window, fmt
+    bad = _drafter_config(c, target_layer_ids=(0, c.num_layers))
+    write_zlab(tmp_path / "bad", bad, init_drafter_params(bad, jax.random.key(1)), "float32")
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        load_drafter(str(tmp_path / "bad"), target)
+
+
 @pytest.mark.parametrize(
     "family", ["gemma3", pytest.param("gpt_oss", marks=pytest.mark.slow)], indirect=True
 )
@@ -96,11 +126,7 @@ def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
         hf = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
         assert np.asarray(ar.tokens[row]).tolist() == hf[0, len(p) :].tolist(), (name, row)
     c = target.config
-    dcfg = DrafterConfig(
-        hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
-        num_kv_heads=2, head_dim=8, vocab_size=c.vocab_size, mask_token_id=c.vocab_size - 1,
-        target_layer_ids=(0, 1), num_target_layers=c.num_layers, block_size=4,
-    )  # fmt: skip
+    dcfg = _drafter_config(c)
     dp = init_drafter_params(dcfg, jax.random.key(1))
     dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always proposes token 0
     write_zlab(tmp_path / "drafter", dcfg, dp, dtype="float32")
