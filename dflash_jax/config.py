@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-                          "gemma3", "gpt_oss")  # fmt: skip
+                          "gemma3", "gemma4", "gpt_oss")  # fmt: skip
 # Families whose layers are built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated
 # DeltaNet linear-attention layers beside (gated) full attention; sliding-window layers.
-LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gpt_oss")
+LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4",
+                 "gpt_oss")  # fmt: skip
 # Sliding-window families (`models/sliding.py`): "sliding_attention" layers beside full ones.
-SLIDING_ARCHS = ("gemma3", "gpt_oss")
+SLIDING_ARCHS = ("gemma3", "gemma4", "gpt_oss")
 # Hybrid families: zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # HF model_type (text model or its multimodal wrapper) -> arch.
@@ -36,6 +37,8 @@ _TARGET_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
     "gpt_oss": "gpt_oss",
 }
 _ARCH_CLASSES = {
@@ -46,13 +49,15 @@ _ARCH_CLASSES = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 _HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
-                  "gemma3": "gemma3_text"}  # fmt: skip
+                  "gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# Targets also take linear (Gemma 3's global layers) and YaRN (gpt-oss) scaling.
-TARGET_ROPE_TYPES = SUPPORTED_ROPE_TYPES + ("linear", "yarn")
+# Targets also take linear (Gemma 3's global layers), YaRN (gpt-oss) and proportional (Gemma 4's
+# global layers: RoPE on the first partial_rotary_factor of each head's frequencies) scaling.
+TARGET_ROPE_TYPES = SUPPORTED_ROPE_TYPES + ("linear", "yarn", "proportional")
 # Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -221,6 +226,8 @@ class TargetConfig:
     # scores scaled by query_pre_attn_scalar ** -0.5 (0: head_dim), tanh-capped at
     # attn_logit_softcapping (0: none), the MLP's activation hidden_act. gpt-oss: projection
     # biases, per-head attention sinks, experts' SwiGLU clamped at swiglu_limit with swiglu_alpha.
+    # Gemma 4: full layers with their own head dim and kv heads (0: as the sliding ones), keys
+    # doubling as values there (attention_k_eq_v), logits tanh-capped (final_logit_softcapping).
     sliding_window: int = 0
     local_rope_theta: float = 0.0
     query_pre_attn_scalar: float = 0.0
@@ -228,6 +235,10 @@ class TargetConfig:
     hidden_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
@@ -301,6 +312,12 @@ class TargetConfig:
         """RMSNorms that scale by (1 + w) (the hybrid families and Gemma)."""
         return self.hybrid or self.arch == "gemma3"
 
+    def layer_heads(self, i: int) -> tuple[int, int]:
+        """(kv heads, head dim) of layer i (Gemma 4's full layers have their own)."""
+        if self.window(i) is None and self.global_head_dim:
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
     def window(self, i: int) -> int | None:
         """Layer i's sliding window (None: it sees every earlier position)."""
         sliding = bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
@@ -347,7 +364,8 @@ class TargetConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
         """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
-        if hf.get("text_config") and hf.get("model_type") in ("qwen3_5", "qwen3_5_moe", "gemma3"):
+        wrappers = ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4")
+        if hf.get("text_config") and hf.get("model_type") in wrappers:
             # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
             hf = {**hf["text_config"], "model_type": hf["model_type"]}
         model_type = hf.get("model_type")
@@ -362,7 +380,7 @@ class TargetConfig:
         if (hf.get("attention_bias") and arch != "gpt_oss") or hf.get("mlp_bias"):
             raise ConfigError(f"{model_type}: attention_bias/mlp_bias=True is not supported")
         act = sliding.get("hidden_act", hf.get("hidden_act", "silu"))
-        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and arch != "gemma3"):
+        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and "gemma" not in arch):
             raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (only silu)")
         theta, scaling = sliding.pop("rope", None) or _rope_from_hf(hf, f"target {model_type}")
         n_heads = int(hf["num_attention_heads"])
@@ -519,6 +537,8 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
             {**hf, "rope_theta": hf.get("rope_theta", 1e6)}, where, TARGET_ROPE_TYPES
         )
         local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
+    if arch == "gemma4":
+        return out | {"rope": full, "local_rope_theta": local[0], **_gemma4_from_hf(hf, where)}
     if hf.get("final_logit_softcapping"):
         raise ConfigError(
             f"{where}: final_logit_softcapping={hf['final_logit_softcapping']} is not supported "
@@ -532,6 +552,37 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
         "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0),
         "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0),
         "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+    }
+
+
+def _gemma4_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 4's own fields; refuses what `models/sliding.py` does not implement."""
+    unsupported = {
+        "hidden_size_per_layer_input": "per-layer input embeddings",
+        "num_kv_shared_layers": "KV cache sharing between layers",
+        "enable_moe_block": "the MoE block",
+        "use_bidirectional_attention": "bidirectional attention",
+        "attention_bias": "attention biases",
+    }
+    for key, what in unsupported.items():
+        if hf.get(key) and (key, hf[key]) != ("use_bidirectional_attention", "vision"):
+            raise ConfigError(f"{where}: {key}={hf[key]!r} ({what}) is not supported")
+    types = hf.get("layer_types") or ()
+    heads = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", 0)))
+             for i, v in (hf.get("per_layer_config") or {}).items()}  # fmt: skip
+    heads |= {(int(hf.get("global_head_dim") or 0), int(hf.get("num_global_key_value_heads") or 0))}
+    heads.discard((0, 0))
+    per_layer = hf.get("per_layer_config") or {}
+    if len(heads) > 1 or any(types and types[int(i)] != "full_attention" for i in per_layer):
+        raise ConfigError(f"{where}: per-layer head shapes other than one for full layers")
+    head_dim, kv = heads.pop() if heads else (0, 0)
+    return {
+        "global_head_dim": head_dim,
+        "global_kv_heads": kv if hf.get("attention_k_eq_v", True) else 0,
+        "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
+        "final_logit_softcapping": float(hf.get("final_logit_softcapping") or 0),
+        "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 1.0,  # scores unscaled (q and k are RMS-normed)
     }
 
 
@@ -551,6 +602,20 @@ def _sliding_to_hf(c: TargetConfig) -> dict[str, Any]:
         }
     full = {"rope_type": "default", "rope_theta": c.rope_theta}
     full |= thaw(c.rope_scaling) if c.rope_scaling else {}
+    if c.arch == "gemma4":
+        full_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+        shape = {"head_dim": c.global_head_dim, "num_key_value_heads": c.global_kv_heads}
+        return out | {
+            "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
+            },
+            "per_layer_config": {str(i): shape for i in full_layers} if c.global_head_dim else {},
+            "attention_k_eq_v": c.attention_k_eq_v,
+            "final_logit_softcapping": c.final_logit_softcapping or None,
+            "hidden_activation": c.hidden_act,
+            "hidden_size_per_layer_input": 0,
+        }
     return out | {
         "rope_parameters": {
             "full_attention": full,

@@ -60,6 +60,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/[kv]_proj/bias$", ("kv_heads", "head_dim")),
     (r"/o_proj/bias$", (None,)),
     (r"/self_attn/sinks$", ("heads",)),
+    (r"(^|/)layer_scalar$", (None,)),  # Gemma 4: each layer's output multiplier
     (r"/shared_expert_gate/kernel$", ("embed", None)),
     # Gated DeltaNet (hybrid targets): model dim over fsdp, heads over tensor. in_proj_qkv and
     # conv1d [.., Hk, G] hold each key head's channels together; z [D,Hv,Dv], b/a [D,Hv].

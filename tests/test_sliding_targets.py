@@ -1,6 +1,7 @@
-"""The sliding-window targets (gemma3_text, gpt_oss) against transformers: tiny random models of
-configs unlike the project's fixtures (window 8, sliding and full layers alternating, Gemma's
-own RoPE base per kind, gpt-oss's sinks, YaRN and clamped-SwiGLU experts), saved by
+"""The sliding-window targets (gemma3_text, gemma4_text, gpt_oss) against transformers: tiny
+random models of configs unlike the project's fixtures (window 8, sliding and full layers
+alternating, Gemma's own RoPE base per kind, Gemma 4's wider full-layer heads whose keys are
+their values and its capped logits, gpt-oss's sinks, YaRN and clamped-SwiGLU experts), saved by
 transformers and loaded by our loader; prompts of 6 to 40 tokens, longer than the window.
 
 The target's lm_head row 0 is amplified so it often emits token 0, and the random z-lab
@@ -75,8 +76,6 @@ def test_logits_and_taps_match_transformers(family):
     np.testing.assert_allclose(np.asarray(taps_btf), want, atol=2e-5, rtol=1e-4)
 
 
-# gemma3 in the default suite; gpt_oss (slow) alone guards gpt-oss's greedy decodes (sinks and
-# experts in the cached verify and AR step) against transformers' generate.
 def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
     kw = dict(
         hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
@@ -106,8 +105,13 @@ def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
         load_drafter(str(tmp_path / "bad"), target)
 
 
+# gemma3 in the default suite; gemma4 and gpt_oss (slow) alone guard their families' greedy
+# decodes (Gemma 4's per-kind cache shapes and capped head; gpt-oss's sinks and experts in the
+# cached verify and AR step) against transformers' generate.
 @pytest.mark.parametrize(
-    "family", ["gemma3", pytest.param("gpt_oss", marks=pytest.mark.slow)], indirect=True
+    "family",
+    ["gemma3"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma4", "gpt_oss")],
+    indirect=True,
 )
 @torch.no_grad()
 def test_greedy_decodes_equal_transformers_generate(family, tmp_path):

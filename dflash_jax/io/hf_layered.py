@@ -192,9 +192,10 @@ def _split_gate_up(tensors: dict[str, Any], stored_tensor) -> dict[str, Any]:
     return out
 
 
-def _sliding_layout(c: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple, Any]]:
-    """`layer_layout` of a SLIDING_ARCHS layer (the same for every layer)."""
-    d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+def _sliding_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...], tuple, Any]]:
+    """`layer_layout` of a SLIDING_ARCHS layer."""
+    d, n = c.hidden_size, c.num_heads
+    k, h = c.layer_heads(i)
     out = {
         "input_layernorm.weight": (("input_layernorm", "scale"), (d,), _keep),
         "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), (d,), _keep),
@@ -205,11 +206,15 @@ def _sliding_layout(c: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple, 
         "v_proj.weight": (("v_proj", "kernel"), (k * h, d), _heads_in(k, h)),
         "o_proj.weight": (("o_proj", "kernel"), (d, n * h), _heads_out(n, h)),
     }
-    if c.arch == "gemma3":
+    if c.arch in ("gemma3", "gemma4"):
         for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
             out[f"{norm}.weight"] = ((norm, "scale"), (d,), _keep)
         attn["q_norm.weight"] = (("q_norm", "scale"), (h,), _keep)
         attn["k_norm.weight"] = (("k_norm", "scale"), (h,), _keep)
+        if c.arch == "gemma4":
+            out["layer_scalar"] = (("layer_scalar",), (1,), _keep)
+            if c.attention_k_eq_v and c.window(i) is None:  # the keys are the values
+                del attn["v_proj.weight"]
         out |= _under("self_attn", ("self_attn",), attn)
         return out | _under("mlp", ("mlp",), _swiglu(c.intermediate_size, d))
     heads = lambda m: lambda b: b.reshape(m, h)
@@ -250,7 +255,7 @@ def _swiglu(f: int, d: int) -> dict:
 def layer_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...], tuple, Any]]:
     """HF name (under `layers.{i}.`) -> (param path under `layers_{i}`, HF shape, transform)."""
     if c.sliding:
-        return _sliding_layout(c)
+        return _sliding_layout(c, i)
     d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     mixer, mlp = c.layer_kind(i)
     out: dict[str, tuple[tuple[str, ...], tuple, Any]] = {

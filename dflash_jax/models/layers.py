@@ -61,6 +61,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
         return (inv_freq / np.float32(s["factor"])).astype(np.float32)
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, s)
+    if rope_type == "proportional":  # the first fraction of the frequencies rotate, the rest 0
+        angles = int(float(s.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq = np.where(np.arange(head_dim // 2) < angles, inv_freq, np.float32(0))
+        return (inv_freq / np.float32(s.get("factor", 1.0))).astype(np.float32)
     if rope_type != "llama3":
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
     factor = float(s["factor"])

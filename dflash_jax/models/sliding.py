@@ -6,6 +6,11 @@
             tanh-capped), a GeGLU MLP (tanh GELU), embeddings times sqrt(hidden), tied head;
             sliding layers rotate with their own RoPE base (`local_rope_theta`), full ones with
             rope_theta and its scaling.
+  gemma4    Gemma 4 text (dense): as Gemma 3, but plain RMSNorms (x * w), values RMS-normed
+            too (no scale), scores unscaled, each layer's output times its `layer_scalar`;
+            full layers with their own head dim and kv heads, keys doubling as values
+            (attention_k_eq_v), proportional RoPE (only the first fraction of frequencies
+            rotate); logits tanh-capped at final_logit_softcapping (`models.target.Head`).
   gpt_oss   gpt-oss: q/k/v/o with biases, one learned sink logit per query head in the softmax
             (its probability dropped), YaRN RoPE (cos/sin times its attention factor), and a
             top-k MoE: a router with a bias, softmax over the chosen k logits, each expert a
@@ -43,9 +48,13 @@ from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention, target_mods
 
 
+def gemma(config: TargetConfig) -> bool:
+    return config.arch in ("gemma3", "gemma4")
+
+
 def embed_scale(config: TargetConfig) -> float | None:
     """What the embedding is multiplied by (Gemma: sqrt(hidden)), None for 1."""
-    return float(np.sqrt(config.hidden_size)) if config.arch == "gemma3" else None
+    return float(np.sqrt(config.hidden_size)) if gemma(config) else None
 
 
 def _norm(config: TargetConfig, name: str | None = None):
@@ -60,11 +69,11 @@ def rope_tables(config: TargetConfig, positions_bt, dtype) -> dict:
     c = config
     full = _rope_tables(
         positions_bt,
-        rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+        rope_inv_freq(c.global_head_dim or c.head_dim, c.rope_theta, c.rope_scaling),
         dtype,
         rope_attention_factor(c.rope_scaling),
     )
-    if c.arch != "gemma3":
+    if not gemma(c):
         return {"full": full, "sliding": full}
     local = _rope_tables(positions_bt, rope_inv_freq(c.head_dim, c.local_rope_theta, None), dtype)
     return {"full": full, "sliding": local}
@@ -72,21 +81,34 @@ def rope_tables(config: TargetConfig, positions_bt, dtype) -> dict:
 
 class Attention(nn.Module):
     """Kernels: q_proj [D,N,H], k_proj/v_proj [D,K,H], o_proj [N,H,D] (gpt-oss: with biases,
-    and sinks [N]); Gemma: q_norm / k_norm [H]."""
+    and sinks [N]); Gemma: q_norm / k_norm [H]. K and H are the layer's
+    (`TargetConfig.layer_heads`); a Gemma 4 layer whose keys are its values has no v_proj."""
 
     config: TargetConfig
     window: int | None
 
+    @property
+    def k_is_v(self) -> bool:
+        return self.config.attention_k_eq_v and self.window is None
+
     def setup(self):
         c = self.config
+        if self.window is None:
+            kv_heads, head_dim = (
+                c.global_kv_heads or c.num_kv_heads,
+                c.global_head_dim or c.head_dim,
+            )
+        else:
+            kv_heads, head_dim = c.num_kv_heads, c.head_dim
         bias = c.arch == "gpt_oss"
         opts = dict(use_bias=bias, dtype=jnp.dtype(c.dtype), dot_general=dots.dot_general)
         dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
-        self.q_proj = dg((c.num_heads, c.head_dim), "q_proj")
-        self.k_proj = dg((c.num_kv_heads, c.head_dim), "k_proj")
-        self.v_proj = dg((c.num_kv_heads, c.head_dim), "v_proj")
+        self.q_proj = dg((c.num_heads, head_dim), "q_proj")
+        self.k_proj = dg((kv_heads, head_dim), "k_proj")
+        if not self.k_is_v:
+            self.v_proj = dg((kv_heads, head_dim), "v_proj")
         self.o_proj = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), **opts, name="o_proj")
-        if c.arch == "gemma3":
+        if gemma(c):
             self.q_norm = _norm(c, "q_norm")
             self.k_norm = _norm(c, "k_norm")
         if c.arch == "gpt_oss":
@@ -105,11 +127,18 @@ class Attention(nn.Module):
     def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
         """As `hybrid.attend`: -> (out [B,T,D], new cache | new rows | None)."""
         q_btnh, k_btkh = self.q_proj(x_btd), self.k_proj(x_btd)
-        if self.config.arch == "gemma3":
+        v_btkh = k_btkh if self.k_is_v else self.v_proj(x_btd)
+        if gemma(self.config):
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        if self.config.arch == "gemma4":  # values RMS-normed, no scale
+            v32 = v_btkh.astype(jnp.float32)
+            v32 = v32 * jax.lax.rsqrt(
+                jnp.mean(v32 * v32, -1, keepdims=True) + self.config.rms_norm_eps
+            )
+            v_btkh = v32.astype(v_btkh.dtype)
         q_btnh = apply_rope(q_btnh, cos, sin)
         k_bkth = jnp.swapaxes(apply_rope(k_btkh, cos, sin), 1, 2)
-        v_bkth = jnp.swapaxes(self.v_proj(x_btd), 1, 2)
+        v_bkth = jnp.swapaxes(v_btkh, 1, 2)
         impl, mods = self.config.attention_impl, self.mods()
         if layer_cache is not None and cache_lengths is not None:
             new_cache = None
@@ -232,21 +261,26 @@ class SlidingLayer(nn.Module):
         self.input_layernorm = _norm(c)
         self.self_attn = Attention(c, self.window)
         self.post_attention_layernorm = _norm(c)
-        if c.arch == "gemma3":
+        if gemma(c):
             self.pre_feedforward_layernorm = _norm(c)
             self.post_feedforward_layernorm = _norm(c)
             self.mlp = GeGLU(c.intermediate_size, jnp.dtype(c.dtype))
         else:
             self.mlp = TopKMoE(c)
+        if c.arch == "gemma4":
+            self.layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), jnp.float32)
 
     def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
         mixed, layer_cache = self.self_attn(
             self.input_layernorm(x_btd), cos, sin, layer_cache, cache_lengths, defer, tree_mask
         )
-        if self.config.arch == "gemma3":  # sandwich norms: each sublayer's output normed too
+        if gemma(self.config):  # sandwich norms: each sublayer's output normed too
             x_btd = x_btd + self.post_attention_layernorm(mixed)
             h_btd = self.mlp(self.pre_feedforward_layernorm(x_btd))
-            return x_btd + self.post_feedforward_layernorm(h_btd), layer_cache
+            x_btd = x_btd + self.post_feedforward_layernorm(h_btd)
+            if self.config.arch == "gemma4":
+                x_btd = x_btd * self.layer_scalar.astype(x_btd.dtype)
+            return x_btd, layer_cache
         x_btd = x_btd + mixed
         return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), layer_cache
 

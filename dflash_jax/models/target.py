@@ -188,7 +188,11 @@ class Transformer(nn.Module):
         return x_btd * jnp.asarray(scale, self.embed_tokens.embedding.dtype).astype(x_btd.dtype)
 
     def unembed(self, x_btd: jax.Array) -> jax.Array:
-        """Frozen LM head on already-normalised hidden states -> logits [..., V]."""
+        """Frozen LM head on already-normalised hidden states -> logits [..., V] (tanh-capped
+        at `final_logit_softcapping` when set)."""
+        return softcap(self._unembed(x_btd), self.config.final_logit_softcapping)
+
+    def _unembed(self, x_btd: jax.Array) -> jax.Array:
         rule = row_rule(self.config)
         if self.config.tie_word_embeddings and rule is None:  # Embed.attend, fp32 accumulation
             dtype = jnp.dtype(self.config.dtype)
@@ -336,6 +340,13 @@ def apply_head(head_dv: jax.Array, hidden: jax.Array, rows=None) -> jax.Array:
     return invariance.dot_general(rows)(hidden, head_dv, (((hidden.ndim - 1,), (0,)), ((), ())))
 
 
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap) in the logits' dtype (cap 0: the logits as they are)."""
+    if not cap:
+        return logits
+    return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+
+
 @flax.struct.dataclass
 class Head:
     """The frozen lm_head as the decode loops use it: `dv` [D,V] (`unembedding_matrix`) and,
@@ -345,8 +356,14 @@ class Head:
     dv: jax.Array
     vd: jax.Array | None = None
     rows: invariance.RowRule | None = flax.struct.field(pytree_node=False, default=None)
+    # The target's final_logit_softcapping (0: none): a monotone map, so the argmax is that of
+    # the raw logits; `logits` (sampling) caps them.
+    cap: float = flax.struct.field(pytree_node=False, default=0.0)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
+        return softcap(self._raw_logits(hidden), self.cap)
+
+    def _raw_logits(self, hidden: jax.Array) -> jax.Array:
         if self.rows is not None and self.vd is not None:  # as `Transformer.unembed` runs it
             return invariance.transposed_matmul(self.rows, hidden, self.vd)
         if self.rows is None and self.vd is not None and hidden.dtype == jnp.bfloat16:
@@ -385,11 +402,20 @@ class Head:
 def decoding_head(params, config: TargetConfig) -> Head:
     """The `Head` of a target for the decode loops (inside jit: the [D,V] copy is per call)."""
     vd = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else None
-    return Head(dv=unembedding_matrix(params, config), vd=vd, rows=row_rule(config))
+    return Head(
+        dv=unembedding_matrix(params, config),
+        vd=vd,
+        rows=row_rule(config),
+        cap=config.final_logit_softcapping,
+    )
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dtype = jnp.dtype(dtype or config.dtype)
+    if config.sliding:  # each layer its own (kv heads, head dim) (Gemma 4's full layers)
+        shapes = [(batch, *h, max_len) for h in map(config.layer_heads, range(config.num_layers))]
+        zeros = lambda: tuple(jnp.zeros((b, k, s, h), dtype) for b, k, h, s in shapes)
+        return KVCache(k=zeros(), v=zeros())
     num_kv_layers = len(config.attention_layers) if config.layered else config.num_layers
     cache = KVCache.zeros(
         num_kv_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype
