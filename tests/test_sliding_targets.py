@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _tiny_sliding import FAMILIES, WINDOW, load_torch, make_tiny_sliding
+from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
@@ -168,3 +168,37 @@ def test_mxfp4_dequantization_matches_transformers():
     got = dequantize_mxfp4(blocks, scales)
     assert got.shape == (3, 64, 10)
     np.testing.assert_array_equal(got, want)
+
+
+def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
+    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
+    ones are) loads with them dequantized and the fused gate_up split into gate / up."""
+    from dflash_jax.io.hf import read_safetensors_dir, write_safetensors
+
+    path = make_tiny_sliding(tmp_path, "gpt_oss", intermediate_size=32)
+    tensors = {n: np.array(t.read()) for n, t in read_safetensors_dir(path).items()}  # copies
+    rng = np.random.default_rng(0)
+    want = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, out = tensors.pop(name).shape  # stored [E, in, out]
+        blocks = rng.integers(0, 256, (e, out, rows_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(124, 130, (e, out, rows_in // 32), dtype=np.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        want[name] = dequantize_mxfp4(blocks, scales)
+    write_safetensors(path / "model.safetensors", tensors)
+    target = load_target(str(path), cache=False)
+    experts = target.params["layers_1"]["mlp"]["experts"]
+    gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(np.asarray(experts["gate_proj"]), gate_up[..., 0::2])
+    np.testing.assert_array_equal(np.asarray(experts["up_proj"]), gate_up[..., 1::2])
+    down = want["model.layers.1.mlp.experts.down_proj"]
+    np.testing.assert_array_equal(np.asarray(experts["down_proj"]), down)
+
+
+def test_unsupported_gemma4_features_are_refused():
+    base = {**hf_config("gemma4").to_dict(), "model_type": "gemma4_text"}
+    TargetConfig.from_hf(base)
+    for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
+                       ("enable_moe_block", True)):  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            TargetConfig.from_hf({**base, key: value})
