@@ -21,6 +21,7 @@ from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sli
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.programs import check_tree_target
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter
 from dflash_jax.io.hf_layered import dequantize_mxfp4
@@ -154,6 +155,8 @@ def test_config_round_trips_and_refusals(family):
     pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))
     with pytest.raises(ConfigError, match="sliding window, sinks"):
         pallas.apply({"params": target.params}, tokens, np.arange(6)[None])
+    with pytest.raises(ConfigError, match="tree verification is not implemented"):
+        check_tree_target(c, DecodeConfig(block_size=4, tree_nodes=4))
 
 
 def test_mxfp4_dequantization_matches_transformers():
