@@ -205,3 +205,23 @@ def test_unsupported_gemma4_features_are_refused():
                        ("enable_moe_block", True)):  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             TargetConfig.from_hf({**base, key: value})
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """A `Gemma3ForConditionalGeneration` save (language_model.model.*, a vision tower and a
+    projector) loads as its text model: the same config and params."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text_dir = make_tiny_sliding(tmp_path, "gemma3")
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4, image_token_index=90, boi_token_index=91,
+                          eoi_token_index=92)  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    model.save_pretrained(tmp_path / "mm")
+    a, b = load_target(str(text_dir), cache=False), load_target(str(tmp_path / "mm"), cache=False)
+    assert b.config == a.config
+    jax.tree.map(np.testing.assert_array_equal, b.params, a.params)

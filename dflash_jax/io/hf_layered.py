@@ -32,6 +32,13 @@ from dflash_jax.config import TargetConfig
 # Tensors of a published checkpoint that the text model never reads.
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.",
                     "multi_modal_projector.")  # fmt: skip
+
+
+def canonical(name: str) -> str:
+    """Without a `model.` prefix (as `hf.canonical_name`)."""
+    return name.removeprefix("model.")
+
+
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -78,7 +85,9 @@ def rename(tensors: Mapping[str, Any], config: TargetConfig, stored_tensor) -> d
     for name, t in tensors.items():
         if name.startswith(SKIPPED_PREFIXES):
             continue
-        out[name.removeprefix("language_model.")] = t
+        if name.startswith("language_model."):  # Gemma 3's: language_model.model.layers...
+            name = canonical(name.removeprefix("language_model."))
+        out[name] = t
     out = stack_experts(out, stored_tensor)
     if config.arch == "gpt_oss":
         out = _split_gate_up(out, stored_tensor)
