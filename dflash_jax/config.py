@@ -15,10 +15,14 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                          "gemma3", "gemma4", "gpt_oss")  # fmt: skip
 # Families whose layers are built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated
-# DeltaNet linear-attention layers beside (gated) full attention.
-LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+# DeltaNet linear-attention layers beside (gated) full attention; sliding-window layers.
+LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4",
+                 "gpt_oss")  # fmt: skip
+# Sliding-window families (`models/sliding.py`): "sliding_attention" layers beside full ones.
+SLIDING_ARCHS = ("gemma3", "gemma4", "gpt_oss")
 # Hybrid families: zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # HF model_type (text model or its multimodal wrapper) -> arch.
@@ -31,6 +35,11 @@ _TARGET_MODEL_TYPES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
+    "gpt_oss": "gpt_oss",
 }
 _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -39,9 +48,16 @@ _ARCH_CLASSES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
-_HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+                  "gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # fmt: skip
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Targets also take linear (Gemma 3's global layers), YaRN (gpt-oss) and proportional (Gemma 4's
+# global layers: RoPE on the first partial_rotary_factor of each head's frequencies) scaling.
+TARGET_ROPE_TYPES = SUPPORTED_ROPE_TYPES + ("linear", "yarn", "proportional")
 # Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -107,7 +123,9 @@ def thaw(value: Any) -> Any:
     return value
 
 
-def _rope_from_hf(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple | None]:
+def _rope_from_hf(
+    cfg: Mapping[str, Any], where: str, types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+) -> tuple[float, tuple | None]:
     """Returns (theta, frozen scaling or None) from v4 `rope_theta`/`rope_scaling` or v5
     `rope_parameters`; refuses scaling types we do not implement."""
     params = cfg.get("rope_parameters") or {}
@@ -121,10 +139,10 @@ def _rope_from_hf(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple | No
             scaling = rest
     if scaling:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if rope_type not in types:
             raise ConfigError(
                 f"{where}: rope scaling type {rope_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"(supported: {', '.join(types)})"
             )
         if rope_type == "default":
             scaling = None
@@ -202,6 +220,25 @@ class TargetConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     partial_rotary_factor: float = 1.0
+    # Sliding-window families (SLIDING_ARCHS, `models/sliding.py`; layer_types names each layer
+    # sliding_attention or full_attention): a sliding layer's query at position p sees keys at
+    # p - sliding_window < s <= p. Gemma 3: its sliding layers' RoPE base local_rope_theta,
+    # scores scaled by query_pre_attn_scalar ** -0.5 (0: head_dim), tanh-capped at
+    # attn_logit_softcapping (0: none), the MLP's activation hidden_act. gpt-oss: projection
+    # biases, per-head attention sinks, experts' SwiGLU clamped at swiglu_limit with swiglu_alpha.
+    # Gemma 4: full layers with their own head dim and kv heads (0: as the sliding ones), keys
+    # doubling as values there (attention_k_eq_v), logits tanh-capped (final_logit_softcapping).
+    sliding_window: int = 0
+    local_rope_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
@@ -233,12 +270,15 @@ class TargetConfig:
 
     def _check_layers(self) -> None:
         types = self.layer_types
-        if types and (
-            len(types) != self.num_layers or set(types) - {"linear_attention", "full_attention"}
-        ):
+        kinds = {"linear_attention", "full_attention"} | (
+            {"sliding_attention"} if self.sliding else set()
+        )
+        if types and (len(types) != self.num_layers or set(types) - kinds):
             raise ConfigError(
-                f"layer_types={types} must give one of linear_attention/full_attention per layer"
+                f"layer_types={types} must give one of {'/'.join(sorted(kinds))} per layer"
             )
+        if self.sliding and "sliding_attention" in types and self.sliding_window < 1:
+            raise ConfigError("sliding_attention layers need sliding_window >= 1")
         if "linear_attention" in types and not (
             self.linear_num_key_heads and self.linear_key_head_dim
         ):
@@ -262,6 +302,26 @@ class TargetConfig:
     @property
     def hybrid(self) -> bool:
         return self.arch in HYBRID_ARCHS
+
+    @property
+    def sliding(self) -> bool:
+        return self.arch in SLIDING_ARCHS
+
+    @property
+    def zero_centred_norms(self) -> bool:
+        """RMSNorms that scale by (1 + w) (the hybrid families and Gemma)."""
+        return self.hybrid or self.arch == "gemma3"
+
+    def layer_heads(self, i: int) -> tuple[int, int]:
+        """(kv heads, head dim) of layer i (Gemma 4's full layers have their own)."""
+        if self.window(i) is None and self.global_head_dim:
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: it sees every earlier position)."""
+        sliding = bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     def layer_kind(self, i: int) -> tuple[str, str]:
         """(mixer, mlp) of layer i: mixer "attention" | "linear", mlp "dense" | "moe"."""
@@ -304,7 +364,8 @@ class TargetConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
         """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
-        if hf.get("text_config") and hf.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
+        wrappers = ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4")
+        if hf.get("text_config") and hf.get("model_type") in wrappers:
             # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
             hf = {**hf["text_config"], "model_type": hf["model_type"]}
         model_type = hf.get("model_type")
@@ -315,12 +376,13 @@ class TargetConfig:
                 f"unsupported target: model_type={model_type!r}, architectures={archs}; "
                 f"supported model_type values: {', '.join(SUPPORTED_TARGET_ARCHS)}"
             )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
+        sliding = _sliding_from_hf(hf, arch) if arch in SLIDING_ARCHS else {}
+        if (hf.get("attention_bias") and arch != "gpt_oss") or hf.get("mlp_bias"):
             raise ConfigError(f"{model_type}: attention_bias/mlp_bias=True is not supported")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        act = sliding.get("hidden_act", hf.get("hidden_act", "silu"))
+        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and "gemma" not in arch):
             raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (only silu)")
-        theta, scaling = _rope_from_hf(hf, f"target {model_type}")
+        theta, scaling = sliding.pop("rope", None) or _rope_from_hf(hf, f"target {model_type}")
         n_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // n_heads
         eos = _as_int_tuple(hf.get("eos_token_id"))
@@ -344,7 +406,7 @@ class TargetConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             dtype=dtype,
-            **_layered_from_hf(hf, arch),
+            **(sliding or _layered_from_hf(hf, arch)),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -366,7 +428,7 @@ class TargetConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
             **_rope_to_hf(self.rope_theta, self.rope_scaling),
-            **_layered_to_hf(self),
+            **(_sliding_to_hf(self) if self.sliding else _layered_to_hf(self)),
         }
 
 
@@ -437,6 +499,132 @@ def _layered_to_hf(c: TargetConfig) -> dict[str, Any]:
         out["layer_types"] = list(c.layer_types)
         out["partial_rotary_factor"] = c.partial_rotary_factor
     return out
+
+
+def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The SLIDING_ARCHS fields of a config.json, and its RoPE as "rope": (theta, scaling)."""
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if not types:  # older configs: a pattern (Gemma 3: every 6th layer full; gpt-oss: every 2nd)
+        every = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
+        ]
+    window = hf.get("sliding_window")
+    out: dict[str, Any] = {"layer_types": tuple(types), "sliding_window": int(window or 0)}
+    where = f"target {hf.get('model_type')}"
+    if arch == "gpt_oss":
+        e = int(hf.get("num_local_experts") or hf.get("num_experts"))
+        out |= dict(num_experts=e, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]))  # fmt: skip
+        out |= dict(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)))  # fmt: skip
+        if not hf.get("attention_bias", True):
+            raise ConfigError(
+                f"{where}: attention_bias=false is not supported (gpt-oss has biases)"
+            )
+        return out | {"rope": _rope_from_hf(hf, where, TARGET_ROPE_TYPES)}
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers v5: one RoPE per layer type
+        full = _rope_from_hf(
+            {"rope_parameters": params["full_attention"]}, where, TARGET_ROPE_TYPES
+        )
+        local = _rope_from_hf({"rope_parameters": params.get("sliding_attention") or {}}, where)
+        if local[1] is not None:
+            raise ConfigError(f"{where}: RoPE scaling on sliding layers is not supported")
+    else:
+        full = _rope_from_hf(
+            {**hf, "rope_theta": hf.get("rope_theta", 1e6)}, where, TARGET_ROPE_TYPES
+        )
+        local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
+    if arch == "gemma4":
+        return out | {"rope": full, "local_rope_theta": local[0], **_gemma4_from_hf(hf, where)}
+    if hf.get("final_logit_softcapping"):
+        raise ConfigError(
+            f"{where}: final_logit_softcapping={hf['final_logit_softcapping']} is not supported "
+            "(Gemma 3's released checkpoints have none)"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention=true (not a causal LM)")
+    return out | {
+        "rope": full,
+        "local_rope_theta": local[0],
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0),
+        "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0),
+        "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+    }
+
+
+def _gemma4_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 4's own fields; refuses what `models/sliding.py` does not implement."""
+    unsupported = {
+        "hidden_size_per_layer_input": "per-layer input embeddings",
+        "num_kv_shared_layers": "KV cache sharing between layers",
+        "enable_moe_block": "the MoE block",
+        "use_bidirectional_attention": "bidirectional attention",
+        "attention_bias": "attention biases",
+    }
+    for key, what in unsupported.items():
+        if hf.get(key) and (key, hf[key]) != ("use_bidirectional_attention", "vision"):
+            raise ConfigError(f"{where}: {key}={hf[key]!r} ({what}) is not supported")
+    types = hf.get("layer_types") or ()
+    heads = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", 0)))
+             for i, v in (hf.get("per_layer_config") or {}).items()}  # fmt: skip
+    heads |= {(int(hf.get("global_head_dim") or 0), int(hf.get("num_global_key_value_heads") or 0))}
+    heads.discard((0, 0))
+    per_layer = hf.get("per_layer_config") or {}
+    if len(heads) > 1 or any(types and types[int(i)] != "full_attention" for i in per_layer):
+        raise ConfigError(f"{where}: per-layer head shapes other than one for full layers")
+    head_dim, kv = heads.pop() if heads else (0, 0)
+    return {
+        "global_head_dim": head_dim,
+        "global_kv_heads": kv if hf.get("attention_k_eq_v", True) else 0,
+        "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
+        "final_logit_softcapping": float(hf.get("final_logit_softcapping") or 0),
+        "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 1.0,  # scores unscaled (q and k are RMS-normed)
+    }
+
+
+def _sliding_to_hf(c: TargetConfig) -> dict[str, Any]:
+    """The inverse of `_sliding_from_hf` (transformers v5 keys)."""
+    out: dict[str, Any] = {"layer_types": list(c.layer_types), "sliding_window": c.sliding_window}
+    if c.arch == "gpt_oss":
+        rope = {"rope_theta": c.rope_theta, **(thaw(c.rope_scaling) if c.rope_scaling else {})}
+        return out | {
+            "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "intermediate_size": c.moe_intermediate_size,
+            "swiglu_alpha": c.swiglu_alpha,
+            "swiglu_limit": c.swiglu_limit,
+            "attention_bias": True,
+            "rope_parameters": rope | {"rope_type": rope.get("rope_type", "default")},
+        }
+    full = {"rope_type": "default", "rope_theta": c.rope_theta}
+    full |= thaw(c.rope_scaling) if c.rope_scaling else {}
+    if c.arch == "gemma4":
+        full_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+        shape = {"head_dim": c.global_head_dim, "num_key_value_heads": c.global_kv_heads}
+        return out | {
+            "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
+            },
+            "per_layer_config": {str(i): shape for i in full_layers} if c.global_head_dim else {},
+            "attention_k_eq_v": c.attention_k_eq_v,
+            "final_logit_softcapping": c.final_logit_softcapping or None,
+            "hidden_activation": c.hidden_act,
+            "hidden_size_per_layer_input": 0,
+        }
+    return out | {
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
+        },
+        "query_pre_attn_scalar": c.query_pre_attn_scalar or c.head_dim,
+        "attn_logit_softcapping": c.attn_logit_softcapping or None,
+        "hidden_activation": c.hidden_act,
+    }
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

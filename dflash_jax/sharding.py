@@ -51,6 +51,16 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/experts/(gate|up)_proj$", ("expert", "embed", None)),
     (r"/experts/down_proj$", ("expert", None, "embed")),
     (r"/mlp/gate/kernel$", ("embed", None)),
+    # gpt-oss: expert biases [E,F] / [E,D], the router [D,E] and its bias, attention biases
+    # and sinks (per head).
+    (r"/experts/(gate|up|down)_bias$", ("expert", None)),
+    (r"/mlp/router/kernel$", ("embed", None)),
+    (r"/mlp/router/bias$", (None,)),
+    (r"/q_proj/bias$", ("heads", "head_dim")),
+    (r"/[kv]_proj/bias$", ("kv_heads", "head_dim")),
+    (r"/o_proj/bias$", (None,)),
+    (r"/self_attn/sinks$", ("heads",)),
+    (r"(^|/)layer_scalar$", (None,)),  # Gemma 4: each layer's output multiplier
     (r"/shared_expert_gate/kernel$", ("embed", None)),
     # Gated DeltaNet (hybrid targets): model dim over fsdp, heads over tensor. in_proj_qkv and
     # conv1d [.., Hk, G] hold each key head's channels together; z [D,Hv,Dv], b/a [D,Hv].

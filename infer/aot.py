@@ -74,6 +74,28 @@ KNOWN_TARGETS = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
                             "partial_rotary_factor": 0.25},
     },
+    "google/gemma-3-1b-it": {
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+        "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "eos_token_id": [1, 106],
+        "bos_token_id": 2,
+    },
+    # gpt-oss-20b's config.json, less its quantization_config (MXFP4 experts, dequantized at load).
+    "openai/gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "attention_bias": True, "rms_norm_eps": 1e-05,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "swiglu_limit": 7.0,
+        "rope_theta": 150000, "eos_token_id": 200002, "pad_token_id": 199999,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                         "truncate": False},
+    },
 }  # fmt: skip
 
 

@@ -326,6 +326,12 @@ def check_tree_target(tcfg: TargetConfig, cfg: DecodeConfig) -> None:
     linear-attention layers: their recurrent state advances along one sequence of tokens, and a
     token tree's branches would each need their own (the layers refuse a tree mask when traced;
     this names the setting before anything is compiled)."""
+    if cfg.tree_nodes and tcfg.sliding:
+        raise ConfigError(
+            f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not implemented "
+            f"for a {tcfg.arch} target (its sliding-window / sink attention is built for a "
+            "chain of tokens); use tree_nodes=0"
+        )
     if cfg.tree_nodes and tcfg.linear_layers:
         raise ConfigError(
             f"tree_nodes={cfg.tree_nodes} (--tree_nodes): tree verification is not supported "

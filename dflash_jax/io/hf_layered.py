@@ -9,7 +9,13 @@ shapes and transforms for `hf.convert_to_params`, and the renames that come firs
     `in_proj_qkv` and `conv1d` (all queries | all keys | all values) are then grouped per key
     head, [.., Hk, 2Dk + rDv], the layout that splits over `tensor` (`models.linear_attention`).
   * A multimodal checkpoint (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`,
-    `model.visual.*`, `lm_head`) loads its language model; vision and MTP tensors are skipped.
+    `model.visual.*`, `lm_head`) loads its language model; vision and MTP tensors are skipped
+    (Gemma 3's vision tower and projector too).
+  * gpt-oss's experts: the fused gate_up_proj [E, D, 2F] (gate and up interleaved, column
+    2j the gate, 2j+1 the up) and its bias are split into gate_proj / up_proj; MXFP4 experts
+    (`*_blocks` uint8 [E, out, in/32, 16], two e2m1 values a byte, low nibble first, and
+    `*_scales` uint8 [E, out, in/32], a power of two biased by 127) are dequantized at load
+    (`dequantize_mxfp4`, one log line) to the float layout.
 """
 
 from __future__ import annotations
@@ -19,11 +25,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from dflash_jax.config import TargetConfig
 
 # Tensors of a published checkpoint that the text model never reads.
-SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.")
+SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.",
+                    "multi_modal_projector.")  # fmt: skip
+
+
+def canonical(name: str) -> str:
+    """Without a `model.` prefix (as `hf.canonical_name`)."""
+    return name.removeprefix("model.")
+
+
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -70,8 +85,12 @@ def rename(tensors: Mapping[str, Any], config: TargetConfig, stored_tensor) -> d
     for name, t in tensors.items():
         if name.startswith(SKIPPED_PREFIXES):
             continue
-        out[name.removeprefix("language_model.")] = t
+        if name.startswith("language_model."):  # Gemma 3's: language_model.model.layers...
+            name = canonical(name.removeprefix("language_model."))
+        out[name] = t
     out = stack_experts(out, stored_tensor)
+    if config.arch == "gpt_oss":
+        out = _split_gate_up(out, stored_tensor)
     if config.arch == "qwen3_next":
         out = _split_next_projections(out, config, stored_tensor)
     return out
@@ -136,6 +155,99 @@ def _split_next_projections(tensors, c: TargetConfig, stored_tensor):
     return out
 
 
+# e2m1 (MXFP4's element type): sign, two exponent bits, one mantissa bit, by 4-bit code.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+                  -6.0], np.float32)  # fmt: skip
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks uint8 [E, out, G, 16] (32 values per block of the contracted dim, two per
+    byte, low nibble first) and scales uint8 [E, out, G] (2^(scale - 127) per block) ->
+    float32 [E, in = G * 32, out], the float checkpoint's layout."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    values = np.stack([_E2M1[blocks & 0x0F], _E2M1[blocks >> 4]], axis=-1)  # [E, out, G, 16, 2]
+    values = values.reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1)
+
+
+def _split_gate_up(tensors: dict[str, Any], stored_tensor) -> dict[str, Any]:
+    """gpt-oss experts: MXFP4 pairs dequantized (one log line), the fused gate_up_proj [E,D,2F]
+    and gate_up_proj_bias [E,2F] split into gate / up (interleaved columns)."""
+    out = dict(tensors)
+    packed = sorted(n for n in out if n.endswith("_blocks"))
+    if packed:
+        logging.info(
+            "gpt-oss: dequantizing %d MXFP4 expert tensors to float at load (they are kept as "
+            "float weights in the load's dtype, not as MXFP4)",
+            len(packed),
+        )
+    for name in packed:
+        blocks, base = out.pop(name), name.removesuffix("_blocks")
+        scales = out.pop(base + "_scales")
+        e, rows, g, _ = blocks.shape
+        read = lambda b=blocks, s=scales: dequantize_mxfp4(b.read(), s.read())
+        out[base] = stored_tensor(base, blocks.file, (e, g * 32, rows), read)
+    for name in [n for n in out if n.endswith(".mlp.experts.gate_up_proj")]:
+        t, prefix = out.pop(name), name.removesuffix("gate_up_proj")
+        e, d, f2 = t.shape
+        for i, which in enumerate(("gate_proj", "up_proj")):
+            read = lambda t=t, i=i: np.asarray(t.read())[..., i::2]
+            out[prefix + which] = stored_tensor(prefix + which, t.file, (e, d, f2 // 2), read)
+        b = out.pop(prefix + "gate_up_proj_bias")
+        for i, which in enumerate(("gate_bias", "up_bias")):
+            read = lambda b=b, i=i: np.asarray(b.read())[..., i::2]
+            out[prefix + which] = stored_tensor(prefix + which, b.file, (e, f2 // 2), read)
+    return out
+
+
+def _sliding_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...], tuple, Any]]:
+    """`layer_layout` of a SLIDING_ARCHS layer."""
+    d, n = c.hidden_size, c.num_heads
+    k, h = c.layer_heads(i)
+    out = {
+        "input_layernorm.weight": (("input_layernorm", "scale"), (d,), _keep),
+        "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), (d,), _keep),
+    }
+    attn = {
+        "q_proj.weight": (("q_proj", "kernel"), (n * h, d), _heads_in(n, h)),
+        "k_proj.weight": (("k_proj", "kernel"), (k * h, d), _heads_in(k, h)),
+        "v_proj.weight": (("v_proj", "kernel"), (k * h, d), _heads_in(k, h)),
+        "o_proj.weight": (("o_proj", "kernel"), (d, n * h), _heads_out(n, h)),
+    }
+    if c.arch in ("gemma3", "gemma4"):
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            out[f"{norm}.weight"] = ((norm, "scale"), (d,), _keep)
+        attn["q_norm.weight"] = (("q_norm", "scale"), (h,), _keep)
+        attn["k_norm.weight"] = (("k_norm", "scale"), (h,), _keep)
+        if c.arch == "gemma4":
+            out["layer_scalar"] = (("layer_scalar",), (1,), _keep)
+            if c.attention_k_eq_v and c.window(i) is None:  # the keys are the values
+                del attn["v_proj.weight"]
+        out |= _under("self_attn", ("self_attn",), attn)
+        return out | _under("mlp", ("mlp",), _swiglu(c.intermediate_size, d))
+    heads = lambda m: lambda b: b.reshape(m, h)
+    attn |= {
+        "q_proj.bias": (("q_proj", "bias"), (n * h,), heads(n)),
+        "k_proj.bias": (("k_proj", "bias"), (k * h,), heads(k)),
+        "v_proj.bias": (("v_proj", "bias"), (k * h,), heads(k)),
+        "o_proj.bias": (("o_proj", "bias"), (d,), _keep),
+        "sinks": (("sinks",), (n,), _keep),
+    }
+    e, f = c.num_experts, c.moe_intermediate_size
+    out |= _under("self_attn", ("self_attn",), attn)
+    return out | _under("mlp", ("mlp",), {
+        "router.weight": (("router", "kernel"), (e, d), _t),
+        "router.bias": (("router", "bias"), (e,), _keep),
+        "experts.gate_proj": (("experts", "gate_proj"), (e, d, f), _keep),
+        "experts.up_proj": (("experts", "up_proj"), (e, d, f), _keep),
+        "experts.down_proj": (("experts", "down_proj"), (e, f, d), _keep),
+        "experts.gate_bias": (("experts", "gate_bias"), (e, f), _keep),
+        "experts.up_bias": (("experts", "up_bias"), (e, f), _keep),
+        "experts.down_proj_bias": (("experts", "down_bias"), (e, d), _keep),
+    })  # fmt: skip
+
+
 def _under(hf: str, path: tuple[str, ...], entries: dict) -> dict:
     """Entries named relative to a submodule -> full layer-relative names and paths."""
     return {f"{hf}.{k}": ((*path, *p), shape, fn) for k, (p, shape, fn) in entries.items()}
@@ -151,6 +263,8 @@ def _swiglu(f: int, d: int) -> dict:
 
 def layer_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...], tuple, Any]]:
     """HF name (under `layers.{i}.`) -> (param path under `layers_{i}`, HF shape, transform)."""
+    if c.sliding:
+        return _sliding_layout(c, i)
     d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     mixer, mlp = c.layer_kind(i)
     out: dict[str, tuple[tuple[str, ...], tuple, Any]] = {

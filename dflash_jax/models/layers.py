@@ -57,6 +57,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
         return inv_freq
     s = thaw(scaling)
     rope_type = s.get("rope_type", s.get("type"))
+    if rope_type == "linear":
+        return (inv_freq / np.float32(s["factor"])).astype(np.float32)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, s)
+    if rope_type == "proportional":  # the first fraction of the frequencies rotate, the rest 0
+        angles = int(float(s.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq = np.where(np.arange(head_dim // 2) < angles, inv_freq, np.float32(0))
+        return (inv_freq / np.float32(s.get("factor", 1.0))).astype(np.float32)
     if rope_type != "llama3":
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
     factor = float(s["factor"])
@@ -71,12 +79,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Dtype):
-    """positions [B,T] int -> (cos, sin) [B,T,H] computed in fp32 at HIGHEST precision, then
-    cast to the activation dtype, as HF does (bf16 positions would round 257 to 256)."""
+def _yarn_inv_freq(dim: int, theta: float, s: dict) -> np.ndarray:
+    """YaRN: each frequency blended between interpolated (/ factor) and extrapolated by a
+    linear ramp over the dims whose rotations at the original context lie between beta_fast
+    and beta_slow (the YaRN paper's rule, as transformers computes it)."""
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations):  # the dim whose wavelength fits `rotations` turns in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    base = np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = (1 - ramp).astype(np.float32)
+    inv = (1.0 / (factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
+    return inv.astype(np.float32)
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other RoPE)."""
+    s = thaw(scaling) if scaling else {}
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale(1.0)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Dtype, scale: float = 1.0):
+    """positions [B,T] int -> (cos, sin) [B,T,H] computed in fp32 at HIGHEST precision (times
+    `scale`, YaRN's `rope_attention_factor`), then cast to the activation dtype, as HF does
+    (bf16 positions would round 257 to 256)."""
     freqs_bth = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb_bth = jnp.concatenate([freqs_bth, freqs_bth], axis=-1)
-    return jnp.cos(emb_bth).astype(dtype), jnp.sin(emb_bth).astype(dtype)
+    cos, sin = jnp.cos(emb_bth), jnp.sin(emb_bth)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.models import hybrid
+from dflash_jax.models import hybrid, sliding
 from dflash_jax.models.layers import MLP, AttentionProjections, RMSNorm, rope_inv_freq, rope_tables
 from dflash_jax.models.linear_attention import commit_state, init_state
 from dflash_jax.ops import dots, invariance, platform
@@ -161,7 +161,10 @@ class Transformer(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype)
-        if c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
+        if c.sliding:  # Gemma 3 / gpt-oss: sliding-window layers (models/sliding.py)
+            self.layers = sliding.make_layers(c)
+            self.norm = sliding.final_norm(c)
+        elif c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
             self.layers = hybrid.make_layers(c)
             self.norm = hybrid.final_norm(c)
         else:
@@ -177,10 +180,19 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        return self.embed_tokens(tokens_bt)
+        x_btd = self.embed_tokens(tokens_bt)
+        scale = sliding.embed_scale(self.config)
+        if scale is None:
+            return x_btd
+        # As HF: the multiplier rounded to the embedding's dtype first (bf16: sqrt(3072) -> 55.5)
+        return x_btd * jnp.asarray(scale, self.embed_tokens.embedding.dtype).astype(x_btd.dtype)
 
     def unembed(self, x_btd: jax.Array) -> jax.Array:
-        """Frozen LM head on already-normalised hidden states -> logits [..., V]."""
+        """Frozen LM head on already-normalised hidden states -> logits [..., V] (tanh-capped
+        at `final_logit_softcapping` when set)."""
+        return softcap(self._unembed(x_btd), self.config.final_logit_softcapping)
+
+    def _unembed(self, x_btd: jax.Array) -> jax.Array:
         rule = row_rule(self.config)
         if self.config.tie_word_embeddings and rule is None:  # Embed.attend, fp32 accumulation
             dtype = jnp.dtype(self.config.dtype)
@@ -235,6 +247,12 @@ class Transformer(nn.Module):
                     "(-1: the embedding)"
                 )
         x_btd = self.embed(tokens_bt)
+        if c.sliding:
+            tables = sliding.rope_tables(c, positions_bt, x_btd.dtype)
+            return self._layered_hidden(
+                x_btd, tables, None, cache, cache_lengths, tap_layers, logit_indices,
+                defer_cache_write, tree_mask,
+            )  # fmt: skip
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
             return self._layered_hidden(
@@ -274,10 +292,17 @@ class Transformer(nn.Module):
             state_lengths = logit_indices[:, -1] + 1
         params = None if self.is_initializing() else self.variables["params"]
         x_embed = x_btd
-        x_btd, taps, new = hybrid.forward_layers(
-            self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
-            state_lengths, tap_layers, defer, tree_mask,
-        )  # fmt: skip
+        if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
+            x_btd, taps, new = sliding.forward_layers(
+                self.layers, params, self.config, x_btd, cos, cache, cache_lengths, tap_layers,
+                defer, tree_mask,
+            )  # fmt: skip
+            new = None if new is None else (*new, ())
+        else:
+            x_btd, taps, new = hybrid.forward_layers(
+                self.layers, params, self.config, x_btd, cos, sin, cache, cache_lengths,
+                state_lengths, tap_layers, defer, tree_mask,
+            )  # fmt: skip
         taps[-1] = x_embed  # tap -1: the embedding's output
         taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
         if logit_indices is not None:
@@ -320,6 +345,13 @@ def apply_head(head_dv: jax.Array, hidden: jax.Array, rows=None) -> jax.Array:
     return invariance.dot_general(rows)(hidden, head_dv, (((hidden.ndim - 1,), (0,)), ((), ())))
 
 
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap) in the logits' dtype (cap 0: the logits as they are)."""
+    if not cap:
+        return logits
+    return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+
+
 @flax.struct.dataclass
 class Head:
     """The frozen lm_head as the decode loops use it: `dv` [D,V] (`unembedding_matrix`) and,
@@ -329,8 +361,14 @@ class Head:
     dv: jax.Array
     vd: jax.Array | None = None
     rows: invariance.RowRule | None = flax.struct.field(pytree_node=False, default=None)
+    # The target's final_logit_softcapping (0: none): a monotone map, so the argmax is that of
+    # the raw logits; `logits` (sampling) caps them.
+    cap: float = flax.struct.field(pytree_node=False, default=0.0)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
+        return softcap(self._raw_logits(hidden), self.cap)
+
+    def _raw_logits(self, hidden: jax.Array) -> jax.Array:
         if self.rows is not None and self.vd is not None:  # as `Transformer.unembed` runs it
             return invariance.transposed_matmul(self.rows, hidden, self.vd)
         if self.rows is None and self.vd is not None and hidden.dtype == jnp.bfloat16:
@@ -369,11 +407,20 @@ class Head:
 def decoding_head(params, config: TargetConfig) -> Head:
     """The `Head` of a target for the decode loops (inside jit: the [D,V] copy is per call)."""
     vd = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else None
-    return Head(dv=unembedding_matrix(params, config), vd=vd, rows=row_rule(config))
+    return Head(
+        dv=unembedding_matrix(params, config),
+        vd=vd,
+        rows=row_rule(config),
+        cap=config.final_logit_softcapping,
+    )
 
 
 def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dtype = jnp.dtype(dtype or config.dtype)
+    if config.sliding:  # each layer its own (kv heads, head dim) (Gemma 4's full layers)
+        shapes = [(batch, *h, max_len) for h in map(config.layer_heads, range(config.num_layers))]
+        zeros = lambda: tuple(jnp.zeros((b, k, s, h), dtype) for b, k, h, s in shapes)
+        return KVCache(k=zeros(), v=zeros())
     num_kv_layers = len(config.attention_layers) if config.layered else config.num_layers
     cache = KVCache.zeros(
         num_kv_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype

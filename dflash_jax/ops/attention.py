@@ -263,44 +263,79 @@ def block_attention(
 
 def append_attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_cache: jax.Array | None,
+    v_cache: jax.Array | None,
     k_new: jax.Array,
     v_new: jax.Array,
     cache_lengths: jax.Array,
     tree_mask: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """T new queries over a KV cache and themselves: query t of row b sees cache slots
     s < cache_lengths[b] and new tokens t' <= t. Equals `attention` over the cache after the
     new keys are written at cache_lengths[b] (`causal_cache_mask`), without reading the
     written buffer (see `dispatch.cached_attention` for why).
 
-    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H].
+    q [B,T,N,H]; k/v_cache [B,K,S,H] (None: no cache, a causal pass over the new tokens);
+    k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H].
     tree_mask [B,T,T] bool (a token tree, `tree_attention_mask`): query t sees new token t'
     iff tree_mask[b,t,t'] instead of t' <= t. One joint softmax in fp32 over both score
     blocks, normalised at the output.
+
+    The sliding-window families' options (slot = position, so no tree): `window`, a query
+    at slot p sees slots > p - window only; `scale` instead of H^-0.5; `softcap`, scores
+    capped as softcap * tanh(score / softcap); `sinks` [N], one more logit per query head in
+    the softmax's denominator (gpt-oss), whose probability is dropped.
     """
     b, t, n, h = q.shape
-    kh, s = k_cache.shape[1], k_cache.shape[2]
+    kh = k_new.shape[1]
     g = n // kh
     q_bkmh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
-    scale = h**-0.5
-    old_bkms = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_cache, preferred_element_type=jnp.float32)
-    new_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_new, preferred_element_type=jnp.float32)
-    old_ok_b11s = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
+    scale = h**-0.5 if scale is None else scale
     query_m = jnp.tile(jnp.arange(t), g)  # row m of the folded queries is query m % T
+
+    def scores(keys, spec):
+        x = jnp.einsum(spec, q_bkmh, keys, preferred_element_type=jnp.float32) * scale
+        return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+    new_bkmt = scores(k_new, "bkmh,bkth->bkmt")
     if tree_mask is None:
         new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
+        if window is not None:
+            new_ok_11mt &= (query_m[:, None] - jnp.arange(t)[None, :] < window)[None, None]
     else:  # [B,T,T] -> [B,1,M,T], row m of the folded queries is query m % T
         new_ok_11mt = jnp.take(tree_mask, query_m, axis=1)[:, None]
-    old_bkms = jnp.where(old_ok_b11s, old_bkms * scale, NEG_INF)
-    new_bkmt = jnp.where(new_ok_11mt, new_bkmt * scale, NEG_INF)
-    max_bkm1 = jnp.maximum(old_bkms.max(-1, keepdims=True), new_bkmt.max(-1, keepdims=True))
-    p_old_bkms = jnp.exp(old_bkms - max_bkm1)
+    new_bkmt = jnp.where(new_ok_11mt, new_bkmt, NEG_INF)
+    max_bkm1 = new_bkmt.max(-1, keepdims=True)
+    if k_cache is not None:
+        s = k_cache.shape[2]
+        old_bkms = scores(k_cache, "bkmh,bksh->bkms")
+        old_ok_b1ms = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
+        if window is not None:  # query m sits at slot cache_lengths + m % T
+            q_slot_bm = cache_lengths[:, None] + query_m[None, :]
+            old_ok_b1ms = old_ok_b1ms & (
+                q_slot_bm[:, None, :, None] - jnp.arange(s)[None, None, None, :] < window
+            )
+        old_bkms = jnp.where(old_ok_b1ms, old_bkms, NEG_INF)
+        max_bkm1 = jnp.maximum(max_bkm1, old_bkms.max(-1, keepdims=True))
+    if sinks is not None:  # head k * G + g's sink for row m = g * T + t
+        sink_1km1 = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), t, axis=1)[
+            None, :, :, None
+        ]
+        max_bkm1 = jnp.maximum(max_bkm1, sink_1km1)
     p_new_bkmt = jnp.exp(new_bkmt - max_bkm1)
-    denom_bkm1 = p_old_bkms.sum(-1, keepdims=True) + p_new_bkmt.sum(-1, keepdims=True)
-    out_bkmh = _pv("bkms,bksh->bkmh", p_old_bkms.astype(v_cache.dtype), v_cache)
-    out_bkmh += _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new)
+    denom_bkm1 = p_new_bkmt.sum(-1, keepdims=True)
+    out_bkmh = _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new)
+    if k_cache is not None:
+        p_old_bkms = jnp.exp(old_bkms - max_bkm1)
+        denom_bkm1 = denom_bkm1 + p_old_bkms.sum(-1, keepdims=True)
+        out_bkmh += _pv("bkms,bksh->bkmh", p_old_bkms.astype(v_cache.dtype), v_cache)
+    if sinks is not None:
+        denom_bkm1 = denom_bkm1 + jnp.exp(sink_1km1 - max_bkm1)
     out_bkmh = out_bkmh / denom_bkm1
     out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out_btnh.astype(q.dtype)

@@ -290,13 +290,19 @@ def causal_attention(
     *,
     impl: str = "auto",
     rows: RowRule | None = None,
+    **mods,
 ) -> jax.Array:
     """The target's attention: query t of row b sees key slots s <= offsets[b] + t
     (`causal_cache_mask`; offsets = the cache lengths, or zeros for a pass without a cache).
     rows: the target's row rule (`ops.invariance`), under which xla is batch-invariant.
+    mods: `attention.append_attention`'s window / scale / softcap / sinks (`target_mods`),
+    which only xla takes (`_mods_kernel`); k/v then hold the T new tokens only.
 
     q [B,T,N,H]; k/v [B,K,S,H]; offsets [B] int32. -> [B,T,N,H].
     """
+    if mods:  # the sliding-window families' attention: the xla reference only
+        _mods_kernel(impl, q, k, v, rows)
+        return xla.append_attention(q, None, None, k, v, offsets, **mods)
     kernel = _target_kernel(impl, q, k, v)
     if kernel != "xla":
         hi = xla.causal_cache_bounds(offsets, q.shape[1])
@@ -317,6 +323,7 @@ def cached_attention(
     impl: str = "auto",
     rows: RowRule | None = None,
     tree_mask: jax.Array | None = None,
+    **mods,
 ) -> jax.Array:
     """The target's attention for T new tokens appended to a KV cache at cache_lengths[b]:
     query t sees the cache slots before cache_lengths[b] and the new tokens up to itself
@@ -337,6 +344,18 @@ def cached_attention(
     acceptance: a cache written here for the kernels while the caller still held the old one
     for its deferred write made XLA copy every layer's whole cache every step.
     """
+    if mods:  # the sliding-window families' attention (see `causal_attention`)
+        _mods_kernel(impl, q, *old_cache, rows)
+        if tree_mask is not None:
+            raise ConfigError(
+                "token-tree verification of a target with sliding-window / sink attention is "
+                "not implemented; use tree_nodes=0"
+            )
+        return live_window(
+            lambda k, v: xla.append_attention(q, k, v, *new_kv, cache_lengths, **mods),
+            old_cache,
+            jnp.max(cache_lengths),
+        )
     kernel = _target_kernel(impl, q, old_cache[0], old_cache[1])
     if kernel != "xla" and tree_mask is not None:
         if rows is not None:  # the AR step and chains run the kernel: a tree's bits would differ
@@ -365,6 +384,25 @@ def cached_attention(
         old_cache,
         jnp.max(cache_lengths),
     )
+
+
+def target_mods(window=None, scale=None, softcap=None, sinks=None) -> dict:
+    """The options of a target attention beyond the causal mask (`append_attention`), the
+    unset ones left out: {} for the Llama / Qwen families."""
+    mods = dict(window=window, scale=scale, softcap=softcap, sinks=sinks)
+    return {k: v for k, v in mods.items() if v is not None}
+
+
+def _mods_kernel(impl: str, q, k, v, rows) -> None:
+    """The kernels take no sliding window, sinks, softcap or other scale: under "pallas" a
+    ConfigError, under "auto" on a GPU/TPU one log line, then xla."""
+    if rows is not None:
+        raise ConfigError(
+            "batch-invariant passes (a row rule) are not built for sliding-window / sink "
+            "attention; run with --nobatch_invariant"
+        )
+    if _kernel(impl, "target attention", q, k, v) != "xla":
+        _fall_back(impl, "target attention", "a sliding window, sinks, softcap or scale")
 
 
 def _decode_kernel(kernel: str, name: str, **opts):

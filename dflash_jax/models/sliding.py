@@ -1,0 +1,330 @@
+"""The layers of the sliding-window families (config.SLIDING_ARCHS), each layer full or sliding
+(`TargetConfig.window`: a query at position p sees keys at p - window < s <= p):
+
+  gemma3    Gemma 3 text: zero-centred RMSNorms before and after each sublayer (four per
+            layer), q/k RMSNorm, scores scaled by query_pre_attn_scalar ** -0.5 (optionally
+            tanh-capped), a GeGLU MLP (tanh GELU), embeddings times sqrt(hidden), tied head;
+            sliding layers rotate with their own RoPE base (`local_rope_theta`), full ones with
+            rope_theta and its scaling.
+  gemma4    Gemma 4 text (dense): as Gemma 3, but plain RMSNorms (x * w), values RMS-normed
+            too (no scale), scores unscaled, each layer's output times its `layer_scalar`;
+            full layers with their own head dim and kv heads, keys doubling as values
+            (attention_k_eq_v), proportional RoPE (only the first fraction of frequencies
+            rotate); logits tanh-capped at final_logit_softcapping (`models.target.Head`).
+  gpt_oss   gpt-oss: q/k/v/o with biases, one learned sink logit per query head in the softmax
+            (its probability dropped), YaRN RoPE (cos/sin times its attention factor), and a
+            top-k MoE: a router with a bias, softmax over the chosen k logits, each expert a
+            SwiGLU with biases, gate clamped above at `swiglu_limit`, up clamped to
+            [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+
+The KV cache holds every layer's keys at their positions' slots (as the dense target's does);
+a sliding layer's mask reads the last `sliding_window` of them. The attention is the XLA
+reference with the window, scale, softcap and sinks (`ops.dispatch.target_mods`); the kernels
+refuse them (`attention_impl=pallas`: ConfigError; auto: one log line, then xla).
+
+`forward_layers` is the layer loop of `Transformer.hidden` for these configs; `embed_scale`
+the embedding multiplier. Params mirror HF names (gpt-oss's fused, interleaved gate_up_proj
+is split into gate_proj / up_proj at load, `io/hf_layered.py`).
+Letters: B batch, T tokens, D model dim, N query heads, K kv heads, H head dim, M tokens
+flattened, E experts, F expert width, R (token, choice) rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.models.hybrid import ZeroCenteredRMSNorm
+from dflash_jax.models.layers import RMSNorm, apply_rope, rope_attention_factor, rope_inv_freq
+from dflash_jax.models.layers import rope_tables as _rope_tables
+from dflash_jax.models.moe import combine
+from dflash_jax.ops import dots
+from dflash_jax.ops.caches import write_rows
+from dflash_jax.ops.dispatch import cached_attention, causal_attention, target_mods
+
+
+def gemma(config: TargetConfig) -> bool:
+    return config.arch in ("gemma3", "gemma4")
+
+
+def embed_scale(config: TargetConfig) -> float | None:
+    """What the embedding is multiplied by (Gemma: sqrt(hidden)), None for 1."""
+    return float(np.sqrt(config.hidden_size)) if gemma(config) else None
+
+
+def _norm(config: TargetConfig, name: str | None = None):
+    dtype = jnp.dtype(config.dtype)
+    if config.zero_centred_norms:
+        return ZeroCenteredRMSNorm(config.rms_norm_eps, dtype, name=name)
+    return RMSNorm(config.rms_norm_eps, dtype, name=name)
+
+
+def rope_tables(config: TargetConfig, positions_bt, dtype) -> dict:
+    """Layer kind ("full" / "sliding") -> its (cos, sin) [B,T,H] at these positions."""
+    c = config
+    full = _rope_tables(
+        positions_bt,
+        rope_inv_freq(c.global_head_dim or c.head_dim, c.rope_theta, c.rope_scaling),
+        dtype,
+        rope_attention_factor(c.rope_scaling),
+    )
+    if not gemma(c):
+        return {"full": full, "sliding": full}
+    local = _rope_tables(positions_bt, rope_inv_freq(c.head_dim, c.local_rope_theta, None), dtype)
+    return {"full": full, "sliding": local}
+
+
+class Attention(nn.Module):
+    """Kernels: q_proj [D,N,H], k_proj/v_proj [D,K,H], o_proj [N,H,D] (gpt-oss: with biases,
+    and sinks [N]); Gemma: q_norm / k_norm [H]. K and H are the layer's
+    (`TargetConfig.layer_heads`); a Gemma 4 layer whose keys are its values has no v_proj."""
+
+    config: TargetConfig
+    window: int | None
+
+    @property
+    def k_is_v(self) -> bool:
+        return self.config.attention_k_eq_v and self.window is None
+
+    def setup(self):
+        c = self.config
+        if self.window is None:
+            kv_heads, head_dim = (
+                c.global_kv_heads or c.num_kv_heads,
+                c.global_head_dim or c.head_dim,
+            )
+        else:
+            kv_heads, head_dim = c.num_kv_heads, c.head_dim
+        bias = c.arch == "gpt_oss"
+        opts = dict(use_bias=bias, dtype=jnp.dtype(c.dtype), dot_general=dots.dot_general)
+        dg = lambda feats, name: nn.DenseGeneral(feats, **opts, name=name)
+        self.q_proj = dg((c.num_heads, head_dim), "q_proj")
+        self.k_proj = dg((kv_heads, head_dim), "k_proj")
+        if not self.k_is_v:
+            self.v_proj = dg((kv_heads, head_dim), "v_proj")
+        self.o_proj = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), **opts, name="o_proj")
+        if gemma(c):
+            self.q_norm = _norm(c, "q_norm")
+            self.k_norm = _norm(c, "k_norm")
+        if c.arch == "gpt_oss":
+            self.sinks = self.param("sinks", nn.initializers.zeros, (c.num_heads,), jnp.float32)
+
+    def mods(self) -> dict:
+        c = self.config
+        scale = c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else None
+        return target_mods(
+            window=self.window,
+            scale=scale,
+            softcap=c.attn_logit_softcapping or None,
+            sinks=self.sinks if c.arch == "gpt_oss" else None,
+        )
+
+    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
+        """As `hybrid.attend`: -> (out [B,T,D], new cache | new rows | None)."""
+        q_btnh, k_btkh = self.q_proj(x_btd), self.k_proj(x_btd)
+        v_btkh = k_btkh if self.k_is_v else self.v_proj(x_btd)
+        if gemma(self.config):
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        if self.config.arch == "gemma4":  # values RMS-normed, no scale
+            v32 = v_btkh.astype(jnp.float32)
+            v32 = v32 * jax.lax.rsqrt(
+                jnp.mean(v32 * v32, -1, keepdims=True) + self.config.rms_norm_eps
+            )
+            v_btkh = v32.astype(v_btkh.dtype)
+        q_btnh = apply_rope(q_btnh, cos, sin)
+        k_bkth = jnp.swapaxes(apply_rope(k_btkh, cos, sin), 1, 2)
+        v_bkth = jnp.swapaxes(v_btkh, 1, 2)
+        impl, mods = self.config.attention_impl, self.mods()
+        if layer_cache is not None and cache_lengths is not None:
+            new_cache = None
+            if not defer:
+                new_cache = tuple(
+                    write_rows(c, r, cache_lengths)
+                    for c, r in zip(layer_cache, (k_bkth, v_bkth), strict=True)
+                )
+            out = cached_attention(
+                q_btnh, layer_cache, new_cache, (k_bkth, v_bkth), cache_lengths, impl=impl,
+                tree_mask=tree_mask, **mods,
+            )  # fmt: skip
+            layer_cache = (k_bkth, v_bkth) if defer else new_cache
+        else:
+            zeros_b = jnp.zeros((x_btd.shape[0],), jnp.int32)
+            out = causal_attention(q_btnh, k_bkth, v_bkth, zeros_b, impl=impl, **mods)
+            if layer_cache is not None:
+                layer_cache = tuple(
+                    write_rows(c, r, zeros_b)
+                    for c, r in zip(layer_cache, (k_bkth, v_bkth), strict=True)
+                )
+        return self.o_proj(out), layer_cache
+
+
+class GeGLU(nn.Module):
+    """Gemma's MLP: down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)), no biases."""
+
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd):
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=False, dtype=self.dtype, dot_general=dots.dot_general, name=name
+        )
+        gate_btf = dense(self.intermediate_size, "gate_proj")(x_btd)
+        up_btf = dense(self.intermediate_size, "up_proj")(x_btd)
+        return dense(x_btd.shape[-1], "down_proj")(jax.nn.gelu(gate_btf, approximate=True) * up_btf)
+
+
+def clamped_swiglu(gate, up, alpha: float, limit: float):
+    """gpt-oss's expert activation: (clip(up) + 1) * g * sigmoid(alpha * g), g = min(gate,
+    limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def expert_rows(x_rd, ids_r, w: dict, alpha: float, limit: float) -> jax.Array:
+    """Row r through expert ids_r[r] (gate/up [E,D,F], down [E,F,D], their biases) -> [R,D].
+    Rows grouped by expert, one `lax.ragged_dot` per projection (as `moe.expert_rows`)."""
+    num_experts = w["gate_proj"].shape[0]
+    order = jnp.argsort(ids_r, stable=True)
+    group_sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)
+    xs_rd, ids_s = x_rd[order], ids_r[order]
+    cast = lambda name: w[name].astype(x_rd.dtype)
+    gate_rf = dots.ragged_dot(xs_rd, cast("gate_proj"), group_sizes) + cast("gate_bias")[ids_s]
+    up_rf = dots.ragged_dot(xs_rd, cast("up_proj"), group_sizes) + cast("up_bias")[ids_s]
+    h_rf = clamped_swiglu(gate_rf, up_rf, alpha, limit).astype(x_rd.dtype)
+    ys_rd = dots.ragged_dot(h_rf, cast("down_proj"), group_sizes) + cast("down_bias")[ids_s]
+    return jnp.zeros_like(ys_rd).at[order].set(ys_rd)
+
+
+class Experts(nn.Module):
+    """The routed experts: gate_proj, up_proj [E,D,F], down_proj [E,F,D] and their biases
+    gate_bias, up_bias [E,F], down_bias [E,D]."""
+
+    config: TargetConfig
+
+    @nn.compact
+    def __call__(self, x_md, weights_mk, ids_mk):
+        c = self.config
+        e, d, f = c.num_experts, x_md.shape[-1], c.moe_intermediate_size
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        zeros = nn.initializers.zeros
+        w = {
+            "gate_proj": self.param("gate_proj", init, (e, d, f), jnp.float32),
+            "up_proj": self.param("up_proj", init, (e, d, f), jnp.float32),
+            "down_proj": self.param("down_proj", init, (e, f, d), jnp.float32),
+            "gate_bias": self.param("gate_bias", zeros, (e, f), jnp.float32),
+            "up_bias": self.param("up_bias", zeros, (e, f), jnp.float32),
+            "down_bias": self.param("down_bias", zeros, (e, d), jnp.float32),
+        }
+        m, k = ids_mk.shape
+        y_rd = expert_rows(
+            jnp.repeat(x_md, k, axis=0), ids_mk.reshape(-1), w, c.swiglu_alpha, c.swiglu_limit
+        )
+        return combine(weights_mk, y_rd.reshape(m, k, -1), x_md.dtype)
+
+
+class TopKMoE(nn.Module):
+    """gpt-oss's MLP: x [B,T,D] -> [B,T,D]. The router [D,E] (+ bias) picks each token's top-k
+    logits; their softmax weights the chosen experts' outputs."""
+
+    config: TargetConfig
+
+    @nn.compact
+    def __call__(self, x_btd):
+        c = self.config
+        b, t, d = x_btd.shape
+        x_md = x_btd.reshape(b * t, d)
+        router = nn.Dense(
+            c.num_experts, dtype=jnp.dtype(c.dtype), dot_general=dots.dot_general, name="router"
+        )
+        logits_me = router(x_md)
+        top_mk, ids_mk = jax.lax.top_k(logits_me, c.num_experts_per_tok)
+        weights_mk = jax.nn.softmax(top_mk.astype(jnp.float32), axis=-1).astype(x_md.dtype)
+        out_md = Experts(c, name="experts")(x_md, weights_mk, ids_mk.astype(jnp.int32))
+        return out_md.reshape(b, t, d)
+
+
+class SlidingLayer(nn.Module):
+    """One decoder layer; `window` its sliding window (None: full attention)."""
+
+    config: TargetConfig
+    window: int | None
+
+    def setup(self):
+        c = self.config
+        self.input_layernorm = _norm(c)
+        self.self_attn = Attention(c, self.window)
+        self.post_attention_layernorm = _norm(c)
+        if gemma(c):
+            self.pre_feedforward_layernorm = _norm(c)
+            self.post_feedforward_layernorm = _norm(c)
+            self.mlp = GeGLU(c.intermediate_size, jnp.dtype(c.dtype))
+        else:
+            self.mlp = TopKMoE(c)
+        if c.arch == "gemma4":
+            self.layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), jnp.float32)
+
+    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
+        mixed, layer_cache = self.self_attn(
+            self.input_layernorm(x_btd), cos, sin, layer_cache, cache_lengths, defer, tree_mask
+        )
+        if gemma(self.config):  # sandwich norms: each sublayer's output normed too
+            x_btd = x_btd + self.post_attention_layernorm(mixed)
+            h_btd = self.mlp(self.pre_feedforward_layernorm(x_btd))
+            x_btd = x_btd + self.post_feedforward_layernorm(h_btd)
+            if self.config.arch == "gemma4":
+                x_btd = x_btd * self.layer_scalar.astype(x_btd.dtype)
+            return x_btd, layer_cache
+        x_btd = x_btd + mixed
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), layer_cache
+
+
+def make_layers(config: TargetConfig) -> list[SlidingLayer]:
+    return [SlidingLayer(config, config.window(i)) for i in range(config.num_layers)]
+
+
+def final_norm(config: TargetConfig):
+    return _norm(config)
+
+
+@functools.cache
+def _jitted_layer(config: TargetConfig, window: int | None, defer: bool):
+    """`SlidingLayer.apply`, jitted once per layer kind (see `target._jitted_layer`)."""
+
+    def apply(params, x_btd, cos, sin, layer_cache, cache_lengths, tree_mask):
+        return SlidingLayer(config, window, parent=None).apply(
+            {"params": params}, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask
+        )
+
+    return jax.jit(apply)
+
+
+def forward_layers(layers, params, config, x_btd, tables, cache, cache_lengths, tap_layers, defer,
+                   tree_mask):  # fmt: skip
+    """The decoder layers over x [B,T,D]; tables: `rope_tables`. cache: a `KVCache` with every
+    layer's k/v (None: no cache). params None: init.
+    -> (x [B,T,D], {tap layer: its residual output}, (ks, vs) or None)."""
+    taps, ks, vs = {}, [], []
+    for i, layer in enumerate(layers):
+        window = config.window(i)
+        cos, sin = tables["sliding" if window else "full"]
+        layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+        args = (x_btd, cos, sin, layer_cache, cache_lengths)
+        if params is None:
+            x_btd, layer_cache = layer(*args, defer, tree_mask)
+        else:
+            x_btd, layer_cache = _jitted_layer(config, window, defer)(
+                params[f"layers_{i}"], *args, tree_mask
+            )
+        if layer_cache is not None:
+            ks.append(layer_cache[0])
+            vs.append(layer_cache[1])
+        if i in tap_layers:
+            taps[i] = x_btd
+    return x_btd, taps, (None if cache is None else (tuple(ks), tuple(vs)))

@@ -1,0 +1,227 @@
+"""The sliding-window targets (gemma3_text, gemma4_text, gpt_oss) against transformers: tiny
+random models of configs unlike the project's fixtures (window 8, sliding and full layers
+alternating, Gemma's own RoPE base per kind, Gemma 4's wider full-layer heads whose keys are
+their values and its capped logits, gpt-oss's sinks, YaRN and clamped-SwiGLU experts), saved by
+transformers and loaded by our loader; prompts of 6 to 40 tokens, longer than the window.
+
+The target's lm_head row 0 is amplified so it often emits token 0, and the random z-lab
+drafter's final norm is zeroed so it always proposes token 0: acceptance then varies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
+
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.programs import check_tree_target
+from dflash_jax.io import load_target
+from dflash_jax.io.drafter_io import load_drafter
+from dflash_jax.io.hf_layered import dequantize_mxfp4
+from dflash_jax.io.speculators import write_speculators
+from dflash_jax.io.zlab import write_zlab
+from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.target import Transformer
+
+PROMPTS = [
+    [5, 17, 33, 3, 42, 7],
+    [11, 2, 60, 31, 9, 9, 4, 70, 21, 13, 5, 6, 7, 8, 1, 2, 3],
+    [(7 * i + 3) % 90 + 1 for i in range(40)],
+]
+MAX_NEW = 16
+ZERO_BOOST = 3.0
+
+
+@functools.cache
+def _family(family: str, tmp: str):
+    path = make_tiny_sliding(tmp, family)
+    model = load_torch(path)
+    with torch.no_grad():
+        model.lm_head.weight[0] *= ZERO_BOOST  # tied (Gemma): the embedding row too
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    path, model = _family(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return request.param, path, model, load_target(str(path), cache=False)
+
+
+def _batch(prompts=PROMPTS):
+    prompt = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        prompt[i, : len(p)] = p
+    return prompt, np.array([len(p) for p in prompts], np.int32)
+
+
+def test_logits_and_taps_match_transformers(family):
+    name, _, model, target = family
+    tokens = np.array([PROMPTS[2][:24]])  # 3 windows
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), output_hidden_states=True)
+    positions = np.arange(tokens.shape[1])[None]
+    taps = (0, 1, 2)
+    logits, taps_btf, _ = Transformer(target.config).apply(
+        {"params": target.params}, tokens, positions, tap_layers=taps
+    )
+    np.testing.assert_allclose(np.asarray(logits), ref.logits.numpy(), atol=2e-5, rtol=1e-4)
+    want = np.concatenate([ref.hidden_states[i + 1].numpy() for i in taps], -1)
+    np.testing.assert_allclose(np.asarray(taps_btf), want, atol=2e-5, rtol=1e-4)
+
+
+def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
+    kw = dict(
+        hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, vocab_size=c.vocab_size, mask_token_id=c.vocab_size - 1,
+        target_layer_ids=(0, 1), num_target_layers=c.num_layers, block_size=4,
+    )  # fmt: skip
+    return DrafterConfig(**{**kw, **overrides})
+
+
+def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
+    """A z-lab drafter (a sliding-window drafter layer, window 8) and a speculators one load
+    for the target; one tapping past its last layer is refused by the fit check."""
+    _, _, _, target = family
+    c = target.config
+    zcfg = _drafter_config(c, layer_types=("sliding_attention",), sliding_window=WINDOW)
+    write_zlab(tmp_path / "zlab", zcfg, init_drafter_params(zcfg, jax.random.key(1)), "float32")
+    scfg = _drafter_config(c)
+    write_speculators(tmp_path / "spec", scfg, init_drafter_params(scfg, jax.random.key(1)),
+                      "float32")  # fmt: skip
+    for fmt, want in (("zlab", zcfg), ("spec", scfg)):
+        loaded = load_drafter(str(tmp_path / fmt), target)
+        assert loaded.config.target_layer_ids == (0, 1), fmt
+        assert loaded.config.sliding_window == want.sliding_window, fmt
+    bad = _drafter_config(c, target_layer_ids=(0, c.num_layers))
+    write_zlab(tmp_path / "bad", bad, init_drafter_params(bad, jax.random.key(1)), "float32")
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        load_drafter(str(tmp_path / "bad"), target)
+
+
+# gemma3 in the default suite; gemma4 and gpt_oss (slow) alone guard their families' greedy
+# decodes (Gemma 4's per-kind cache shapes and capped head; gpt-oss's sinks and experts in the
+# cached verify and AR step) against transformers' generate.
+@pytest.mark.parametrize(
+    "family",
+    ["gemma3"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma4", "gpt_oss")],
+    indirect=True,
+)
+@torch.no_grad()
+def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
+    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR equals transformers' greedy
+    generate row by row; speculative with a random z-lab drafter (written, then loaded with
+    the fit check) equals AR token for token, with acceptance varying."""
+    name, _, model, target = family
+    prompt, lengths = _batch()
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
+    key = jax.random.key(0)
+    ar = autoregressive_decode(
+        target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
+    )
+    for row, p in enumerate(PROMPTS):
+        ids = torch.tensor([p])
+        hf = model.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        assert np.asarray(ar.tokens[row]).tolist() == hf[0, len(p) :].tolist(), (name, row)
+    c = target.config
+    dcfg = _drafter_config(c)
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always proposes token 0
+    write_zlab(tmp_path / "drafter", dcfg, dp, dtype="float32")
+    drafter = load_drafter(str(tmp_path / "drafter"), target)
+    sp = speculative_decode(
+        target.params, drafter.params, prompt, lengths, key,
+        target_config=c, drafter_config=drafter.config, decode_config=cfg,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
+    acc = np.asarray(sp.acceptance_lengths)
+    assert acc.max() > 1 and (acc[acc > 0] == 1).any(), acc  # partial acceptance happened
+
+
+def test_config_round_trips_and_refusals(family):
+    """to_hf / from_hf round-trip; the kernels and token trees refuse these attentions."""
+    name, _, _, target = family
+    c = target.config
+    assert TargetConfig.from_hf(c.to_hf()) == c
+    assert c.window(0) == WINDOW and c.window(1) is None
+    tokens = np.array([PROMPTS[0]])
+    pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))
+    with pytest.raises(ConfigError, match="sliding window, sinks"):
+        pallas.apply({"params": target.params}, tokens, np.arange(6)[None])
+    with pytest.raises(ConfigError, match="tree verification is not implemented"):
+        check_tree_target(c, DecodeConfig(block_size=4, tree_nodes=4))
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 10, 2, 16), dtype=np.uint8)
+    scales = rng.integers(120, 134, (3, 10, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(
+        torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32
+    ).numpy()
+    got = dequantize_mxfp4(blocks, scales)
+    assert got.shape == (3, 64, 10)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
+    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
+    ones are) loads with them dequantized and the fused gate_up split into gate / up."""
+    from dflash_jax.io.hf import read_safetensors_dir, write_safetensors
+
+    path = make_tiny_sliding(tmp_path, "gpt_oss", intermediate_size=32)
+    tensors = {n: np.array(t.read()) for n, t in read_safetensors_dir(path).items()}  # copies
+    rng = np.random.default_rng(0)
+    want = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, out = tensors.pop(name).shape  # stored [E, in, out]
+        blocks = rng.integers(0, 256, (e, out, rows_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(124, 130, (e, out, rows_in // 32), dtype=np.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        want[name] = dequantize_mxfp4(blocks, scales)
+    write_safetensors(path / "model.safetensors", tensors)
+    target = load_target(str(path), cache=False)
+    experts = target.params["layers_1"]["mlp"]["experts"]
+    gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(np.asarray(experts["gate_proj"]), gate_up[..., 0::2])
+    np.testing.assert_array_equal(np.asarray(experts["up_proj"]), gate_up[..., 1::2])
+    down = want["model.layers.1.mlp.experts.down_proj"]
+    np.testing.assert_array_equal(np.asarray(experts["down_proj"]), down)
+
+
+def test_unsupported_gemma4_features_are_refused():
+    base = {**hf_config("gemma4").to_dict(), "model_type": "gemma4_text"}
+    TargetConfig.from_hf(base)
+    for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
+                       ("enable_moe_block", True)):  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            TargetConfig.from_hf({**base, key: value})
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """A `Gemma3ForConditionalGeneration` save (language_model.model.*, a vision tower and a
+    projector) loads as its text model: the same config and params."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text_dir = make_tiny_sliding(tmp_path, "gemma3")
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4, image_token_index=90, boi_token_index=91,
+                          eoi_token_index=92)  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    model.save_pretrained(tmp_path / "mm")
+    a, b = load_target(str(text_dir), cache=False), load_target(str(tmp_path / "mm"), cache=False)
+    assert b.config == a.config
+    jax.tree.map(np.testing.assert_array_equal, b.params, a.params)
