@@ -286,9 +286,9 @@ def stage_kernels(ctx, clock: Clock) -> dict:
     results, skipped = [], []
     combos = (("bfloat16", 64), ("bfloat16", 128), ("float32", 128))
     cases = [_kernel_cases(plat, dtype, h) for dtype, h in combos]
-    # Every kernel at every dtype and head dim first, then the split variants (--tiny: those of
-    # the first only).
-    order = [c for core, _ in cases for c in core]
+    # Every kernel at every dtype and head dim first, kernel by kernel (a budget spent midway
+    # leaves each dtype some), then the split variants (--tiny: those of the first only).
+    order = [core[i] for i in range(len(cases[0][0])) for core, _ in cases]
     order += [c for _, extra in cases[: 1 if ctx.tiny else None] for c in extra]
     for name, thunk in order:
         dtype = "float32" if "float32" in name else "bfloat16"
