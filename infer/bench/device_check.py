@@ -612,7 +612,7 @@ def _advance_copies(target, drafter, block: int, new: int, p: int) -> dict:
 
     prompt, lengths = np.zeros((1, p), np.int32), np.full((1,), p, np.int32)
     cfg = _decode_config(new, block)
-    start, advance, head, inputs, statics, _ = runner._setup(  # noqa: SLF001
+    start, advance, head, inputs, statics, _ = runner.decode_halves(
         target, drafter, prompt, lengths, 0, cfg, None, -1, None
     )
     start_x, _, _ = runner.compile_half(start, head, statics, None)
