@@ -152,16 +152,27 @@ def test_block_kernel_matches_xla_values_and_gradients(groups, h, causal, window
 
 
 def test_tile_choices_for_h200():
-    """Backward tiles by head dim (two fp32 [keys, H] accumulators within 32 KiB); splits:
-    the target's passes by the buffer alone (an AR step, a two-row-tile verify and a prefill
-    alike), the drafter while its grid is small (decode) and never in training."""
+    """Backward tiles by head dim (two fp32 [keys, H] accumulators within 32 KiB); splits: every
+    decode pass the same count whatever its buffer's length and query count (an AR decode's
+    buffer is prompt + new + 2 slots, a speculative one's prompt + new + 2 x block: with splits
+    from the buffer, prompt 512 and 440 new tokens gave 960 slots 1 split against 1024 slots 2,
+    and the two reduced apart), enough to fill H200's 132 SMs at batch 1; a prefill and the
+    drafter by their keys while their grid is small, never a long prefill nor training."""
     assert [pallas_gpu.backward_tiles(h) for h in (64, 128, 256)] == [(64, 64), (32, 32), (16, 16)]
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    cache = sd(1, 8, 4096, 128)  # Qwen3-8B: 8 KV heads, GQA 4
-    spec = lambda q, k, block: pallas_gpu._make_spec(q, k, block, 0, False, None, False, None)
-    for queries in (1, 16, 32, 2048):
-        got = spec(sd(1, queries, 32, 128), cache, 0)
-        assert (got.splits, got.tiles.bwd_rows, got.tiles.bwd_keys) == (8, 32, 32), queries
+    spec = lambda q, k, block, kind="prefill": pallas_gpu._make_spec(
+        q, k, block, 0, False, None, False, None, kind
+    )
+    decode = {
+        spec(sd(b, t, 32, 128), sd(b, 8, s, 128), 0, "decode").splits
+        for s in range(64, 9000, 37) for t in (1, 16, 32) for b in (1, 8)
+    }  # fmt: skip
+    assert decode == {pallas_gpu.DECODE_SPLITS}
+    assert 8 * pallas_gpu.DECODE_SPLITS >= 128  # Qwen3-8B's 8 KV heads at batch 1
+    got = spec(sd(1, 2048, 32, 128), sd(1, 8, 2048, 128), 0)  # prefill: 1024 programs
+    assert (got.splits, got.tiles.bwd_rows, got.tiles.bwd_keys) == (1, 32, 32)
+    assert spec(sd(1, 64, 32, 128), sd(1, 8, 4096, 128), 0).splits == 8  # a short prefill
+    cache = sd(1, 8, 4096, 128)
     assert spec(sd(1, 16, 32, 128), cache, 16).splits == 8  # drafting: 16 programs
     assert spec(sd(8, 8192, 32, 128), sd(8, 8, 4096, 128), 16).splits == 1  # training
 
@@ -300,14 +311,14 @@ def _expected_visits(mask_bts, groups, tiles, splits, block_tiles=0):
 def test_gpu_kernels_visit_only_live_tiles_split_by_the_live_length():
     """The loop trips of every forward program (`tile_visits`) are exactly the key tiles its
     rows' masks touch, dealt to the splits by tile (c mod splits): a 384-slot buffer (24 tiles,
-    so 3 splits) whose rows hold 0, 5, 100 and 368 live slots. A kernel that looped over every
+    3 splits) whose rows hold 0, 5, 100 and 368 live slots. A kernel that looped over every
     tile and masked the dead ones, or split the buffer rather than the live tiles (row 2's 8
     live tiles all in split 0), fails; the verify has two row tiles and is split too. Dead slots
     hold NaN, and the results still match XLA."""
     rng = np.random.default_rng(21)
-    tiles = pallas_gpu.Tiles(rows=16, keys=16, block_keys=16)
-    b, t, s, kh, g, h = 4, 16, 384, 2, 2, 16
     splits = 3
+    tiles = pallas_gpu.Tiles(rows=16, keys=16, block_keys=16, splits=splits)
+    b, t, s, kh, g, h = 4, 16, 384, 2, 2, 16
     q = _normal(rng, (b, t, kh * g, h))
     k, v = _normal(rng, (b, kh, s, h)), _normal(rng, (b, kh, s, h))
     new_k, new_v = _normal(rng, (b, kh, t, h)), _normal(rng, (b, kh, t, h))

@@ -312,10 +312,24 @@ def test_kernel_specs_follow_the_table_and_warn_once_where_it_replicates(fake_gp
 
 KERNELS = {
     # name: (module, its `interpret` argument on CPU, cache slots, head dim, kernel options)
-    "gpu": (pallas_gpu, True, 100, 16, dict(tiles=pallas_gpu.Tiles(rows=16, keys=16))),
-    "gpu_default_tiles": (pallas_gpu, True, 150, 64, {}),
+    # The GPU cases name their splits: a decode pass takes DECODE_SPLITS, a pass over the
+    # written cache (`causal_attention`, a prefill's kernel) splits by its keys.
+    "gpu": (pallas_gpu, True, 100, 16, dict(tiles=pallas_gpu.Tiles(rows=16, keys=16, splits=1))),
+    "gpu_default_tiles": (
+        pallas_gpu,
+        True,
+        150,
+        64,
+        dict(tiles=pallas_gpu.Tiles(splits=pallas_gpu.DECODE_SPLITS)),
+    ),
     # 24 key tiles: 3 splits in the AR step and in the verify's 4 row tiles alike.
-    "gpu_split": (pallas_gpu, True, 384, 16, dict(tiles=pallas_gpu.Tiles(rows=16, keys=16))),
+    "gpu_split": (
+        pallas_gpu,
+        True,
+        384,
+        16,
+        dict(tiles=pallas_gpu.Tiles(rows=16, keys=16, splits=3)),
+    ),
     "tpu": (pallas_tpu_decode, pallas_tpu_decode.INTERPRET, 300, 64, {}),
 }
 

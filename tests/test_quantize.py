@@ -136,6 +136,19 @@ def test_gguf_q4_1_loads_as_int4(q4_1_gguf):
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_native_gguf_blocks_are_the_projections_only(q4_1_gguf):
+    """The native path is for projections stored in the scheme's block type: the shipped
+    SmolLM2 GGUF (Q4_1 projections, a Q8_0 embedding) takes it for int4, not for int8, whose
+    load then goes through the converted-target cache like any other (it counted the
+    embedding, and re-quantized every projection from floats on every load)."""
+    from dflash_jax.io import assets
+    from dflash_jax.io.gguf import has_native_blocks
+
+    shipped = assets.smollm2_gguf_path()
+    assert not has_native_blocks(shipped, "int8")
+    assert has_native_blocks(q4_1_gguf, "int4") and not has_native_blocks(q4_1_gguf, "int8")
+
+
 def test_quantized_params_orbax_round_trip(q4_1_gguf, tmp_path):
     """A quantized target saved with Orbax (int4 with fp16 scales and offsets from a GGUF; fp8
     from PTQ) restores to the same kernels, bit for bit, and the same config."""

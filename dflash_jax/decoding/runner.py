@@ -108,7 +108,7 @@ def precompile(decodes, pool: concurrent.futures.Executor) -> list[list[concurre
     running it (none when it was compiled already)."""
     pending = []
     for target, drafter, prompt, lengths, cfg in decodes:
-        start, advance, head, inputs, statics, mesh = _setup(
+        start, advance, head, inputs, statics, mesh = decode_halves(
             target, drafter, prompt, lengths, 0, cfg, None, -1, None
         )
         if mesh is not None:
@@ -236,7 +236,7 @@ def timed_decode(
     all). on_tokens(tokens [B,T], counts [B]): streams the committed tokens a few steps at a
     time (`chunk_steps` of them, `timed_run`). `mesh`: where to run; by default the target's
     (loaded with one), else the one set by `jax.set_mesh`, else one device."""
-    start, advance, head, inputs, statics, mesh = _setup(
+    start, advance, head, inputs, statics, mesh = decode_halves(
         target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh
     )
     limit = max_steps(cfg) if step_limit is None else step_limit
@@ -254,7 +254,7 @@ def timed_decode(
     )
 
 
-def _setup(target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh):
+def decode_halves(target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh):
     """(start, advance, head arguments (*params, prompt, lengths, rng), advance's inputs,
     statics, mesh) of the decode `timed_decode` runs; the inputs checked first."""
     rng = jax.random.key(seed)

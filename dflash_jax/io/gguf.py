@@ -141,9 +141,18 @@ def _blocks(tensor, n_head: int | None, file: str, shape: tuple[int, ...]):
 
 
 def has_native_blocks(path: str | Path, scheme: str) -> bool:
-    """Whether the GGUF at `path` holds tensors in a block type `scheme` takes as stored."""
+    """Whether the GGUF at `path` holds decoder-layer projections in a block type `scheme`
+    takes as stored (`native_kernels`). Only projections count: the shipped SmolLM2 GGUF's
+    embedding is Q8_0 and its projections Q4_1, and counting the embedding sent --quantize=int8
+    down the native path, which took no projection as stored and skipped the converted-target
+    cache on every load."""
     types = NATIVE_TYPES.get(scheme, ())
-    return any(t.tensor_type.name in types for t in gguf.GGUFReader(str(path)).tensors)
+    projections = {k for k, v in _GGUF_TO_HF.items() if v.endswith("_proj")}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        match = _BLOCK.fullmatch(t.name)
+        if match and match.group(2) in projections and t.tensor_type.name in types:
+            return True
+    return False
 
 
 def native_kernels(tensors: dict[str, StoredTensor], config, scheme: str) -> dict:

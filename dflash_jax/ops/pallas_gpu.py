@@ -28,10 +28,14 @@ rows' live range, so each split gets ceil(live tiles / splits) whatever the buff
 4096-slot cache with 1000 live slots keeps all its splits busy), and the tile -> split map is
 fixed by the buffer alone. Contiguous shares of [lo, hi) would move their edges with the live
 length, and so with the pass: a position's result would differ between an AR step and a verify.
-The target's passes (`causal_attention`, `appended_attention`) take their split count from the
-buffer size alone, however many row tiles (a 16-query verify with GQA 8 has two) and rows the
-pass has, so the AR step, the verify and the prefill over one cache reduce in the same order;
-the drafter (`block_attention`) splits only while its grid is small (decode), not in training.
+Every decode pass over the target's cache (`appended_attention`: an AR step, a verify, a tree)
+takes DECODE_SPLITS, whatever the buffer's length and however many row tiles (a 16-query verify
+with GQA 8 has two) and rows the pass has, so that an AR decode and a speculative one, whose
+buffers differ in length (prompt + new + 2 slots against prompt + new + 2 x block), reduce every
+position in the same order. A prefill (`causal_attention` over the prompt's own keys, the same
+shape in every decode of that prompt) and the drafter (`block_attention`) split by their keys
+only while their grid is small: a long prefill's grid already fills the device, and its fp32
+partial outputs would grow with the splits; training never splits.
 
 Verify and AR steps (`appended_attention`) read the target's cache before the step's new rows
 are written to it: the few key tiles those rows fall in come as a separate patch (the tiles as
@@ -74,6 +78,8 @@ from dflash_jax.ops.caches import patched_tiles
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tensors; >= 16: MMA K dim
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_SPLITS = 16
+# Splits of every decode pass (`appended_attention`), fixed: see `_splits`.
+DECODE_SPLITS = 16
 SPLIT_TILES = 8  # a split's share of the key buffer, in key tiles, at least
 # The drafter splits its context only while its grid has fewer programs than this (twice
 # H200's 132 SMs): decode drafting, never training's thousands of row tiles.
@@ -209,7 +215,7 @@ def appended_attention(
     """
     t, n = q_btnh.shape[1], q_btnh.shape[2]
     kh = k_bksh.shape[1]
-    spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles)
+    spec = _make_spec(q_btnh, k_bksh, 0, 0, False, None, interpret, tiles, kind="decode")
     rows, keys = spec.tiles.rows, spec.tiles.keys
     patch_k, first_b = patched_tiles(k_bksh, new_k, cache_lengths, keys)
     patch_v, _ = patched_tiles(v_bksh, new_v, cache_lengths, keys)
@@ -250,24 +256,32 @@ def backward_tiles(head_dim: int) -> tuple[int, int]:
     return keys, keys
 
 
-def _splits(tiles: Tiles, programs: int, key_tiles: int, target: bool) -> int:
-    """Programs per row tile's context: from the key buffer alone for the target's passes
-    (batch-invariant, see the module doc); for the drafter while its grid of `programs` (batch
-    x KV heads x row tiles) is under MIN_PROGRAMS."""
+def _splits(tiles: Tiles, programs: int, key_tiles: int, kind: str) -> int:
+    """Programs per row tile's keys. kind "decode" (`appended_attention`: AR steps, verifies,
+    trees): DECODE_SPLITS always, whatever the buffer's length or the query count, so an AR
+    decode and a speculative one (whose buffers differ in length) reduce every position in the
+    same order, and batch 1 fills the device (Qwen3-8B: 8 KV heads x 16 = 128 programs for
+    H200's 132 SMs). "prefill" (`causal_attention` over the given tokens, the same shape in
+    every decode of a prompt) and "drafter": by the live keys, while the grid of `programs`
+    (batch x KV heads x row tiles) is under MIN_PROGRAMS, so a long prefill's grid is not
+    multiplied (nor its fp32 partial outputs) and training never splits."""
     if tiles.splits:
         return tiles.splits
-    splits = key_tiles // SPLIT_TILES
-    if not target:
-        splits = min(splits, pl.cdiv(MIN_PROGRAMS, programs))
+    if kind == "decode":
+        return DECODE_SPLITS
+    splits = min(key_tiles // SPLIT_TILES, pl.cdiv(MIN_PROGRAMS, programs))
     return max(1, min(MAX_SPLITS, splits))
 
 
-def _make_spec(q_btnh, k_bksh, block_size, num_block_keys, causal, window, interpret, tiles):
+def _make_spec(
+    q_btnh, k_bksh, block_size, num_block_keys, causal, window, interpret, tiles, kind="prefill"
+):
     b, t, n, h = q_btnh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     tiles = tiles or Tiles()
     programs = b * kh * pl.cdiv(t * (n // kh), tiles.rows)
-    splits = _splits(tiles, programs, pl.cdiv(s, tiles.keys), target=not block_size)
+    kind = "drafter" if block_size else kind
+    splits = _splits(tiles, programs, pl.cdiv(s, tiles.keys), kind)
     bwd_rows, bwd_keys = backward_tiles(h)
     tiles = dataclasses.replace(
         tiles,
