@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import LENS, PROMPT, make_pair, run_both
+from _decode import LENS, PROMPT, make_pair, run_both
 
 from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
 from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode

@@ -5,7 +5,7 @@ import types
 
 import numpy as np
 import pytest
-from test_decoding import make_pair
+from _decode import make_pair
 
 from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import breakdown

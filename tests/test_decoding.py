@@ -1,4 +1,5 @@
-"""speculative_decode vs autoregressive_decode on tiny random models (fp32, CPU).
+"""speculative_decode vs autoregressive_decode on tiny random models (fp32, CPU), on
+`tests/_decode.py`'s pair.
 
 The drafter's final norm is zeroed so it always proposes token 0, and the target's lm_head
 column 0 is amplified so the target emits 0 about half the time: acceptance lengths then vary
@@ -6,71 +7,21 @@ between 1 and the block size, which exercises partial acceptance, the bonus toke
 accepted blocks and the max_new_tokens cap.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decode import (
+    LENS,
+    PROMPT,
+    assert_greedy_equals_ar,
+    make_pair,
+    run_both,
+    two_token_tv,
+)
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
-from dflash_jax.models.drafter import init_drafter_params
-from dflash_jax.models.target import Transformer, init_params
-
-
-@functools.cache
-def _cached_pair(arch, vocab, zero_boost, seed, block_size, kv_heads):
-    tcfg = TargetConfig(
-        arch=arch,
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=kv_heads,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    dcfg = DrafterConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=vocab,
-        mask_token_id=vocab - 1,
-        target_layer_ids=(1, 2),
-        num_target_layers=4,
-        block_size=block_size,
-    )
-    tp = init_params(tcfg, jax.random.key(seed))
-    tp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, tp)
-    tp["lm_head"]["kernel"] = tp["lm_head"]["kernel"].at[:, 0].mul(zero_boost)
-    dp = init_drafter_params(dcfg, jax.random.key(seed + 1))
-    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])
-    return tcfg, tp, dcfg, dp
-
-
-def make_pair(arch="qwen3", vocab=64, zero_boost=6.0, seed=0, block_size=8, kv_heads=2):
-    """(target config, params, drafter config, params); fresh dicts over cached arrays."""
-    tcfg, tp, dcfg, dp = _cached_pair(arch, vocab, zero_boost, seed, block_size, kv_heads)
-    copy = lambda t: jax.tree.map(lambda x: x, t)
-    return tcfg, copy(tp), dcfg, copy(dp)
-
-
-PROMPT = np.array([[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0]], np.int32)
-LENS = np.array([7, 3, 5], np.int32)
-
-
-def run_both(tcfg, tp, dcfg, dp, cfg, prompt=PROMPT, lens=LENS, seed=0):
-    key = jax.random.key(seed)
-    ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=cfg)
-    sp = speculative_decode(
-        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg
-    )
-    return jax.tree.map(np.asarray, ar), jax.tree.map(np.asarray, sp)
+from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig
+from dflash_jax.decoding import phases, sampling, speculative_decode
 
 
 @pytest.mark.parametrize(
@@ -85,9 +36,7 @@ def run_both(tcfg, tp, dcfg, dp, cfg, prompt=PROMPT, lens=LENS, seed=0):
 def test_greedy_speculative_equals_autoregressive(arch, block_size):
     tcfg, tp, dcfg, dp = make_pair(arch)
     cfg = DecodeConfig(max_new_tokens=24, block_size=block_size)
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     assert (sp.lengths == 24).all()
     acc = sp.acceptance_lengths
     # Acceptance really varies: some steps accept drafts, and each row needs fewer steps.
@@ -131,9 +80,7 @@ def test_stop_token_inside_accepted_block():
     assert found, "test setup produced no multi-token step with a fresh token"
     row, stop, where = found
     cfg = DecodeConfig(max_new_tokens=24, block_size=8, stop_token_ids=(stop,))
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     assert sp.lengths[row] == where + 1 and sp.tokens[row, where] == stop
     assert (sp.tokens[row, where + 1 :] == 0).all()
 
@@ -159,31 +106,6 @@ def test_row_does_not_depend_on_other_rows(temperature):
     changed = speculative_decode(tp, dp, other, np.array([7, 6, 2], np.int32), key, **kw)
     np.testing.assert_array_equal(full.tokens[0], changed.tokens[0])
     np.testing.assert_array_equal(full.acceptance_lengths[0], changed.acceptance_lengths[0])
-
-
-def _exact_two_token_distribution(tcfg, tp, prompt, temperature):
-    """p(t1, t2 | prompt) for the whole tiny vocabulary, from full target forwards."""
-    v = tcfg.vocab_size
-    model = Transformer(tcfg)
-    n = len(prompt)
-    seqs = np.array([list(prompt) + [t1] for t1 in range(v)], np.int32)
-    pos = np.broadcast_to(np.arange(n + 1), seqs.shape)
-    logits = np.asarray(model.apply({"params": tp}, seqs, pos)[0], np.float64) / temperature
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    p1 = np.exp(logp[0, n - 1])
-    p2_given_1 = np.exp(logp[:, n])
-    return p1[:, None] * p2_given_1
-
-
-def two_token_tv(tcfg, tp, prompt, temperature, tokens) -> float:
-    """Total variation between the empirical joint law of `tokens[:, :2]` (one sample per row)
-    and the target's exact law of the first two tokens after `prompt`."""
-    toks = np.asarray(tokens)
-    v = tcfg.vocab_size
-    emp = np.zeros((v, v))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
-    return 0.5 * np.abs(emp / toks.shape[0] - exact).sum()
 
 
 @pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
