@@ -15,32 +15,37 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Families whose layers are built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated
-# DeltaNet linear-attention layers beside (gated) full attention.
-LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Hybrid families: zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# HF model_type (text model or its multimodal wrapper) -> arch.
-_TARGET_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_next": "qwen3_next",
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One target family: how HF names it, and which layer kinds its model code builds. Adding a
+    family is a row of `ARCHS` and its model code (docs/development.md)."""
+
+    hf_class: str  # config.json "architectures"
+    model_types: tuple[str, ...]  # the HF model_type values read as this arch; the first is written
+    # Layers built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated DeltaNet
+    # linear-attention layers beside (gated) full attention.
+    layered: bool = False
+    # Zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
+    hybrid: bool = False
+    qk_norm: bool = True  # a per-head RMSNorm on q and k (llama has none)
+
+
+# The target families, by arch name. (A multimodal wrapper's model_type, such as qwen3_5's, is
+# read as its text model's.)
+ARCHS = {
+    "llama": Arch("LlamaForCausalLM", ("llama",), qk_norm=False),
+    "qwen3": Arch("Qwen3ForCausalLM", ("qwen3",)),
+    "qwen3_moe": Arch("Qwen3MoeForCausalLM", ("qwen3_moe",), layered=True),
+    "qwen3_next": Arch("Qwen3NextForCausalLM", ("qwen3_next",), layered=True, hybrid=True),
+    "qwen3_5": Arch("Qwen3_5ForCausalLM", ("qwen3_5_text", "qwen3_5"), layered=True, hybrid=True),
+    "qwen3_5_moe": Arch(
+        "Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text", "qwen3_5_moe"), layered=True, hybrid=True
+    ),
 }
-_ARCH_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-}
-_HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+SUPPORTED_TARGET_ARCHS = tuple(ARCHS)
+LAYERED_ARCHS = tuple(name for name, arch in ARCHS.items() if arch.layered)
+HYBRID_ARCHS = tuple(name for name, arch in ARCHS.items() if arch.hybrid)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Attention implementations (ops/dispatch.py): "xla" is the reference that defines every mask,
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
@@ -229,7 +234,7 @@ class TargetConfig:
 
     @property
     def use_qk_norm(self) -> bool:
-        return self.arch != "llama"
+        return ARCHS[self.arch].qk_norm
 
     def _check_layers(self) -> None:
         types = self.layer_types
@@ -257,11 +262,11 @@ class TargetConfig:
     @property
     def layered(self) -> bool:
         """Layers built per kind (`models/hybrid.py`) instead of the dense `DecoderLayer`."""
-        return self.arch in LAYERED_ARCHS
+        return ARCHS[self.arch].layered
 
     @property
     def hybrid(self) -> bool:
-        return self.arch in HYBRID_ARCHS
+        return ARCHS[self.arch].hybrid
 
     def layer_kind(self, i: int) -> tuple[str, str]:
         """(mixer, mlp) of layer i: mixer "attention" | "linear", mlp "dense" | "moe"."""
@@ -308,7 +313,7 @@ class TargetConfig:
             # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
             hf = {**hf["text_config"], "model_type": hf["model_type"]}
         model_type = hf.get("model_type")
-        arch = _TARGET_MODEL_TYPES.get(model_type)
+        arch = next((a for a, f in ARCHS.items() if model_type in f.model_types), None)
         if arch is None:
             archs = hf.get("architectures") or []
             raise ConfigError(
@@ -349,8 +354,8 @@ class TargetConfig:
 
     def to_hf(self) -> dict[str, Any]:
         return {
-            "architectures": [_ARCH_CLASSES[self.arch]],
-            "model_type": _HF_MODEL_TYPE.get(self.arch, self.arch),
+            "architectures": [ARCHS[self.arch].hf_class],
+            "model_type": ARCHS[self.arch].model_types[0],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
