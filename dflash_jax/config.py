@@ -1,7 +1,8 @@
-"""Frozen, hashable configurations for targets, drafters and decoding.
+"""Frozen, hashable configurations for targets, drafters and decoding, and the target families
+(`ARCHS`).
 
-Every config is a frozen dataclass so it can be a static argument of `jax.jit`. Targets and
-drafters read from and write back to HF `config.json` dictionaries (transformers v4 and v5 keys).
+Every config is a frozen dataclass so it can be a static argument of `jax.jit`. Reading and
+writing them as HF / z-lab `config.json` dicts: io/hf_config.py, io/drafter_config.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,18 +89,10 @@ def check_attention_impl(impl: str) -> None:
         raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
 
 
-def _freeze(value: Any) -> Any:
-    """Turns nested dicts/lists into sorted tuples so configs stay hashable."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
 def thaw(value: Any) -> Any:
-    """The inverse of `_freeze`: tuples of (str, value) pairs back into dicts, other tuples into
-    lists, recursively (a config's frozen `rope_scaling` -> its HF JSON form)."""
+    """The inverse of `io.hf_config.freeze`: tuples of (str, value) pairs back into dicts,
+    other tuples into lists, recursively (a config's frozen `rope_scaling` -> its HF JSON
+    form)."""
     if (
         isinstance(value, tuple)
         and value
@@ -110,47 +102,6 @@ def thaw(value: Any) -> Any:
     if isinstance(value, tuple):
         return [thaw(v) for v in value]
     return value
-
-
-def _rope_from_hf(cfg: Mapping[str, Any], where: str) -> tuple[float, tuple | None]:
-    """Returns (theta, frozen scaling or None) from v4 `rope_theta`/`rope_scaling` or v5
-    `rope_parameters`; refuses scaling types we do not implement."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        theta = 10000.0
-    if scaling is None and params:
-        rest = {k: v for k, v in params.items() if k != "rope_theta"}
-        if rest.get("rope_type", rest.get("type", "default")) != "default":
-            scaling = rest
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"{where}: rope scaling type {rope_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
-        if rope_type == "default":
-            scaling = None
-        else:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    return float(theta), (_freeze(scaling) if scaling else None)
-
-
-def _rope_to_hf(theta: float, scaling: tuple | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": theta}
-    if scaling:
-        out["rope_scaling"] = thaw(scaling)
-    return out
-
-
-def _as_int_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,143 +256,6 @@ class TargetConfig:
             layer_types=self.layer_types[:num_layers],
             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < num_layers),
         )
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
-        """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
-        if hf.get("text_config") and hf.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
-            # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
-            hf = {**hf["text_config"], "model_type": hf["model_type"]}
-        model_type = hf.get("model_type")
-        arch = next((a for a, f in ARCHS.items() if model_type in f.model_types), None)
-        if arch is None:
-            archs = hf.get("architectures") or []
-            raise ConfigError(
-                f"unsupported target: model_type={model_type!r}, architectures={archs}; "
-                f"supported model_type values: {', '.join(SUPPORTED_TARGET_ARCHS)}"
-            )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ConfigError(f"{model_type}: attention_bias/mlp_bias=True is not supported")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (only silu)")
-        theta, scaling = _rope_from_hf(hf, f"target {model_type}")
-        n_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // n_heads
-        eos = _as_int_tuple(hf.get("eos_token_id"))
-        return cls(
-            arch=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            # Qwen3.5-MoE has no dense MLP width (every layer is sparse).
-            intermediate_size=int(hf.get("intermediate_size") or hf["moe_intermediate_size"])
-            if arch == "qwen3_5_moe"
-            else int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
-            dtype=dtype,
-            **_layered_from_hf(hf, arch),
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": [ARCHS[self.arch].hf_class],
-            "model_type": ARCHS[self.arch].model_types[0],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-            **_rope_to_hf(self.rope_theta, self.rope_scaling),
-            **_layered_to_hf(self),
-        }
-
-
-_MOE_KEYS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "shared_expert_intermediate_size",
-)
-_LINEAR_KEYS = (
-    "layer_types",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
-
-
-def _layered_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The MoE and hybrid fields of a LAYERED_ARCHS config.json (empty for the dense ones)."""
-    if arch not in LAYERED_ARCHS:
-        return {}
-    out: dict[str, Any] = {}
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if experts:
-        out["num_experts"] = int(experts)
-        out["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-        out["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
-        # Qwen3.5-MoE's router always renormalises its top-k (no config key).
-        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", arch == "qwen3_5_moe"))
-        out["decoder_sparse_step"] = int(hf.get("decoder_sparse_step") or 1)
-        out["mlp_only_layers"] = _as_int_tuple(hf.get("mlp_only_layers"))
-        out["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
-    if arch in HYBRID_ARCHS:
-        n = int(hf["num_hidden_layers"])
-        types = hf.get("layer_types")
-        if not types:  # older configs: every full_attention_interval-th layer is full attention
-            every = int(hf.get("full_attention_interval", 4))
-            types = [
-                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
-            ]
-        out["layer_types"] = tuple(types)
-        for key in _LINEAR_KEYS[1:]:
-            if hf.get(key) is not None:
-                out[key] = int(hf[key])
-        rope = hf.get("rope_parameters") or {}
-        out["partial_rotary_factor"] = float(
-            rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-        )
-    return out
-
-
-def _layered_to_hf(c: TargetConfig) -> dict[str, Any]:
-    """The inverse of `_layered_from_hf`."""
-    if not c.layered:
-        return {}
-    out: dict[str, Any] = {}
-    if c.num_experts:
-        out |= {k: getattr(c, k) for k in _MOE_KEYS}
-        out["mlp_only_layers"] = list(c.mlp_only_layers)
-        out["moe_intermediate_size"] = c.moe_intermediate_size
-    if c.hybrid:
-        out |= {k: getattr(c, k) for k in _LINEAR_KEYS}
-        out["layer_types"] = list(c.layer_types)
-        out["partial_rotary_factor"] = c.partial_rotary_factor
-    return out
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -619,144 +433,6 @@ class DrafterConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-
-    @classmethod
-    def from_zlab(cls, hf: Mapping[str, Any], dtype: str = "float32") -> DrafterConfig:
-        """Reads a z-lab drafter `config.json`. Lookup order for DFlash keys: `dflash_config`,
-        then top level, then the default."""
-        archs = hf.get("architectures") or ["DFlashDraftModel"]
-        dflash2 = "DFlash2DraftModel" in archs
-        dspark = "DSparkDraftModel" in archs  # ours (Orbax) only: write_zlab refuses it
-        if not (dflash2 or dspark) and "DFlashDraftModel" not in archs:
-            raise ConfigError(
-                f"not a DFlash drafter config: architectures={archs}; pass a DFlash drafter "
-                "(z-lab, speculators or Orbax)"
-            )
-        dcfg = hf.get("dflash_config") or {}
-
-        def lookup(name, default=None):
-            if name in dcfg and dcfg[name] is not None:
-                return dcfg[name]
-            if name in hf and hf[name] is not None:
-                return hf[name]
-            return default
-
-        if lookup("mask_token_id") is None:
-            raise ConfigError("drafter config has no dflash_config.mask_token_id")
-        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "vocab_size")  # fmt: skip
-        missing = [name for name in sizes if hf.get(name) is None]
-        if missing:
-            raise ConfigError(
-                f"drafter config lacks {missing}; pass a DFlash drafter's config.json"
-            )
-        num_layers = int(hf["num_hidden_layers"])
-        num_target_layers = int(lookup("num_target_layers", 0) or 0)
-        tap_ids = _as_int_tuple(lookup("target_layer_ids"))
-        if not tap_ids:
-            if not num_target_layers:
-                raise ConfigError(
-                    "drafter config has neither dflash_config.target_layer_ids nor "
-                    "num_target_layers to derive them from"
-                )
-            tap_ids = default_target_layer_ids(num_target_layers, num_layers)
-        v2 = {name: int(lookup(name, 0) or 0) for name in DFLASH2_FIELDS} if dflash2 else {}
-        if dflash2 and not all(v2.values()):
-            missing = [name for name, v in v2.items() if not v]
-            raise ConfigError(f"DFlash2DraftModel config lacks dflash_config {missing}")
-        theta, scaling = _rope_from_hf(hf, "drafter")
-        n_heads = int(hf["num_attention_heads"])
-        is_causal = lookup("causal", hf.get("is_causal"))
-        return cls(
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-            vocab_size=int(hf["vocab_size"]),
-            mask_token_id=int(lookup("mask_token_id")),
-            target_layer_ids=tap_ids,
-            num_target_layers=num_target_layers or (max(tap_ids) + 1),
-            block_size=int(lookup("block_size", 16)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-            layer_types=tuple(hf.get("layer_types") or ()),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
-            causal=None if is_causal is None else bool(is_causal),
-            input_embedding_scale=lookup("input_embedding_scale"),
-            output_multiplier=lookup("output_multiplier"),
-            final_logit_softcapping=lookup("final_logit_softcapping"),
-            **v2,
-            draft_vocab_size=int(lookup("draft_vocab_size", 0) or 0),
-            **(_dspark_fields(lookup) if dspark else {}),
-            dtype=dtype,
-        )
-
-    def to_zlab(self) -> dict[str, Any]:
-        """The z-lab `config.json` dict that the reference `dflash` package loads."""
-        dflash_config: dict[str, Any] = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-        }
-        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
-            if getattr(self, name) is not None:
-                dflash_config[name] = getattr(self, name)
-        if self.draft_vocab_size:  # ours (Orbax) only: write_zlab refuses it
-            dflash_config["draft_vocab_size"] = self.draft_vocab_size
-        arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
-        if self.is_dflash2:
-            dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}
-        if self.is_dspark:  # ours (Orbax) only: write_zlab refuses it
-            arch = "DSparkDraftModel"
-            dflash_config |= {name: getattr(self, name) for name in DSPARK_FIELDS}
-        out = {
-            "architectures": [arch],
-            "auto_map": {"AutoModel": f"dflash.{arch}"},
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "layer_types": list(self.layer_types),
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16" if self.dtype == "bfloat16" else "float32",
-            "dflash_config": dflash_config,
-            **_rope_to_hf(self.rope_theta, self.rope_scaling),
-        }
-        if self.causal is not None:
-            # The reference, vLLM and SGLang read the top-level `is_causal`.
-            out["is_causal"] = self.causal
-        if self.sliding_window:
-            out["sliding_window"] = self.sliding_window
-            out["use_sliding_window"] = True
-        return out
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_zlab(), indent=2, sort_keys=True)
-
-
-def _dspark_fields(lookup) -> dict[str, Any]:
-    """A DSpark drafter's `DSPARK_FIELDS` from a config lookup (off where absent)."""
-    return {
-        "sample_from_anchor": bool(lookup("sample_from_anchor", False)),
-        "markov_rank": int(lookup("markov_rank", 0)),
-        "markov_head_type": str(lookup("markov_head_type", "vanilla")),
-        "enable_confidence_head": bool(lookup("enable_confidence_head", False)),
-        "confidence_head_with_markov": bool(lookup("confidence_head_with_markov", False)),
-    }
 
 
 # A tree step of N nodes is recorded (`DecodeOutput.block_sizes`, `DecodeConfig.all_kinds`) as

@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.io.hf import param_layout, write_safetensors
+from dflash_jax.io.hf_config import target_to_hf
 from dflash_jax.training import data, trainer
 
 TINY_TARGET = TargetConfig(
@@ -101,5 +102,5 @@ def write_hf_dir(directory: Path, config: TargetConfig) -> TargetConfig:
     }
     directory.mkdir(parents=True)
     write_safetensors(directory / "model.safetensors", arrays)
-    (directory / "config.json").write_text(json.dumps(config.to_hf()))
+    (directory / "config.json").write_text(json.dumps(target_to_hf(config)))
     return config

@@ -24,6 +24,7 @@ import dflash_jax as dj
 from dflash_jax.config import DSPARK_FIELDS, ConfigError, DecodeConfig, DrafterConfig
 from dflash_jax.decoding.programs import check_decode_inputs
 from dflash_jax.io import CheckpointError
+from dflash_jax.io.drafter_config import drafter_from_zlab
 from dflash_jax.io.drafter_io import read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.speculators import read_speculators, write_speculators, zlab_config
 from dflash_jax.io.zlab import read_zlab, write_zlab
@@ -132,7 +133,7 @@ def test_dspark_round_trips_and_refusals(pair, tmp_path):
     defaults = dataclasses.replace(
         dcfg, markov_rank=256, markov_head_type="vanilla", sample_from_anchor=True
     )
-    assert DrafterConfig.from_zlab(zlab_config(bare, "x")) == defaults
+    assert drafter_from_zlab(zlab_config(bare, "x")) == defaults
 
     with pytest.raises(ConfigError, match="DSpark drafter .* export it with --format=speculators"):
         write_zlab(tmp_path / "zlab", dcfg, dparams)

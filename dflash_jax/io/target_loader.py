@@ -22,6 +22,7 @@ from dflash_jax.io.hf import (
     read_json,
     read_safetensors_dir,
 )
+from dflash_jax.io.hf_config import target_from_hf
 from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.io.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from dflash_jax.models.quantized import check_quantizable, quantize_params
@@ -240,7 +241,7 @@ def _cast(dtype: str):
 
 def _config(hf: dict, dtype: str, where: Path, extra_eos: tuple[int, ...] = ()) -> TargetConfig:
     try:
-        config = TargetConfig.from_hf(hf, dtype=dtype)
+        config = target_from_hf(hf, dtype=dtype)
     except (ConfigError, KeyError) as e:
         raise ConfigError(f"{where}: {e}") from e
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
