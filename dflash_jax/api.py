@@ -11,13 +11,14 @@ import time
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, cache_root, write_json_atomic
+from dflash_jax.config import cache_root, write_json_atomic
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32

@@ -304,9 +304,9 @@ def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, st
 
 def decode_settings(tcfg, decode) -> dict:
     """What a decode program was built with, for `infer.lower`'s lines: block size, adaptive
-    step kinds (`config.kind_label`), tree size, stop tokens, the row rule (None: not
+    step kinds (`decoding.settings.kind_label`), tree size, stop tokens, the row rule (None: not
     batch-invariant), dtype."""
-    from dflash_jax.config import kind_label
+    from dflash_jax.decoding.settings import kind_label
 
     kinds = [kind_label(k) for k in decode.all_kinds] if decode.adaptive else []
     return {

@@ -27,8 +27,9 @@ import pytest
 from _training import TINY_TARGET, corpus, train_config
 
 from dflash_jax import api
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding.programs import check_prompt
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
 from dflash_jax.io.drafter_io import DEFAULT_DRAFTER
 from dflash_jax.io.target_loader import LoadedTarget

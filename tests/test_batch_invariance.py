@@ -199,8 +199,8 @@ def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
     probed or cached per machine (issue 40, item 6). On the code before it was this machine's
     probed range ([3, 128] in bf16 on an Intel Xeon with AMX), and for another platform a
     ConfigError. A MoE or hybrid target runs without it."""
-    from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import programs
+    from dflash_jax.decoding.settings import DecodeConfig
     from dflash_jax.ops import invariance
     from dflash_jax.ops import platform as ops_platform
 
@@ -326,8 +326,8 @@ def _greedy_equals_ar(
     (equally non-invariant) AR decode, i.e. show that without the row rule the check fails."""
     from _decode import assert_greedy_equals_ar
 
-    from dflash_jax.config import DecodeConfig, tree_kind
     from dflash_jax.decoding import autoregressive_decode, speculative_decode
+    from dflash_jax.decoding.settings import DecodeConfig, tree_kind
 
     cfg, params, dcfg, dp = _decode_pair(dtype)
     if branching:

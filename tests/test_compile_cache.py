@@ -17,7 +17,7 @@ _RUN = textwrap.dedent(
     import jax
     import numpy as np
     from dflash_jax import api
-    from dflash_jax.config import DecodeConfig
+    from dflash_jax.decoding.settings import DecodeConfig
     from dflash_jax.decoding import programs
     from _decode import LENS, PROMPT, make_pair
 

@@ -20,8 +20,9 @@ from _decode import (
     two_token_tv,
 )
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig
+from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.decoding import phases, sampling, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 
 
 @pytest.mark.parametrize(

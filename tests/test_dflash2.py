@@ -31,9 +31,10 @@ from _training import corpus, train_config
 from dflash.model import DFlash2DraftModel, _output_head, dflash_generate
 from safetensors.numpy import load_file, save_file
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, breakdown, selector, speculative_decode
 from dflash_jax.decoding.programs import check_decode_inputs
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.drafter_io import load_drafter, restore_drafter, save_drafter

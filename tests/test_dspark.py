@@ -21,8 +21,9 @@ from _reference import make_reference_pair
 from _speculators_run import SPECULATORS_PYTHON, assert_same_params, run_reference
 
 import dflash_jax as dj
-from dflash_jax.config import DSPARK_FIELDS, ConfigError, DecodeConfig, DrafterConfig
+from dflash_jax.config import DSPARK_FIELDS, ConfigError, DrafterConfig
 from dflash_jax.decoding.programs import check_decode_inputs
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
 from dflash_jax.io.drafter_config import drafter_from_zlab
 from dflash_jax.io.drafter_io import read_drafter, restore_drafter, save_drafter

@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 from _decode import LENS, PROMPT, assert_greedy_equals_ar, dspark_pair, two_token_tv
 
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import markov, phases, sampling, speculative_decode
 from dflash_jax.decoding.cut import cut_widths
 from dflash_jax.decoding.programs import check_decode_inputs
 from dflash_jax.decoding.sampling import process_logits
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import dspark_draft_logits
 from dflash_jax.models.target import decoding_head
 
@@ -266,7 +267,7 @@ _MESH_CHECK = """
 import json, jax, numpy as np
 from _decode import LENS, PROMPT, dspark_pair
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding import speculative_decode
 assert jax.device_count() == 8, jax.devices()
 tcfg, tp, dcfg, dp = dspark_pair("rnn", True, zeros=True)

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 from dflash_jax.training import data
 from dflash_jax.training.generate import generate_records, mixture

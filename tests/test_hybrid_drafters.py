@@ -21,8 +21,9 @@ from dflash.model import DFlashDraftModel
 from transformers import Qwen3Config
 
 from dflash_jax import api
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter, restore_drafter
 from dflash_jax.models.target import Transformer

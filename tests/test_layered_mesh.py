@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import programs, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 
 MESH = "data=2,tensor=4"
 EXPERT_WIDTH = dict(moe_intermediate_size=24)

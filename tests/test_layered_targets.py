@@ -24,8 +24,8 @@ from _tiny_layered import (
     tiny_drafter,
 )
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.models.target import Transformer
 

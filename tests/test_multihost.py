@@ -33,8 +33,8 @@ TIMEOUT_S = 600
 def _decode(mesh=None) -> list[list[int]]:
     from _decode import LENS8, PROMPT8, make_pair
 
-    from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import speculative_decode
+    from dflash_jax.decoding.settings import DecodeConfig
 
     tcfg, tp, dcfg, dp = make_pair(block_size=4)
     out = speculative_decode(

@@ -16,8 +16,9 @@ import pytest
 from _decode import LENS, PROMPT, make_pair, two_token_tv
 from _tiny_models import make_tiny_gguf, make_tiny_hf_model
 
-from dflash_jax.config import ConfigError, DecodeConfig, TargetConfig
+from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.target_orbax import save_target
 from dflash_jax.models.quantized import quantize_params

@@ -25,8 +25,9 @@ from _decode import LENS8, PROMPT8
 from _training import write_hf_dir
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.config import TargetConfig
 from dflash_jax.decoding import autoregressive_decode, programs, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 
 # One subprocess on 8 fake devices runs every check here (~2 min): CI's slow step runs it.
 pytestmark = pytest.mark.slow

@@ -33,10 +33,11 @@ from absl import flags
 from safetensors.numpy import load_file, save_file
 
 import dflash_jax as dj
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import phases
 from dflash_jax.decoding.phases import draft_tokens
 from dflash_jax.decoding.sampling import process_logits
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
 from dflash_jax.io.drafter_io import DEFAULT_DRAFTER, read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.speculators import read_speculators, write_speculators

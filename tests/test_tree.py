@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from _decode import LENS, PROMPT, assert_greedy_equals_ar, make_pair, run_both, two_token_tv
 
-from dflash_jax.config import ConfigError, DecodeConfig, kind_label, tree_kind
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode, tree
+from dflash_jax.decoding.settings import DecodeConfig, kind_label, tree_kind
 from dflash_jax.decoding.speculative import Proposal
 from dflash_jax.decoding.state import LoopState
 from dflash_jax.ops import attention, dispatch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import markov, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
@@ -22,6 +21,7 @@ from dflash_jax.decoding.sampling import (
     row_keys,
     sample,
 )
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
 from dflash_jax.models.drafter import (
     Drafter,

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from dflash_jax.config import kind_label
+from dflash_jax.decoding.settings import kind_label
 
 log = logging.getLogger(__name__)
 
