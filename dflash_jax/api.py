@@ -43,12 +43,11 @@ def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.n
     return prompt, np.array([len(t) for t in token_lists], np.int32)
 
 
-# How `generate` and `infer.generate` decode when the user does not say. Measured on our 2-core
-# CPU with the shipped SmolLM2 drafter (README, "Results"): adaptive with the lookup kinds ran at
-# 1.13x (HumanEval) and 1.04x (dev set) the target's speed, where fixed block 16 ran at 0.50x /
-# 0.51x and fixed block 8 at 0.63x (HumanEval), because a CPU pays for every verified token. So
-# on CPU: adaptive, with the trained block as the largest kind. On GPU/TPU, where a block costs
-# about one AR step: the trained block, fixed.
+# How `generate` and `infer.generate` decode when the user does not say. On a CPU, which pays
+# for every verified token, the adaptive decode with the lookup kinds is faster than the target
+# alone where fixed blocks are slower (docs/results.md#speed-on-prompt-sets): adaptive, with the
+# trained block as the largest kind. On GPU/TPU, where a block costs about one AR step: the
+# trained block, fixed.
 CPU_DEFAULT_BLOCK_SIZE = 16
 
 
@@ -63,7 +62,7 @@ def default_block_size(target, drafter, platform: str | None = None) -> int:
 
 # The prompt-lookup step kinds an adaptive decode adds when the user does not say (those <= its
 # block size): copies cost a verify and nothing else, and where text repeats they are accepted
-# whole (README, "Adaptive steps").
+# whole (docs/decoding.md#prompt-lookup).
 DEFAULT_LOOKUP_KINDS = (8, 16)
 
 
@@ -92,12 +91,9 @@ def plain_steps_pay(target, batch_invariant: bool | None, platform: str | None =
     None: this process's backend). There a one-row target pass costs what a pass of a few rows
     does: its products pad the row to the rule's minimum, its attention runs whole query tiles
     and its norms whole row tiles, so a block of 4 costs no more than a plain step and drafts
-    besides, and the controller never picks the plain step (bf16, SmolLM2 and its drafter, in
-    AR steps: block 4 0.80 against a plain step's 1.00 on an AMD EPYC with avx512_bf16, 0.97
-    on an Intel Xeon with AMX). Leaving it out takes one of the loop's four target passes out
-    of the compiled program: on the Intel Xeon a fresh compile of the default loop takes 16.0 s
-    instead of 23.6, a load from the persistent cache 2.5 s instead of 3.4-3.6, and 256 tokens
-    decode as fast (3.36-3.50 s against 3.36-3.44; docs/results.md)."""
+    besides, and the controller never picks the plain step. Leaving it out takes one of the
+    loop's four target passes out of the compiled program, which then compiles and loads
+    faster and decodes as fast (the measurements: docs/results.md#time-to-a-first-answer)."""
     from dflash_jax.decoding import programs
 
     if (platform or jax.default_backend()) != "cpu":
