@@ -13,13 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, cache_root, write_json_atomic
+from dflash_jax.config import cache_root, write_json_atomic
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32
@@ -44,12 +45,11 @@ def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.n
     return prompt, np.array([len(t) for t in token_lists], np.int32)
 
 
-# How `generate` and `infer.generate` decode when the user does not say. Measured on our 2-core
-# CPU with the shipped SmolLM2 drafter (README, "Results"): adaptive with the lookup kinds ran at
-# 1.13x (HumanEval) and 1.04x (dev set) the target's speed, where fixed block 16 ran at 0.50x /
-# 0.51x and fixed block 8 at 0.63x (HumanEval), because a CPU pays for every verified token. So
-# on CPU: adaptive, with the trained block as the largest kind. On GPU/TPU, where a block costs
-# about one AR step: the trained block, fixed.
+# How `generate` and `infer.generate` decode when the user does not say. On a CPU, which pays
+# for every verified token, the adaptive decode with the lookup kinds is faster than the target
+# alone where fixed blocks are slower (docs/results.md#speed-on-prompt-sets): adaptive, with the
+# trained block as the largest kind. On GPU/TPU, where a block costs about one AR step: the
+# trained block, fixed.
 CPU_DEFAULT_BLOCK_SIZE = 16
 
 
@@ -66,7 +66,7 @@ def default_block_size(target, drafter, platform: str | None = None) -> int:
 
 # The prompt-lookup step kinds an adaptive decode adds when the user does not say (those <= its
 # block size): copies cost a verify and nothing else, and where text repeats they are accepted
-# whole (README, "Adaptive steps").
+# whole (docs/decoding.md#prompt-lookup).
 DEFAULT_LOOKUP_KINDS = (8, 16)
 
 

@@ -1,7 +1,8 @@
-"""Frozen, hashable configurations for targets, drafters and decoding.
+"""Frozen, hashable configurations for targets, drafters and decoding, and the target families
+(`ARCHS`).
 
-Every config is a frozen dataclass so it can be a static argument of `jax.jit`. Targets and
-drafters read from and write back to HF `config.json` dictionaries (transformers v4 and v5 keys).
+Every config is a frozen dataclass so it can be a static argument of `jax.jit`. Reading and
+writing them as HF / z-lab `config.json` dicts: io/hf_config.py, io/drafter_config.py.
 """
 
 from __future__ import annotations
@@ -9,51 +10,48 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-SUPPORTED_TARGET_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-                          "gemma3", "gemma4", "gpt_oss")  # fmt: skip
-# Families whose layers are built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated
-# DeltaNet linear-attention layers beside (gated) full attention; sliding-window layers.
-LAYERED_ARCHS = ("qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4",
-                 "gpt_oss")  # fmt: skip
-# Sliding-window families (`models/sliding.py`): "sliding_attention" layers beside full ones.
-SLIDING_ARCHS = ("gemma3", "gemma4", "gpt_oss")
-# Hybrid families: zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# HF model_type (text model or its multimodal wrapper) -> arch.
-_TARGET_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_next": "qwen3_next",
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "gemma4_text": "gemma4",
-    "gemma4": "gemma4",
-    "gpt_oss": "gpt_oss",
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One target family: how HF names it, and which layer kinds its model code builds. Adding a
+    family is a row of `ARCHS` and its model code (docs/development.md)."""
+
+    hf_class: str  # config.json "architectures"
+    model_types: tuple[str, ...]  # the HF model_type values read as this arch; the first is written
+    # Layers built per layer kind (`models/hybrid.py`): MoE MLPs and/or Gated DeltaNet
+    # linear-attention layers beside (gated) full attention.
+    layered: bool = False
+    # Zero-centred RMSNorms (x * (1 + w)), gated full attention, partial RoPE.
+    hybrid: bool = False
+    qk_norm: bool = True  # a per-head RMSNorm on q and k (llama has none)
+    # "sliding_attention" layers beside full ones (`models/sliding.py`); also layered.
+    sliding: bool = False
+
+
+# The target families, by arch name. (A multimodal wrapper's model_type, such as qwen3_5's, is
+# read as its text model's.)
+ARCHS = {
+    "llama": Arch("LlamaForCausalLM", ("llama",), qk_norm=False),
+    "qwen3": Arch("Qwen3ForCausalLM", ("qwen3",)),
+    "qwen3_moe": Arch("Qwen3MoeForCausalLM", ("qwen3_moe",), layered=True),
+    "qwen3_next": Arch("Qwen3NextForCausalLM", ("qwen3_next",), layered=True, hybrid=True),
+    "qwen3_5": Arch("Qwen3_5ForCausalLM", ("qwen3_5_text", "qwen3_5"), layered=True, hybrid=True),
+    "qwen3_5_moe": Arch(
+        "Qwen3_5MoeForCausalLM", ("qwen3_5_moe_text", "qwen3_5_moe"), layered=True, hybrid=True
+    ),
+    "gemma3": Arch("Gemma3ForCausalLM", ("gemma3_text", "gemma3"), layered=True, sliding=True),
+    "gemma4": Arch("Gemma4ForCausalLM", ("gemma4_text", "gemma4"), layered=True, sliding=True),
+    "gpt_oss": Arch("GptOssForCausalLM", ("gpt_oss",), layered=True, sliding=True),
 }
-_ARCH_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gemma4": "Gemma4ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-}
-_HF_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
-                  "gemma3": "gemma3_text", "gemma4": "gemma4_text"}  # fmt: skip
+SUPPORTED_TARGET_ARCHS = tuple(ARCHS)
+LAYERED_ARCHS = tuple(name for name, arch in ARCHS.items() if arch.layered)
+HYBRID_ARCHS = tuple(name for name, arch in ARCHS.items() if arch.hybrid)
+SLIDING_ARCHS = tuple(name for name, arch in ARCHS.items() if arch.sliding)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Targets also take linear (Gemma 3's global layers), YaRN (gpt-oss) and proportional (Gemma 4's
 # global layers: RoPE on the first partial_rotary_factor of each head's frequencies) scaling.
@@ -100,18 +98,10 @@ def check_attention_impl(impl: str) -> None:
         raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
 
 
-def _freeze(value: Any) -> Any:
-    """Turns nested dicts/lists into sorted tuples so configs stay hashable."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
 def thaw(value: Any) -> Any:
-    """The inverse of `_freeze`: tuples of (str, value) pairs back into dicts, other tuples into
-    lists, recursively (a config's frozen `rope_scaling` -> its HF JSON form)."""
+    """The inverse of `io.hf_config.freeze`: tuples of (str, value) pairs back into dicts,
+    other tuples into lists, recursively (a config's frozen `rope_scaling` -> its HF JSON
+    form)."""
     if (
         isinstance(value, tuple)
         and value
@@ -121,49 +111,6 @@ def thaw(value: Any) -> Any:
     if isinstance(value, tuple):
         return [thaw(v) for v in value]
     return value
-
-
-def _rope_from_hf(
-    cfg: Mapping[str, Any], where: str, types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
-) -> tuple[float, tuple | None]:
-    """Returns (theta, frozen scaling or None) from v4 `rope_theta`/`rope_scaling` or v5
-    `rope_parameters`; refuses scaling types we do not implement."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        theta = 10000.0
-    if scaling is None and params:
-        rest = {k: v for k, v in params.items() if k != "rope_theta"}
-        if rest.get("rope_type", rest.get("type", "default")) != "default":
-            scaling = rest
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in types:
-            raise ConfigError(
-                f"{where}: rope scaling type {rope_type!r} is not supported "
-                f"(supported: {', '.join(types)})"
-            )
-        if rope_type == "default":
-            scaling = None
-        else:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    return float(theta), (_freeze(scaling) if scaling else None)
-
-
-def _rope_to_hf(theta: float, scaling: tuple | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": theta}
-    if scaling:
-        out["rope_scaling"] = thaw(scaling)
-    return out
-
-
-def _as_int_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +213,7 @@ class TargetConfig:
 
     @property
     def use_qk_norm(self) -> bool:
-        return self.arch != "llama"
+        return ARCHS[self.arch].qk_norm
 
     def _check_layers(self) -> None:
         types = self.layer_types
@@ -297,15 +244,15 @@ class TargetConfig:
     @property
     def layered(self) -> bool:
         """Layers built per kind (`models/hybrid.py`) instead of the dense `DecoderLayer`."""
-        return self.arch in LAYERED_ARCHS
+        return ARCHS[self.arch].layered
 
     @property
     def hybrid(self) -> bool:
-        return self.arch in HYBRID_ARCHS
+        return ARCHS[self.arch].hybrid
 
     @property
     def sliding(self) -> bool:
-        return self.arch in SLIDING_ARCHS
+        return ARCHS[self.arch].sliding
 
     @property
     def zero_centred_norms(self) -> bool:
@@ -360,271 +307,6 @@ class TargetConfig:
             layer_types=self.layer_types[:num_layers],
             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < num_layers),
         )
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfig:
-        """Builds a config from an HF `config.json` dict; refuses what we cannot run."""
-        wrappers = ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4")
-        if hf.get("text_config") and hf.get("model_type") in wrappers:
-            # A multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model.
-            hf = {**hf["text_config"], "model_type": hf["model_type"]}
-        model_type = hf.get("model_type")
-        arch = _TARGET_MODEL_TYPES.get(model_type)
-        if arch is None:
-            archs = hf.get("architectures") or []
-            raise ConfigError(
-                f"unsupported target: model_type={model_type!r}, architectures={archs}; "
-                f"supported model_type values: {', '.join(SUPPORTED_TARGET_ARCHS)}"
-            )
-        sliding = _sliding_from_hf(hf, arch) if arch in SLIDING_ARCHS else {}
-        if (hf.get("attention_bias") and arch != "gpt_oss") or hf.get("mlp_bias"):
-            raise ConfigError(f"{model_type}: attention_bias/mlp_bias=True is not supported")
-        act = sliding.get("hidden_act", hf.get("hidden_act", "silu"))
-        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and "gemma" not in arch):
-            raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (only silu)")
-        theta, scaling = sliding.pop("rope", None) or _rope_from_hf(hf, f"target {model_type}")
-        n_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // n_heads
-        eos = _as_int_tuple(hf.get("eos_token_id"))
-        return cls(
-            arch=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            # Qwen3.5-MoE has no dense MLP width (every layer is sparse).
-            intermediate_size=int(hf.get("intermediate_size") or hf["moe_intermediate_size"])
-            if arch == "qwen3_5_moe"
-            else int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos,
-            dtype=dtype,
-            **(sliding or _layered_from_hf(hf, arch)),
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": [_ARCH_CLASSES[self.arch]],
-            "model_type": _HF_MODEL_TYPE.get(self.arch, self.arch),
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-            **_rope_to_hf(self.rope_theta, self.rope_scaling),
-            **(_sliding_to_hf(self) if self.sliding else _layered_to_hf(self)),
-        }
-
-
-_MOE_KEYS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "shared_expert_intermediate_size",
-)
-_LINEAR_KEYS = (
-    "layer_types",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
-
-
-def _layered_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The MoE and hybrid fields of a LAYERED_ARCHS config.json (empty for the dense ones)."""
-    if arch not in LAYERED_ARCHS:
-        return {}
-    out: dict[str, Any] = {}
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if experts:
-        out["num_experts"] = int(experts)
-        out["num_experts_per_tok"] = int(hf["num_experts_per_tok"])
-        out["moe_intermediate_size"] = int(hf["moe_intermediate_size"])
-        # Qwen3.5-MoE's router always renormalises its top-k (no config key).
-        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", arch == "qwen3_5_moe"))
-        out["decoder_sparse_step"] = int(hf.get("decoder_sparse_step") or 1)
-        out["mlp_only_layers"] = _as_int_tuple(hf.get("mlp_only_layers"))
-        out["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
-    if arch in HYBRID_ARCHS:
-        n = int(hf["num_hidden_layers"])
-        types = hf.get("layer_types")
-        if not types:  # older configs: every full_attention_interval-th layer is full attention
-            every = int(hf.get("full_attention_interval", 4))
-            types = [
-                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
-            ]
-        out["layer_types"] = tuple(types)
-        for key in _LINEAR_KEYS[1:]:
-            if hf.get(key) is not None:
-                out[key] = int(hf[key])
-        rope = hf.get("rope_parameters") or {}
-        out["partial_rotary_factor"] = float(
-            rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-        )
-    return out
-
-
-def _layered_to_hf(c: TargetConfig) -> dict[str, Any]:
-    """The inverse of `_layered_from_hf`."""
-    if not c.layered:
-        return {}
-    out: dict[str, Any] = {}
-    if c.num_experts:
-        out |= {k: getattr(c, k) for k in _MOE_KEYS}
-        out["mlp_only_layers"] = list(c.mlp_only_layers)
-        out["moe_intermediate_size"] = c.moe_intermediate_size
-    if c.hybrid:
-        out |= {k: getattr(c, k) for k in _LINEAR_KEYS}
-        out["layer_types"] = list(c.layer_types)
-        out["partial_rotary_factor"] = c.partial_rotary_factor
-    return out
-
-
-def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """The SLIDING_ARCHS fields of a config.json, and its RoPE as "rope": (theta, scaling)."""
-    n = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types")
-    if not types:  # older configs: a pattern (Gemma 3: every 6th layer full; gpt-oss: every 2nd)
-        every = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
-        types = [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
-        ]
-    window = hf.get("sliding_window")
-    out: dict[str, Any] = {"layer_types": tuple(types), "sliding_window": int(window or 0)}
-    where = f"target {hf.get('model_type')}"
-    if arch == "gpt_oss":
-        e = int(hf.get("num_local_experts") or hf.get("num_experts"))
-        out |= dict(num_experts=e, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                    moe_intermediate_size=int(hf["intermediate_size"]))  # fmt: skip
-        out |= dict(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)))  # fmt: skip
-        if not hf.get("attention_bias", True):
-            raise ConfigError(
-                f"{where}: attention_bias=false is not supported (gpt-oss has biases)"
-            )
-        return out | {"rope": _rope_from_hf(hf, where, TARGET_ROPE_TYPES)}
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers v5: one RoPE per layer type
-        full = _rope_from_hf(
-            {"rope_parameters": params["full_attention"]}, where, TARGET_ROPE_TYPES
-        )
-        local = _rope_from_hf({"rope_parameters": params.get("sliding_attention") or {}}, where)
-        if local[1] is not None:
-            raise ConfigError(f"{where}: RoPE scaling on sliding layers is not supported")
-    else:
-        full = _rope_from_hf(
-            {**hf, "rope_theta": hf.get("rope_theta", 1e6)}, where, TARGET_ROPE_TYPES
-        )
-        local = (float(hf.get("rope_local_base_freq", 10000.0)), None)
-    if arch == "gemma4":
-        return out | {"rope": full, "local_rope_theta": local[0], **_gemma4_from_hf(hf, where)}
-    if hf.get("final_logit_softcapping"):
-        raise ConfigError(
-            f"{where}: final_logit_softcapping={hf['final_logit_softcapping']} is not supported "
-            "(Gemma 3's released checkpoints have none)"
-        )
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError(f"{where}: use_bidirectional_attention=true (not a causal LM)")
-    return out | {
-        "rope": full,
-        "local_rope_theta": local[0],
-        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0),
-        "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0),
-        "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-    }
-
-
-def _gemma4_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Gemma 4's own fields; refuses what `models/sliding.py` does not implement."""
-    unsupported = {
-        "hidden_size_per_layer_input": "per-layer input embeddings",
-        "num_kv_shared_layers": "KV cache sharing between layers",
-        "enable_moe_block": "the MoE block",
-        "use_bidirectional_attention": "bidirectional attention",
-        "attention_bias": "attention biases",
-    }
-    for key, what in unsupported.items():
-        if hf.get(key) and (key, hf[key]) != ("use_bidirectional_attention", "vision"):
-            raise ConfigError(f"{where}: {key}={hf[key]!r} ({what}) is not supported")
-    types = hf.get("layer_types") or ()
-    heads = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", 0)))
-             for i, v in (hf.get("per_layer_config") or {}).items()}  # fmt: skip
-    heads |= {(int(hf.get("global_head_dim") or 0), int(hf.get("num_global_key_value_heads") or 0))}
-    heads.discard((0, 0))
-    per_layer = hf.get("per_layer_config") or {}
-    if len(heads) > 1 or any(types and types[int(i)] != "full_attention" for i in per_layer):
-        raise ConfigError(f"{where}: per-layer head shapes other than one for full layers")
-    head_dim, kv = heads.pop() if heads else (0, 0)
-    return {
-        "global_head_dim": head_dim,
-        "global_kv_heads": kv if hf.get("attention_k_eq_v", True) else 0,
-        "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
-        "final_logit_softcapping": float(hf.get("final_logit_softcapping") or 0),
-        "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": 1.0,  # scores unscaled (q and k are RMS-normed)
-    }
-
-
-def _sliding_to_hf(c: TargetConfig) -> dict[str, Any]:
-    """The inverse of `_sliding_from_hf` (transformers v5 keys)."""
-    out: dict[str, Any] = {"layer_types": list(c.layer_types), "sliding_window": c.sliding_window}
-    if c.arch == "gpt_oss":
-        rope = {"rope_theta": c.rope_theta, **(thaw(c.rope_scaling) if c.rope_scaling else {})}
-        return out | {
-            "num_local_experts": c.num_experts,
-            "num_experts_per_tok": c.num_experts_per_tok,
-            "intermediate_size": c.moe_intermediate_size,
-            "swiglu_alpha": c.swiglu_alpha,
-            "swiglu_limit": c.swiglu_limit,
-            "attention_bias": True,
-            "rope_parameters": rope | {"rope_type": rope.get("rope_type", "default")},
-        }
-    full = {"rope_type": "default", "rope_theta": c.rope_theta}
-    full |= thaw(c.rope_scaling) if c.rope_scaling else {}
-    if c.arch == "gemma4":
-        full_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
-        shape = {"head_dim": c.global_head_dim, "num_key_value_heads": c.global_kv_heads}
-        return out | {
-            "rope_parameters": {
-                "full_attention": full,
-                "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
-            },
-            "per_layer_config": {str(i): shape for i in full_layers} if c.global_head_dim else {},
-            "attention_k_eq_v": c.attention_k_eq_v,
-            "final_logit_softcapping": c.final_logit_softcapping or None,
-            "hidden_activation": c.hidden_act,
-            "hidden_size_per_layer_input": 0,
-        }
-    return out | {
-        "rope_parameters": {
-            "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
-        },
-        "query_pre_attn_scalar": c.query_pre_attn_scalar or c.head_dim,
-        "attn_logit_softcapping": c.attn_logit_softcapping or None,
-        "hidden_activation": c.hidden_act,
-    }
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -802,299 +484,3 @@ class DrafterConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-
-    @classmethod
-    def from_zlab(cls, hf: Mapping[str, Any], dtype: str = "float32") -> DrafterConfig:
-        """Reads a z-lab drafter `config.json`. Lookup order for DFlash keys: `dflash_config`,
-        then top level, then the default."""
-        archs = hf.get("architectures") or ["DFlashDraftModel"]
-        dflash2 = "DFlash2DraftModel" in archs
-        dspark = "DSparkDraftModel" in archs  # ours (Orbax) only: write_zlab refuses it
-        if not (dflash2 or dspark) and "DFlashDraftModel" not in archs:
-            raise ConfigError(
-                f"not a DFlash drafter config: architectures={archs}; pass a DFlash drafter "
-                "(z-lab, speculators or Orbax)"
-            )
-        dcfg = hf.get("dflash_config") or {}
-
-        def lookup(name, default=None):
-            if name in dcfg and dcfg[name] is not None:
-                return dcfg[name]
-            if name in hf and hf[name] is not None:
-                return hf[name]
-            return default
-
-        if lookup("mask_token_id") is None:
-            raise ConfigError("drafter config has no dflash_config.mask_token_id")
-        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "vocab_size")  # fmt: skip
-        missing = [name for name in sizes if hf.get(name) is None]
-        if missing:
-            raise ConfigError(
-                f"drafter config lacks {missing}; pass a DFlash drafter's config.json"
-            )
-        num_layers = int(hf["num_hidden_layers"])
-        num_target_layers = int(lookup("num_target_layers", 0) or 0)
-        tap_ids = _as_int_tuple(lookup("target_layer_ids"))
-        if not tap_ids:
-            if not num_target_layers:
-                raise ConfigError(
-                    "drafter config has neither dflash_config.target_layer_ids nor "
-                    "num_target_layers to derive them from"
-                )
-            tap_ids = default_target_layer_ids(num_target_layers, num_layers)
-        v2 = {name: int(lookup(name, 0) or 0) for name in DFLASH2_FIELDS} if dflash2 else {}
-        if dflash2 and not all(v2.values()):
-            missing = [name for name, v in v2.items() if not v]
-            raise ConfigError(f"DFlash2DraftModel config lacks dflash_config {missing}")
-        theta, scaling = _rope_from_hf(hf, "drafter")
-        n_heads = int(hf["num_attention_heads"])
-        is_causal = lookup("causal", hf.get("is_causal"))
-        return cls(
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-            vocab_size=int(hf["vocab_size"]),
-            mask_token_id=int(lookup("mask_token_id")),
-            target_layer_ids=tap_ids,
-            num_target_layers=num_target_layers or (max(tap_ids) + 1),
-            block_size=int(lookup("block_size", 16)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-            layer_types=tuple(hf.get("layer_types") or ()),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
-            causal=None if is_causal is None else bool(is_causal),
-            input_embedding_scale=lookup("input_embedding_scale"),
-            output_multiplier=lookup("output_multiplier"),
-            final_logit_softcapping=lookup("final_logit_softcapping"),
-            **v2,
-            draft_vocab_size=int(lookup("draft_vocab_size", 0) or 0),
-            **(_dspark_fields(lookup) if dspark else {}),
-            dtype=dtype,
-        )
-
-    def to_zlab(self) -> dict[str, Any]:
-        """The z-lab `config.json` dict that the reference `dflash` package loads."""
-        dflash_config: dict[str, Any] = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-        }
-        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
-            if getattr(self, name) is not None:
-                dflash_config[name] = getattr(self, name)
-        if self.draft_vocab_size:  # ours (Orbax) only: write_zlab refuses it
-            dflash_config["draft_vocab_size"] = self.draft_vocab_size
-        arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
-        if self.is_dflash2:
-            dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}
-        if self.is_dspark:  # ours (Orbax) only: write_zlab refuses it
-            arch = "DSparkDraftModel"
-            dflash_config |= {name: getattr(self, name) for name in DSPARK_FIELDS}
-        out = {
-            "architectures": [arch],
-            "auto_map": {"AutoModel": f"dflash.{arch}"},
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "layer_types": list(self.layer_types),
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16" if self.dtype == "bfloat16" else "float32",
-            "dflash_config": dflash_config,
-            **_rope_to_hf(self.rope_theta, self.rope_scaling),
-        }
-        if self.causal is not None:
-            # The reference, vLLM and SGLang read the top-level `is_causal`.
-            out["is_causal"] = self.causal
-        if self.sliding_window:
-            out["sliding_window"] = self.sliding_window
-            out["use_sliding_window"] = True
-        return out
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_zlab(), indent=2, sort_keys=True)
-
-
-def _dspark_fields(lookup) -> dict[str, Any]:
-    """A DSpark drafter's `DSPARK_FIELDS` from a config lookup (off where absent)."""
-    return {
-        "sample_from_anchor": bool(lookup("sample_from_anchor", False)),
-        "markov_rank": int(lookup("markov_rank", 0)),
-        "markov_head_type": str(lookup("markov_head_type", "vanilla")),
-        "enable_confidence_head": bool(lookup("enable_confidence_head", False)),
-        "confidence_head_with_markov": bool(lookup("confidence_head_with_markov", False)),
-    }
-
-
-# A tree step of N nodes is recorded (`DecodeOutput.block_sizes`, `DecodeConfig.all_kinds`) as
-# TREE_KIND_BASE + N: above every block size (a drafting kind is its block size, a copy its
-# negative), so one int still names any step kind. `kind_label` names it "treeN".
-TREE_KIND_BASE = 1000
-
-
-def tree_kind(num_nodes: int) -> int:
-    """The recorded kind of a tree step of `num_nodes` tokens."""
-    return TREE_KIND_BASE + num_nodes
-
-
-def kind_label(kind: int) -> str:
-    """A step kind as text: its block size ("8"; "1" a plain step), "-8" for a copied block,
-    "tree16" for a tree of 16 tokens."""
-    kind = int(kind)
-    return f"tree{kind - TREE_KIND_BASE}" if kind >= TREE_KIND_BASE else str(kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Static decoding settings. `temperature == 0` is greedy; otherwise sampling with
-    top-k (0 = off) and top-p (1 = off), applied identically to target and draft."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    block_size: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    # Adaptive draft length (decoding/adaptive.py): each loop step picks one of `step_kinds`
-    # block sizes (1 = a plain target step, no drafting) by expected tokens per unit of cost.
-    adaptive: bool = False
-    step_kinds: tuple[int, ...] = ()  # () with adaptive: 1, 4, 8 and block_size (those <= it)
-    adaptive_rate: float = 0.2  # weight of the newest step in the acceptance estimates
-    adaptive_prior: float = 0.3  # initial per-position acceptance estimate (see adaptive.py)
-    probe_every: int = 16  # after this many plain steps in a row, draft once to re-measure
-    probe_backoff: int = 4  # a failed probe doubles the wait, up to probe_every * this
-    # Prompt-lookup step kinds (adaptive only; decoding/lookup.py): block sizes whose drafts are
-    # copied from the prompt and the text so far (the longest suffix match of up to
-    # `lookup_ngram` tokens, then what followed it) instead of drafted; verified the same way.
-    lookup_kinds: tuple[int, ...] = ()
-    lookup_ngram: int = 3
-    # Every target pass batch-invariant (`ops.invariance`): a position's logits are bitwise the
-    # same in an AR step, a verify, a prefill or a batch, so greedy speculative output equals
-    # greedy AR output in any dtype. False: the passes as XLA picks them (fastest; a verify and
-    # an AR step may then round a near-tie apart: ~1e-6 apart in fp32, where no benchmark
-    # prompt has flipped, but often in bf16). None: on for every dtype but float32
-    # (`decoding.programs.run_target_config`).
-    batch_invariant: bool | None = None
-    # The row tile of a batch-invariant decode: every GEMM of every target pass runs at exactly
-    # this many rows (`ops.invariance.RowRule.fixed`; 0: `ops.invariance.ROW_TILE`, 32). Runs
-    # at one tile give a position the same bits, whatever their batch; a run whose passes are
-    # all wide (a server's slots x 16, `ops.invariance.row_tile_for`) sets a wider one, which
-    # runs them as one tile instead of several.
-    row_tile: int = 0
-    # Tree verification (decoding/tree.py): a step that verifies a tree of this many tokens (the
-    # anchor and tree_nodes - 1 drafted nodes, grown best-first from the drafter's per-position
-    # distributions) in one target pass and commits its longest accepted path. Fixed mode: every
-    # step is one. Adaptive: one more step kind (`tree_kind(tree_nodes)`, last in `all_kinds`)
-    # the controller chooses beside the chains and copies. 0: no tree.
-    tree_nodes: int = 0
-    # Each row carries its own request's settings in the loop state (`sampling.RowSettings`:
-    # temperature, top-k, top-p, PRNG key, token limit up to max_new_tokens), so the rows of one
-    # running decode can be different requests (a server's slots, `decoding.slots`). The start
-    # gives every row this config's settings; greedy rows keep the argmax of the greedy path.
-    row_settings: bool = False
-    # DSpark's confidence cut (a drafter with a confidence head, `models/dspark.py`): a step
-    # keeps its drafts only while the product of their predicted acceptance probabilities
-    # stays >= this; the drafts after the cut are not offered to the verify (the step commits
-    # the kept drafts the target accepts, then one target token: at the cut a sample of the
-    # target itself). A fixed-block decode verifies at the narrowest compiled width holding
-    # every active row's kept drafts (`decoding/cut.py`: what a cut saves); adaptive kinds
-    # apply the cut to their own drafts. 0: no cut (the measured default, docs/results.md).
-    confidence_cut: float = 0.0
-    # With row_settings: log-probabilities kept for every committed token (a server's
-    # `logprobs`): the token's and those of the `logprobs` likeliest tokens, from the
-    # distribution the row draws from (its temperature, top-k and top-p; a greedy row's raw
-    # distribution), computed in a step only while some row asks (`RowSettings.logprobs`).
-    # 0: none kept (the loop state has no room for them).
-    logprobs: int = 0
-
-    def __post_init__(self):
-        if self.logprobs and not (0 < self.logprobs <= 20 and self.row_settings):
-            raise ConfigError(
-                f"logprobs={self.logprobs}: 1 to 20 alternatives, with row_settings (0: none)"
-            )
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        if not 0 <= self.row_tile <= 1024:
-            raise ConfigError(f"row_tile={self.row_tile}: give 1 to 1024 rows (0: the default, 32)")
-        if self.tree_nodes and (self.tree_nodes < 2 or self.block_size < 2):
-            raise ConfigError(
-                f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "
-                f"draft) and block_size >= 2 (got {self.block_size}); 0 = a chain"
-            )
-        if self.tree_nodes and self.row_settings:
-            raise ConfigError(
-                f"tree_nodes={self.tree_nodes} with row_settings: per-row sampling settings are "
-                "not implemented for tree steps; use tree_nodes=0"
-            )
-        if self.tree_nodes and self.block_size >= TREE_KIND_BASE:
-            raise ConfigError(
-                f"block_size={self.block_size} with a tree: block sizes below {TREE_KIND_BASE} "
-                "(a tree step's recorded kind lies above them)"
-            )
-        kinds = self.step_kinds
-        if self.adaptive and not kinds:
-            kinds = tuple(sorted({1, *(b for b in (4, 8) if b < self.block_size), self.block_size}))
-        if kinds and (min(kinds) < 1 or max(kinds) != self.block_size or len(set(kinds)) < 2):
-            raise ConfigError(
-                f"step_kinds={kinds} must be distinct block sizes >= 1 (at least two), the "
-                f"largest equal to block_size={self.block_size}"
-            )
-        object.__setattr__(self, "step_kinds", tuple(sorted(kinds)) if self.adaptive else ())
-        if not 0.0 < self.adaptive_rate <= 1.0 or not 0.0 <= self.adaptive_prior <= 1.0:
-            raise ConfigError(
-                f"adaptive_rate={self.adaptive_rate} must be in (0, 1] and "
-                f"adaptive_prior={self.adaptive_prior} in [0, 1]"
-            )
-        if self.probe_every < 1:
-            raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
-        if not 0.0 <= self.confidence_cut < 1.0:
-            raise ConfigError(f"confidence_cut={self.confidence_cut} must be in [0, 1) (0: no cut)")
-        lookup = tuple(sorted({int(b) for b in self.lookup_kinds}))
-        if lookup and (not self.adaptive or min(lookup) < 2 or max(lookup) > self.block_size):
-            raise ConfigError(
-                f"lookup_kinds={self.lookup_kinds} need adaptive=True and block sizes in "
-                f"[2, block_size={self.block_size}]"
-            )
-        object.__setattr__(self, "lookup_kinds", lookup)
-        if self.lookup_ngram < 1:
-            raise ConfigError(f"lookup_ngram={self.lookup_ngram} must be at least 1")
-        if self.probe_backoff < 1:
-            raise ConfigError(f"probe_backoff={self.probe_backoff} must be at least 1")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        if self.block_size < 1:
-            raise ConfigError(f"block_size={self.block_size} must be at least 1")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def all_kinds(self) -> tuple[int, ...]:
-        """Every adaptive step kind, in the order of the controller's costs and of a forced
-        kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes,
-        then the tree kind `tree_kind(tree_nodes)` when there is a tree (how
-        `DecodeOutput.block_sizes` records them)."""
-        tree = (tree_kind(self.tree_nodes),) if self.adaptive and self.tree_nodes else ()
-        return self.step_kinds + tuple(-b for b in self.lookup_kinds) + tree
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -32,8 +32,8 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, calibration, programs, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops.invariance import machine_name, row_tile_for, software_name
 from infer import benchmark, cli, common, keep
 

@@ -30,6 +30,7 @@ from dflash_jax.config import QUANT_SCHEMES, TargetConfig
 from dflash_jax.io import assets
 from dflash_jax.io.gguf import read_gguf
 from dflash_jax.io.hf import generation_eos_ids
+from dflash_jax.io.hf_config import target_from_hf
 
 # config.json fields of the targets configs/*.py name, for planning without the hub.
 KNOWN_TARGETS = {
@@ -225,13 +226,13 @@ def target_config(source: str, dtype: str) -> TargetConfig:
     if source.lower() == assets.SMOLLM2_NAME:
         path = assets.smollm2_gguf_path()
     if path.is_file() and path.suffix == ".gguf":
-        return TargetConfig.from_hf(read_gguf(path)[0], dtype=dtype)
+        return target_from_hf(read_gguf(path)[0], dtype=dtype)
     if (path / "config.json").is_file():
-        config = TargetConfig.from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
+        config = target_from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
         eos = tuple(dict.fromkeys(config.eos_token_ids + generation_eos_ids(path)))
         return dataclasses.replace(config, eos_token_ids=eos)  # as the loader reads them
     if source in KNOWN_TARGETS:
-        return TargetConfig.from_hf(KNOWN_TARGETS[source], dtype=dtype)
+        return target_from_hf(KNOWN_TARGETS[source], dtype=dtype)
     raise ValueError(
         f"target {source!r}: give an HF directory (its config.json), a .gguf file, "
         f"{assets.SMOLLM2_NAME!r} or one of {sorted(KNOWN_TARGETS)}"
@@ -325,9 +326,9 @@ def _halves(names: tuple[str, str], halves, mesh, head: tuple, inputs: tuple, st
 
 def decode_settings(tcfg, decode) -> dict:
     """What a decode program was built with, for `infer.lower`'s lines: block size, adaptive
-    step kinds (`config.kind_label`), tree size, stop tokens, the row rule (None: not
+    step kinds (`decoding.settings.kind_label`), tree size, stop tokens, the row rule (None: not
     batch-invariant), dtype."""
-    from dflash_jax.config import kind_label
+    from dflash_jax.decoding.settings import kind_label
 
     kinds = [kind_label(k) for k in decode.all_kinds] if decode.adaptive else []
     return {

@@ -24,9 +24,9 @@ from absl import app, flags
 from tqdm import tqdm
 
 from dflash_jax import api
-from dflash_jax.config import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.decoding import breakdown, calibration, programs
 from dflash_jax.decoding.lookup import prompt_lookup_taus
+from dflash_jax.decoding.settings import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.io import jsonl, load_target
 from dflash_jax.ops import invariance
 from infer import cli, common, report

@@ -13,7 +13,8 @@ from absl import app, flags, logging
 
 from dflash_jax import api
 from dflash_jax.api import DEFAULT_LOOKUP_KINDS
-from dflash_jax.config import ATTENTION_IMPLS, ConfigError, DecodeConfig
+from dflash_jax.config import ATTENTION_IMPLS, ConfigError
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops.invariance import served_row_tile
 from infer import distributed as distributed
 from infer.logs import quiet_library_logs as quiet_library_logs

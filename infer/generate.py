@@ -20,8 +20,8 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import kind_label
 from dflash_jax.decoding import calibration, programs, runner
+from dflash_jax.decoding.settings import kind_label
 from infer import cli, common, report
 
 FLAGS = flags.FLAGS

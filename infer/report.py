@@ -19,7 +19,7 @@ def emit_json(result: dict, output: str | None) -> None:
 
 
 def kind_words(label: str) -> str:
-    """A step kind's label (`config.kind_label`: "1", "8", "-8", "tree16") in words: "plain",
+    """A step kind's label (`settings.kind_label`: "1", "8", "-8", "tree16") in words: "plain",
     "block 8", "copy 8" (a block copied by prompt lookup), "tree 16"."""
     if label == "1":
         return "plain"

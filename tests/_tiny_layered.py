@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -23,6 +25,9 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.models.drafter import init_drafter_params
 
 torch.set_num_threads(1)
 
@@ -110,3 +115,25 @@ def make_tiny_multimodal(tmp_path, text_dir: Path) -> Path:
 
 def load_torch(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tiny_drafter(target, block_size=4):
+    """A 1-layer random drafter over a loaded layered target, tapping layers 0 and 2, that
+    always proposes token 0 -> (config, params)."""
+    c = target.config
+    dcfg = DrafterConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=c.vocab_size,
+        mask_token_id=c.vocab_size - 1,
+        target_layer_ids=(0, 2),  # a linear-attention layer's output and a full one's
+        num_target_layers=c.num_layers,
+        block_size=block_size,
+    )
+    dp = init_drafter_params(dcfg, jax.random.key(1))
+    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always proposes token 0
+    return dcfg, dp

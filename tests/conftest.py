@@ -70,3 +70,61 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     line = getattr(config, "_dflash_budget_line", None)
     if line:
         terminalreporter.write_line(line, red="OVER" in line, bold=True)
+
+
+# --- fixtures shared by several test modules (their helpers: tests/_*.py) ----------------------
+# Imports inside the fixtures: a run that needs none of them (tests/test_docs.py) starts no JAX.
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    """tests/_training.py's TINY_TARGET with random params, loaded by the trainer whatever its
+    config names (`trainer.load_target` replaced for the test)."""
+    import jax
+    from _training import TINY_TARGET
+
+    from dflash_jax.io.target_loader import LoadedTarget
+    from dflash_jax.models.target import init_params
+    from dflash_jax.training import trainer
+
+    target = LoadedTarget(
+        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
+    )
+    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random Llama target with a character-level ChatML tokenizer (the data-generation
+    tests' target); a module's own `target` fixture overrides it."""
+    import jax
+    from _chat_tokenizer import CHATML, char_tokenizer
+
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.io.target_loader import LoadedTarget
+    from dflash_jax.models.target import init_params
+
+    tokenizer = char_tokenizer()
+    config = TargetConfig(
+        arch="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_ids=(2,),
+    )
+    params = init_params(config, jax.random.key(0))
+    return LoadedTarget(config, params, tokenizer, CHATML, "tiny")
+
+
+@pytest.fixture(scope="module")
+def chat(target):
+    """The `target` fixture's chat format (training.generate.ChatFormat)."""
+    from dflash_jax.training.generate import ChatFormat
+
+    return ChatFormat(target.tokenizer, target.chat_template)

@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import LENS, PROMPT, make_pair, run_both
+from _decode import LENS, PROMPT, make_pair, run_both
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, init_params
 

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus
+from _training import TINY_TARGET, corpus, train_config
 
 from dflash_jax import api
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding.programs import check_prompt
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
 from dflash_jax.io.drafter_io import DEFAULT_DRAFTER
 from dflash_jax.io.target_loader import LoadedTarget
@@ -57,8 +58,8 @@ def _a_finished_run(tmp_path_factory):
     the trainer's target and step replaced for the whole module -> (config, workdir)."""
     target = LoadedTarget(TINY_TARGET, {}, None, None, "tiny")  # a stand-in step reads none
     where = tmp_path_factory.mktemp("finished")
-    _corpus(where / "data.jsonl")
-    cfg = _config(where / "data.jsonl", num_steps=4, checkpoint_every=2)
+    corpus(where / "data.jsonl")
+    cfg = train_config(where / "data.jsonl", num_steps=4, checkpoint_every=2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "load_target", lambda source, dtype: target)
         mp.setattr(trainer, "train_step", _fake_step)
@@ -112,7 +113,7 @@ def test_a_changed_data_shape_is_refused_naming_the_warm_start(finished_run):
     cfg, run, _ = finished_run
     before = _snapshot(run)
     with pytest.raises(ConfigError, match="batch_size 4 there, 2 now") as refused:
-        trainer.train(_config(cfg.data, num_steps=4, checkpoint_every=2, batch_size=2), run)
+        trainer.train(train_config(cfg.data, num_steps=4, checkpoint_every=2, batch_size=2), run)
     assert f"--config.init_from_checkpoint={run}" in str(refused.value)
     assert _snapshot(run) == before
 

@@ -14,93 +14,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _invariance import (
+    CACHE,
+    P0,
+    continue_pass,
+    logits_five_ways,
+    prefill,
+    random_tokens,
+    smollm2_config,
+)
 
-from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Transformer, init_cache, init_params
 from dflash_jax.ops.invariance import ROW_TILE, RowRule
-
-SMOLLM2_SHAPES = dict(
-    arch="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=2,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-    attention_impl="xla",
-)
-P0 = 40  # the prefix every pass continues from
-CACHE = 128
-
-
-def _config(dtype: str) -> TargetConfig:
-    return TargetConfig(**SMOLLM2_SHAPES, dtype=dtype)
 
 
 @pytest.fixture(
     scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
 )
 def target(request):
-    cfg = _config(request.param)
+    cfg = smollm2_config(request.param)
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(request.param), params)  # livelier logits
     return cfg, params, RowRule.fixed(ROW_TILE)
 
 
-@functools.cache
-def _pass(cfg):
-    return jax.jit(lambda p, t, pos, c, n: Transformer(cfg).apply({"params": p}, t, pos, c, n))
-
-
-def _forward(cfg, params, tokens_bt, positions_bt, cache, lengths_b):
-    logits, _, cache = _pass(cfg)(params, tokens_bt, positions_bt, cache, lengths_b)
-    return np.asarray(logits.astype(jnp.float32)), cache
-
-
-def _prefill(cfg, params, tokens_bp):
-    b, p = tokens_bp.shape
-    cache = init_cache(cfg, b, CACHE)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    return _forward(cfg, params, tokens_bp, positions, cache, None)
-
-
-def _continue(cfg, params, cache, tokens_bt, lengths_b):
-    """One pass of T tokens after each row's lengths[b] cached ones -> (logits [B,T,V], cache)."""
-    t = tokens_bt.shape[1]
-    positions = jnp.asarray(lengths_b)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return _forward(cfg, params, tokens_bt, positions, cache, jnp.asarray(lengths_b, jnp.int32))
-
-
-def _ways(cfg, params, tokens):
-    """The logits of positions P0 .. P0+15 of `tokens` [64] computed five ways (batch 1)."""
-    seq = jnp.asarray(tokens, jnp.int32)[None]
-    out = {"prefill": _prefill(cfg, params, seq[:, : P0 + 16])[0][0, P0:]}
-    _, cache0 = _prefill(cfg, params, seq[:, :P0])
-    steps, cache = [], cache0
-    for i in range(16):
-        logits, cache = _continue(cfg, params, cache, seq[:, P0 + i : P0 + i + 1], [P0 + i])
-        steps.append(logits[0, 0])
-    out["ar"] = np.stack(steps)
-    for t in (4, 8, 16):
-        parts, cache = [], cache0
-        for i in range(0, 16, t):
-            logits, cache = _continue(cfg, params, cache, seq[:, P0 + i : P0 + i + t], [P0 + i])
-            parts.append(logits[0])
-        out[f"verify{t}"] = np.concatenate(parts)
-    return out
-
-
-def _tokens(seed=1):
-    return np.random.default_rng(seed).integers(3, 49152, size=80)
-
-
 def test_every_pass_gives_every_position_the_same_bits(target):
     cfg, params, rule = target
     inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
-    ways = _ways(inv, params, _tokens())
+    ways = logits_five_ways(inv, params, random_tokens())
     for name, logits in ways.items():
         np.testing.assert_array_equal(logits, ways["ar"], err_msg=f"{name} vs ar ({rule})")
 
@@ -110,19 +51,21 @@ def test_a_batch_of_rows_of_different_lengths(target):
     at batch 3, give the batch-1 AR logits."""
     cfg, params, rule = target
     inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
-    toks = [_tokens(1), _tokens(2), _tokens(3)]
+    toks = [random_tokens(1), random_tokens(2), random_tokens(3)]
     lengths = np.array([P0, 57, 23], np.int32)
     prompt = np.stack([t[:57] for t in toks]).astype(np.int32)
-    _, cache = _prefill(inv, params, jnp.asarray(prompt))
+    _, cache = prefill(inv, params, jnp.asarray(prompt))
     # Re-prefill rows to their own lengths: the slots past a row's length are rewritten below.
     block = np.stack([t[n : n + 16] for t, n in zip(toks, lengths, strict=True)]).astype(np.int32)
-    verify, _ = _continue(inv, params, cache, jnp.asarray(block), lengths)
+    verify, _ = continue_pass(inv, params, cache, jnp.asarray(block), lengths)
     steps = []
     for i in range(16):
-        logits, cache = _continue(inv, params, cache, jnp.asarray(block[:, i : i + 1]), lengths + i)
+        logits, cache = continue_pass(
+            inv, params, cache, jnp.asarray(block[:, i : i + 1]), lengths + i
+        )
         steps.append(logits[:, 0])
     batch_ar = np.stack(steps, 1)
-    single = _ways(inv, params, toks[0])["ar"]
+    single = logits_five_ways(inv, params, toks[0])["ar"]
     np.testing.assert_array_equal(verify[0], single)
     np.testing.assert_array_equal(batch_ar[0], single)
     np.testing.assert_array_equal(verify, batch_ar)
@@ -151,7 +94,7 @@ def _assert_tree_nodes_get_their_ar_bits(inv, params, cache0, start):
     at start + depth, where the AR step has them). inv: the config with its row rule."""
     from dflash_jax.ops.attention import tree_attention_mask
 
-    tokens = (_tokens(4)[: len(TREE_PARENTS)] % inv.vocab_size).astype(np.int32)
+    tokens = (random_tokens(4)[: len(TREE_PARENTS)] % inv.vocab_size).astype(np.int32)
     depth = np.zeros(len(TREE_PARENTS), np.int32)
     for i in range(1, len(TREE_PARENTS)):
         depth[i] = depth[TREE_PARENTS[i]] + 1
@@ -163,7 +106,9 @@ def _assert_tree_nodes_get_their_ar_bits(inv, params, cache0, start):
     after = {}  # the cache after each node's AR step, its root path written
     for i, parent in enumerate(TREE_PARENTS):
         cache = cache0 if i == 0 else after[parent]
-        step, after[i] = _continue(inv, params, cache, tokens[None, i : i + 1], [start + depth[i]])
+        step, after[i] = continue_pass(
+            inv, params, cache, tokens[None, i : i + 1], [start + depth[i]]
+        )
         np.testing.assert_array_equal(
             tree[i], step[0, 0], err_msg=f"node {i} (depth {depth[i]}, start {start})"
         )
@@ -188,13 +133,13 @@ def test_a_tree_verify_gives_each_node_its_ar_bits(target):
     EPYC with avx512_bf16, 2026-12-04, where the tree at 40 matched)."""
     cfg, params, rule = target
     inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows))
-    prefix = jnp.asarray(_tokens(), jnp.int32)[None]
-    _, cache0 = _prefill(inv, params, prefix[:, :P0])
+    prefix = jnp.asarray(random_tokens(), jnp.int32)[None]
+    _, cache0 = prefill(inv, params, prefix[:, :P0])
     _assert_tree_nodes_get_their_ar_bits(inv, params, cache0, P0)
     start = TREE_START_PAST_A_KEY_TILE
     unscaled = jax.tree.map(lambda w: w / 4, params)
-    _, cache0 = _prefill(inv, unscaled, prefix[:, :P0])
-    _, cache0 = _continue(inv, unscaled, cache0, prefix[:, P0:start], [P0])
+    _, cache0 = prefill(inv, unscaled, prefix[:, :P0])
+    _, cache0 = continue_pass(inv, unscaled, cache0, prefix[:, P0:start], [P0])
     _assert_tree_nodes_get_their_ar_bits(inv, unscaled, cache0, start)
 
 
@@ -209,13 +154,13 @@ def test_a_bf16_tree_verify_gives_each_node_its_ar_bits():
     of 64 then used, not again since the tile's rows were capped at
     `invariance.REDUCTION_TILE`, which makes it 16 queries)."""
     rows = (ROW_TILE, ROW_TILE)
-    cfg = dataclasses.replace(_config("bfloat16"), **DECODE_SHAPES, invariant_rows=rows)
+    cfg = dataclasses.replace(smollm2_config("bfloat16"), **DECODE_SHAPES, invariant_rows=rows)
     init = jax.jit(lambda key: jax.tree.map(lambda w: w.astype("bfloat16"), init_params(cfg, key)))
     params = init(jax.random.key(0))
-    prefix = (_tokens() % cfg.vocab_size).astype(np.int32)[None]
+    prefix = (random_tokens() % cfg.vocab_size).astype(np.int32)[None]
     cache = init_cache(cfg, 1, CACHE)
     for at in range(TREE_START_PAST_A_KEY_TILE):
-        _, cache = _continue(cfg, params, cache, prefix[:, at : at + 1], [at])
+        _, cache = continue_pass(cfg, params, cache, prefix[:, at : at + 1], [at])
     _assert_tree_nodes_get_their_ar_bits(cfg, params, cache, TREE_START_PAST_A_KEY_TILE)
 
 
@@ -225,7 +170,7 @@ def test_the_check_fails_without_the_padding(target):
     cfg, params, rule = target
     assert rule.min_rows > 1, f"the rule pads nothing: {rule}"
     unpadded = dataclasses.replace(cfg, invariant_rows=(1, rule.max_rows))
-    ways = _ways(unpadded, params, _tokens())
+    ways = logits_five_ways(unpadded, params, random_tokens())
     assert not np.array_equal(ways["ar"], ways["verify16"])
 
 
@@ -254,18 +199,18 @@ def test_decodes_run_one_fixed_tile_on_every_platform(monkeypatch):
     probed or cached per machine (issue 40, item 6). On the code before it was this machine's
     probed range ([3, 128] in bf16 on an Intel Xeon with AMX), and for another platform a
     ConfigError. A MoE or hybrid target runs without it."""
-    from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import programs
+    from dflash_jax.decoding.settings import DecodeConfig
     from dflash_jax.ops import invariance
     from dflash_jax.ops import platform as ops_platform
 
-    cfg = _config("bfloat16")
+    cfg = smollm2_config("bfloat16")
     on = DecodeConfig(batch_invariant=True)
     assert programs.run_target_config(cfg, on).invariant_rows == (ROW_TILE, ROW_TILE)
     wide = dataclasses.replace(on, row_tile=128)
     assert programs.run_target_config(cfg, wide).invariant_rows == (128, 128)
     assert programs.run_target_config(cfg, DecodeConfig()).invariant_rows == (32, 32)  # bf16
-    fp32 = _config("float32")
+    fp32 = smollm2_config("float32")
     assert programs.run_target_config(fp32, DecodeConfig()).invariant_rows is None
     for platform in ("tpu", "cuda"):
         monkeypatch.setattr(ops_platform, "current", lambda p=platform: p)
@@ -317,7 +262,7 @@ def _decode_pair(dtype: str):
     from dflash_jax.config import DrafterConfig
     from dflash_jax.models.drafter import init_drafter_params
 
-    cfg = dataclasses.replace(_config(dtype), **DECODE_SHAPES)
+    cfg = dataclasses.replace(smollm2_config(dtype), **DECODE_SHAPES)
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(dtype), params)
     # Token 0's (tied) embedding row x5: the target emits 0 at ~1 position in 4 (runs and
@@ -379,8 +324,10 @@ def _greedy_equals_ar(
     own greedy tokens, row for row, under the default invariance (on in bf16). control: also
     decode block 16 with `batch_invariant=False` and require a row that differs from the
     (equally non-invariant) AR decode, i.e. show that without the row rule the check fails."""
-    from dflash_jax.config import DecodeConfig, tree_kind
+    from _decode import assert_greedy_equals_ar
+
     from dflash_jax.decoding import autoregressive_decode, speculative_decode
+    from dflash_jax.decoding.settings import DecodeConfig, tree_kind
 
     cfg, params, dcfg, dp = _decode_pair(dtype)
     if branching:
@@ -396,15 +343,12 @@ def _greedy_equals_ar(
         max_new_tokens=max_new_tokens, block_size=16, batch_invariant=batch_invariant
     )
     ar = autoregressive_decode(params, prompt, lengths, key, target_config=cfg, decode_config=base)
+    ar = jax.tree.map(np.asarray, ar)
     multi = 0
     for mode in modes:
-        dcfg_mode = dataclasses.replace(base, **mode)
-        sp = speculative_decode(
-            params, dp, prompt, lengths, key,
-            target_config=cfg, drafter_config=dcfg, decode_config=dcfg_mode,
-        )  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens), str(mode))
-        np.testing.assert_array_equal(np.asarray(sp.lengths), np.asarray(ar.lengths), str(mode))
+        ar, sp = assert_greedy_equals_ar(
+            cfg, params, dcfg, dp, dataclasses.replace(base, **mode), prompt, lengths, ar=ar
+        )
         multi += int((np.asarray(sp.acceptance_lengths) > 1).sum())
         if mode.get("tree_nodes"):  # the tree is verified, not only compiled
             ran = np.asarray(sp.acceptance_lengths) > 0
@@ -514,9 +458,9 @@ def test_a_small_step_tile_with_a_wide_prefill_is_lossless_in_bf16():
     prefills at a wider tile (`invariance.prefill_rows`: the buffer's width, up to
     MAX_ROW_TILE), which the target alone and DFlash share: greedy speculative decoding equals
     the target alone token for token (tiny random pair, block 4, some drafts accepted)."""
-    from _decode_check import assert_greedy_speculative_equals_ar
+    from _decode import assert_greedy_speculative_equals_ar
 
-    from dflash_jax.config import DrafterConfig
+    from dflash_jax.config import DrafterConfig, TargetConfig
     from dflash_jax.ops.invariance import MAX_ROW_TILE, prefill_rows
 
     assert prefill_rows((4, 4), 8192) == (MAX_ROW_TILE, MAX_ROW_TILE)

@@ -5,11 +5,11 @@ import types
 
 import numpy as np
 import pytest
-from test_decoding import make_pair
+from _decode import make_pair
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import breakdown
 from dflash_jax.decoding.lookup import prompt_lookup_taus
+from dflash_jax.decoding.settings import DecodeConfig
 
 
 def test_prompt_lookup_copies_what_came_after_the_last_match():

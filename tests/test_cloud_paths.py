@@ -11,9 +11,8 @@ import jax
 import numpy as np
 import pytest
 from _fake_gcs import fake_gcs
+from _training import TINY_TARGET, Killed, corpus, train_config
 from etils import epath
-from test_generate_data import chat, target  # noqa: F401
-from test_training import TINY_TARGET, _config, _corpus, _Killed, tiny_target  # noqa: F401
 
 from dflash_jax.io import paths, target_loader
 from dflash_jax.io.drafter_io import read_drafter, save_drafter
@@ -63,9 +62,9 @@ def _metrics(bucket) -> list[int]:
 
 
 @pytest.mark.slow  # resume: test_training*; gs:// paths: the other tests here
-def test_train_stop_resume_on_gcs(bucket, tiny_target, monkeypatch):  # noqa: F811
-    _corpus("gs://bucket/data/data-00000.jsonl")
-    cfg = _config("gs://bucket/data", num_steps=6, checkpoint_every=3, taps="cached")
+def test_train_stop_resume_on_gcs(bucket, tiny_target, monkeypatch):
+    corpus("gs://bucket/data/data-00000.jsonl")
+    cfg = train_config("gs://bucket/data", num_steps=6, checkpoint_every=3, taps="cached")
     save = checkpoint.save_checkpoint
 
     def save_and_wait(manager, *args):  # the kill below comes after the save is complete
@@ -78,11 +77,11 @@ def test_train_stop_resume_on_gcs(bucket, tiny_target, monkeypatch):  # noqa: F8
     def step(*args, **kwargs):
         calls.append(1)
         if len(calls) == 5:  # after the checkpoint at 3 and the log line of 4
-            raise _Killed()
+            raise Killed()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", step)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         trainer.train(cfg, "gs://bucket/run")
     assert bucket.leaked() == []
     assert _metrics(bucket) == [1, 2, 3, 4]
@@ -110,7 +109,7 @@ def test_train_stop_resume_on_gcs(bucket, tiny_target, monkeypatch):  # noqa: F8
 
 
 def test_drafter_export_and_load_on_gcs(bucket):
-    config = trainer.drafter_config_for(_config("unused.jsonl"), TINY_TARGET)
+    config = trainer.drafter_config_for(train_config("unused.jsonl"), TINY_TARGET)
     first = init_drafter_params(config, jax.random.key(0))
     second = jax.tree.map(lambda x: x + 1, first)
     for params in (first, second):  # the second export replaces the first
@@ -143,7 +142,7 @@ def test_shards_on_gcs_round_trip(bucket):
     assert bucket.leaked() == []
 
 
-def test_generated_data_on_gcs_resumes(bucket, target, chat):  # noqa: F811
+def test_generated_data_on_gcs_resumes(bucket, target, chat):
     prompts = [Prompt(t, "test") for t in ("hello", "write a poem", "abc")]
     settings = dict(fmt="jsonl", batch_size=2, max_new_tokens=4, min_loss_tokens=1, bucket=128)
     counts = generate_records(target, chat, prompts[:2], "gs://bucket/data", **settings)
@@ -174,7 +173,7 @@ def test_move_on_gcs(bucket):
 
 
 def test_zlab_drafter_and_target_from_gcs_are_read_from_a_local_copy(bucket, monkeypatch):
-    config = trainer.drafter_config_for(_config("unused.jsonl"), TINY_TARGET)
+    config = trainer.drafter_config_for(train_config("unused.jsonl"), TINY_TARGET)
     params = init_drafter_params(config, jax.random.key(0))
     write_zlab("gs://bucket/zlab", config, params, dtype="float32")
     assert sorted(os.listdir(bucket.disk / "zlab")) == ["config.json", "model.safetensors"]

@@ -17,9 +17,9 @@ _RUN = textwrap.dedent(
     import jax
     import numpy as np
     from dflash_jax import api
-    from dflash_jax.config import DecodeConfig
+    from dflash_jax.decoding.settings import DecodeConfig
     from dflash_jax.decoding import programs
-    from test_decoding import LENS, PROMPT, make_pair
+    from _decode import LENS, PROMPT, make_pair
 
     programs.enable_persistent_cache(sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

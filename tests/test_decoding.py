@@ -1,4 +1,5 @@
-"""speculative_decode vs autoregressive_decode on tiny random models (fp32, CPU).
+"""speculative_decode vs autoregressive_decode on tiny random models (fp32, CPU), on
+`tests/_decode.py`'s pair.
 
 The drafter's final norm is zeroed so it always proposes token 0, and the target's lm_head
 column 0 is amplified so the target emits 0 about half the time: acceptance lengths then vary
@@ -6,71 +7,22 @@ between 1 and the block size, which exercises partial acceptance, the bonus toke
 accepted blocks and the max_new_tokens cap.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decode import (
+    LENS,
+    PROMPT,
+    assert_greedy_equals_ar,
+    make_pair,
+    run_both,
+    two_token_tv,
+)
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
-from dflash_jax.models.drafter import init_drafter_params
-from dflash_jax.models.target import Transformer, init_params
-
-
-@functools.cache
-def _cached_pair(arch, vocab, zero_boost, seed, block_size, kv_heads):
-    tcfg = TargetConfig(
-        arch=arch,
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=kv_heads,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    dcfg = DrafterConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=vocab,
-        mask_token_id=vocab - 1,
-        target_layer_ids=(1, 2),
-        num_target_layers=4,
-        block_size=block_size,
-    )
-    tp = init_params(tcfg, jax.random.key(seed))
-    tp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, tp)
-    tp["lm_head"]["kernel"] = tp["lm_head"]["kernel"].at[:, 0].mul(zero_boost)
-    dp = init_drafter_params(dcfg, jax.random.key(seed + 1))
-    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])
-    return tcfg, tp, dcfg, dp
-
-
-def make_pair(arch="qwen3", vocab=64, zero_boost=6.0, seed=0, block_size=8, kv_heads=2):
-    """(target config, params, drafter config, params); fresh dicts over cached arrays."""
-    tcfg, tp, dcfg, dp = _cached_pair(arch, vocab, zero_boost, seed, block_size, kv_heads)
-    copy = lambda t: jax.tree.map(lambda x: x, t)
-    return tcfg, copy(tp), dcfg, copy(dp)
-
-
-PROMPT = np.array([[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0]], np.int32)
-LENS = np.array([7, 3, 5], np.int32)
-
-
-def run_both(tcfg, tp, dcfg, dp, cfg, prompt=PROMPT, lens=LENS, seed=0):
-    key = jax.random.key(seed)
-    ar = autoregressive_decode(tp, prompt, lens, key, target_config=tcfg, decode_config=cfg)
-    sp = speculative_decode(
-        tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg
-    )
-    return jax.tree.map(np.asarray, ar), jax.tree.map(np.asarray, sp)
+from dflash_jax.decoding.settings import DecodeConfig
 
 
 @pytest.mark.parametrize(
@@ -85,9 +37,7 @@ def run_both(tcfg, tp, dcfg, dp, cfg, prompt=PROMPT, lens=LENS, seed=0):
 def test_greedy_speculative_equals_autoregressive(arch, block_size):
     tcfg, tp, dcfg, dp = make_pair(arch)
     cfg = DecodeConfig(max_new_tokens=24, block_size=block_size)
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     assert (sp.lengths == 24).all()
     acc = sp.acceptance_lengths
     # Acceptance really varies: some steps accept drafts, and each row needs fewer steps.
@@ -131,9 +81,7 @@ def test_stop_token_inside_accepted_block():
     assert found, "test setup produced no multi-token step with a fresh token"
     row, stop, where = found
     cfg = DecodeConfig(max_new_tokens=24, block_size=8, stop_token_ids=(stop,))
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     assert sp.lengths[row] == where + 1 and sp.tokens[row, where] == stop
     assert (sp.tokens[row, where + 1 :] == 0).all()
 
@@ -181,31 +129,6 @@ def test_classic_and_typed_keys_give_the_same_tokens(temperature):
         np.testing.assert_array_equal(outs["classic"][0], outs["classic"][1])
     with pytest.raises(ConfigError, match=r"jax\.random\.key\(seed\)"):
         autoregressive_decode(tp, PROMPT, LENS, 3, **kw)
-
-
-def _exact_two_token_distribution(tcfg, tp, prompt, temperature):
-    """p(t1, t2 | prompt) for the whole tiny vocabulary, from full target forwards."""
-    v = tcfg.vocab_size
-    model = Transformer(tcfg)
-    n = len(prompt)
-    seqs = np.array([list(prompt) + [t1] for t1 in range(v)], np.int32)
-    pos = np.broadcast_to(np.arange(n + 1), seqs.shape)
-    logits = np.asarray(model.apply({"params": tp}, seqs, pos)[0], np.float64) / temperature
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    p1 = np.exp(logp[0, n - 1])
-    p2_given_1 = np.exp(logp[:, n])
-    return p1[:, None] * p2_given_1
-
-
-def two_token_tv(tcfg, tp, prompt, temperature, tokens) -> float:
-    """Total variation between the empirical joint law of `tokens[:, :2]` (one sample per row)
-    and the target's exact law of the first two tokens after `prompt`."""
-    toks = np.asarray(tokens)
-    v = tcfg.vocab_size
-    emp = np.zeros((v, v))
-    np.add.at(emp, (toks[:, 0], toks[:, 1]), 1)
-    exact = _exact_two_token_distribution(tcfg, tp, prompt, temperature)
-    return 0.5 * np.abs(emp / toks.shape[0] - exact).sum()
 
 
 @pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -320,6 +243,29 @@ def test_bad_input_is_refused():
             drafter_config=wrong,
             decode_config=DecodeConfig(block_size=8),
         )
+
+
+def test_the_rejection_rule_gives_the_targets_law_and_a_broken_one_is_caught():
+    """The cheapest form of test_sampling_is_lossless's broken-rule control, in the default
+    suite: 4,000 one-draft steps (the rows of one call) with drafts from q; the first
+    committed token follows the target's p under `accept_rejection` (total variation < 0.05)
+    and q under a rule that accepts every draft (TV(p, q) = 0.4)."""
+    n = 4000
+    p = np.array([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
+    q = np.array([0.05, 0.05, 0.1, 0.1, 0.3, 0.4])
+    k_draft, k_rule = jax.random.split(jax.random.key(0))
+    drafts = jax.random.categorical(k_draft, jnp.log(q), shape=(n, 1)).astype(jnp.int32)
+    draft_logp = jnp.broadcast_to(jnp.log(q), (n, 1, len(p)))
+    target_logits = jnp.broadcast_to(jnp.log(p), (n, 2, len(p)))
+    cfg = DecodeConfig(temperature=1.0)
+
+    def tv(first):
+        return 0.5 * np.abs(np.bincount(np.asarray(first), minlength=len(p)) / n - p).sum()
+
+    rule = jax.jit(sampling.accept_rejection, static_argnums=4)  # one program, not op by op
+    _, committed = rule(drafts, draft_logp, target_logits, k_rule, cfg)
+    assert tv(committed[:, 0]) < 0.05  # sampling noise ~0.0125 at n = 4000
+    assert tv(drafts[:, 0]) > 0.35  # what a rule that accepts every draft commits first
 
 
 def test_greedy_acceptance_on_hand_built_drafts():

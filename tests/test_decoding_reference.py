@@ -17,8 +17,8 @@ import torch
 from _reference import load_reference_pair, make_reference_pair
 from dflash.model import dflash_generate
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _decode import make_pair, two_token_tv
 from _reference import (
     MASK_TOKEN_ID,
     VOCAB_SIZE,
@@ -26,15 +27,16 @@ from _reference import (
     reference_draft_logits,
     reference_taps,
 )
+from _training import corpus, train_config
 from dflash.model import DFlash2DraftModel, _output_head, dflash_generate
 from safetensors.numpy import load_file, save_file
-from test_decoding import make_pair, two_token_tv
-from test_training import _config, _corpus, tiny_target  # noqa: F401 (a fixture)
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, breakdown, selector, speculative_decode
 from dflash_jax.decoding.programs import check_decode_inputs
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
+from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.drafter_io import load_drafter, restore_drafter, save_drafter
 from dflash_jax.io.zlab import read_zlab, write_zlab
 from dflash_jax.models.dflash2 import CandidateSelector
@@ -92,7 +94,7 @@ def test_config_and_params_come_from_dflash_config(pair):
     hf = json.loads((drafter_dir / "config.json").read_text())
     del hf["dflash_config"]["selector_rank"]
     with pytest.raises(ConfigError, match="selector_rank"):
-        type(c).from_zlab(hf)
+        drafter_from_zlab(hf)
 
 
 @pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])
@@ -352,11 +354,11 @@ def test_breakdown_names_the_selector_phase():
 
 
 @pytest.mark.slow
-def test_a_few_train_steps_reduce_both_losses(tmp_path, tiny_target):  # noqa: F811
+def test_a_few_train_steps_reduce_both_losses(tmp_path, tiny_target):
     """The trainer on a DFlash2 drafter: block CE and selector CE both fall on a tiny corpus,
     and the exported drafter is a DFlash2 one."""
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=16, checkpoint_every=16)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", num_steps=16, checkpoint_every=16)
     cfg.drafter.update(DFLASH2 | {"conv_group_size": 8})
     last = trainer.train(cfg, tmp_path / "run")
     lines = (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
@@ -374,16 +376,16 @@ def test_a_few_train_steps_reduce_both_losses(tmp_path, tiny_target):  # noqa: F
 
 
 @pytest.mark.slow
-def test_a_dflash2_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):  # noqa: F811
+def test_a_dflash2_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):
     """init_from a DFlash drafter: its params are kept, the DFlash2 parts start as initialised,
     so the first step's block CE is the DFlash drafter's own on the same batch."""
-    _corpus(tmp_path / "data.jsonl")
-    first = _config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
+    corpus(tmp_path / "data.jsonl")
+    first = train_config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
     trainer.train(first, tmp_path / "dflash")
     exported = tmp_path / "dflash" / "drafter"
     runs = {}
     for name, extra in (("dflash", {}), ("dflash2", DFLASH2 | {"conv_group_size": 8})):
-        cfg = _config(tmp_path / "data.jsonl", num_steps=1, init_from=str(exported))
+        cfg = train_config(tmp_path / "data.jsonl", num_steps=1, init_from=str(exported))
         cfg.drafter.update(extra)
         trainer.train(cfg, tmp_path / f"warm_{name}")
         lines = (tmp_path / f"warm_{name}" / trainer.METRICS_FILE).read_text().splitlines()
@@ -392,7 +394,7 @@ def test_a_dflash2_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):
     np.testing.assert_allclose(block_ce, runs["dflash"]["loss"], rtol=1e-5)
     assert runs["dflash2"]["accuracy"] == runs["dflash"]["accuracy"]
     # Not a fresh DFlash2 drafter: that one starts far worse.
-    fresh = _config(tmp_path / "data.jsonl", num_steps=1)
+    fresh = train_config(tmp_path / "data.jsonl", num_steps=1)
     fresh.drafter.update(DFLASH2 | {"conv_group_size": 8})
     trainer.train(fresh, tmp_path / "fresh_dflash2")
     lines = (tmp_path / "fresh_dflash2" / trainer.METRICS_FILE).read_text().splitlines()
@@ -409,7 +411,7 @@ def test_smollm2_dflash2_config_builds_a_drafter_that_fits():
     assert drafter.is_dflash2 and drafter.conv_group_size == 64 and drafter.selector_top_k == 8
     shapes = jax.eval_shape(lambda: init_drafter_params(drafter, jax.random.key(0)))
     assert shapes["candidate_selector"]["hidden_projection"]["kernel"].shape == (576, 32)
-    assert DrafterConfig.from_zlab(drafter.to_zlab()) == drafter
+    assert drafter_from_zlab(drafter_to_zlab(drafter)) == drafter
 
 
 def test_trees_are_refused_naming_the_way_out():

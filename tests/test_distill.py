@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus, tiny_target  # noqa: F401 (a fixture)
+from _training import TINY_TARGET, corpus, train_config
 
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, init_params
@@ -104,7 +104,7 @@ def test_the_teacher_sits_at_each_labels_position_and_weight_0_is_the_plain_loss
     """Slot k of the block at anchor a is labelled x_{a+k}: its teacher is the target's
     distribution at position a+k-1 (its full forward's logits there). Over the full vocabulary
     with weight 0 the loss is the plain one; with weight 1 it is the soft CE alone."""
-    cfg = _config(tmp_path / "x")
+    cfg = train_config(tmp_path / "x")
     dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
     tparams = init_params(TINY_TARGET, jax.random.key(1))
     params = init_drafter_params(dcfg, jax.random.key(2))
@@ -152,17 +152,17 @@ def test_the_teacher_sits_at_each_labels_position_and_weight_0_is_the_plain_loss
 
 def test_bad_distillation_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="needs config.taps='online'"):
-        trainer.check_config(_config(tmp_path / "d", distill_top_k=4, taps="cached"))
+        trainer.check_config(train_config(tmp_path / "d", distill_top_k=4, taps="cached"))
     with pytest.raises(ValueError, match="distill_weight must be in"):
-        trainer.check_config(_config(tmp_path / "d", distill_top_k=4, distill_weight=1.5))
+        trainer.check_config(train_config(tmp_path / "d", distill_top_k=4, distill_weight=1.5))
     with pytest.raises(ValueError, match="distill_top_k must be >= 0"):
-        trainer.check_config(_config(tmp_path / "d", distill_top_k=-1))
+        trainer.check_config(train_config(tmp_path / "d", distill_top_k=-1))
 
 
 @pytest.mark.slow
-def test_a_distilled_run_learns_under_a_sampled_softmax(tmp_path, tiny_target):  # noqa: F811
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(
+def test_a_distilled_run_learns_under_a_sampled_softmax(tmp_path, tiny_target):
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(
         tmp_path / "data.jsonl", num_steps=40, vocab_negatives=16, distill_top_k=4,
         distill_weight=0.5,
     )  # fmt: skip

@@ -131,3 +131,28 @@ def test_the_checks_catch_each_fault(tmp_path):
         "results/new.json (not listed in results/README.md)",
         "results/removed.png (listed in results/README.md, no such file)",
     ]
+
+
+def _unnamed_modules(root: Path) -> list[str]:
+    """The modules of dflash_jax/, infer/ and train/ that docs/development.md's layout (the
+    section up to the next heading) does not name."""
+    text = (root / "docs" / "development.md").read_text()
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"\w+", layout))
+    return [
+        str(p.relative_to(root))
+        for top in ("dflash_jax", "infer", "train")
+        for p in sorted((root / top).rglob("*.py"))
+        if p.stem != "__init__" and p.stem not in named
+    ]
+
+
+def test_the_layout_names_every_module(tmp_path):
+    """Every module is named in docs/development.md's layout; a new one that is not fails."""
+    assert _unnamed_modules(ROOT) == [], "name them in docs/development.md's Layout"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "development.md").write_text("## Layout\n\nconfig\n\n## Next\nzz\n")
+    (tmp_path / "dflash_jax").mkdir()
+    for name in ("config", "zz", "__init__"):
+        (tmp_path / "dflash_jax" / f"{name}.py").write_text("")
+    assert _unnamed_modules(tmp_path) == ["dflash_jax/zz.py"]

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive, speculative
 from dflash_jax.decoding.programs import run_target_config, step_limit_array
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import init_params
 

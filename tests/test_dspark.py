@@ -18,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _reference import make_reference_pair
-from test_speculators import SPECULATORS_PYTHON, _assert_same_params, _run_reference
+from _speculators_run import SPECULATORS_PYTHON, assert_same_params, run_reference
 
 import dflash_jax as dj
-from dflash_jax.config import DSPARK_FIELDS, ConfigError, DecodeConfig, DrafterConfig
+from dflash_jax.config import DSPARK_FIELDS, ConfigError, DrafterConfig
 from dflash_jax.decoding.programs import check_decode_inputs
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
+from dflash_jax.io.drafter_config import drafter_from_zlab
 from dflash_jax.io.drafter_io import read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.speculators import read_speculators, write_speculators, zlab_config
 from dflash_jax.io.zlab import read_zlab, write_zlab
@@ -119,11 +121,11 @@ def test_dspark_round_trips_and_refusals(pair, tmp_path):
         assert drafts == (4 if dcfg.sample_from_anchor else 3)
         back_config, back = read_speculators(tmp_path / name)
         assert back_config == dcfg, name
-        _assert_same_params(back, dparams)
+        assert_same_params(back, dparams)
     save_drafter(tmp_path / "orbax", dcfg, dparams)
     restored = restore_drafter(tmp_path / "orbax")
     assert restored.config == dcfg
-    _assert_same_params(restored.params, dparams)
+    assert_same_params(restored.params, dparams)
 
     bare = {k: v for k, v in hf.items() if k not in DSPARK_FIELDS}
     (tmp_path / "rnn" / "config.json").write_text(json.dumps(bare))
@@ -132,7 +134,7 @@ def test_dspark_round_trips_and_refusals(pair, tmp_path):
     defaults = dataclasses.replace(
         dcfg, markov_rank=256, markov_head_type="vanilla", sample_from_anchor=True
     )
-    assert DrafterConfig.from_zlab(zlab_config(bare, "x")) == defaults
+    assert drafter_from_zlab(zlab_config(bare, "x")) == defaults
 
     with pytest.raises(ConfigError, match="DSpark drafter .* export it with --format=speculators"):
         write_zlab(tmp_path / "zlab", dcfg, dparams)
@@ -161,7 +163,7 @@ def test_the_reference_dspark_drafts_our_exports_logits_and_confidence(pair, tmp
     target = dj.load_target(str(target_dir), cache=False)
     config, params = read_zlab(zlab_dir)
     exports = {name: _dspark(config, params, name, scale=0.3) for name in VARIANTS}
-    run = _run_reference(target_dir, target, exports, tmp_path)
+    run = run_reference(target_dir, target, exports, tmp_path)
     tokens = jnp.asarray(run.tokens[None, run.anchor : run.anchor + 4], jnp.int32)
 
     def ours(config, params):

@@ -21,14 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import LENS, PROMPT, make_pair, run_both, two_token_tv
+from _decode import LENS, PROMPT, assert_greedy_equals_ar, dspark_pair, two_token_tv
 
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import markov, phases, sampling, speculative_decode
 from dflash_jax.decoding.cut import cut_widths
 from dflash_jax.decoding.programs import check_decode_inputs
 from dflash_jax.decoding.sampling import process_logits
-from dflash_jax.models import dspark
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import dspark_draft_logits
 from dflash_jax.models.target import decoding_head
 
@@ -39,38 +39,6 @@ VARIANTS = [("vanilla", True, 0), ("gated", False, 0), ("rnn", True, 0), ("rnn",
 # the anchor over a draft vocabulary; the walk: rnn from the anchor (the recurrent state across
 # slots).
 DEFAULT_VARIANT = ("rnn", False, 30)
-
-
-def dspark_pair(
-    kind, from_anchor, draft_vocab=0, vocab=64, scale=1.0, seed=0, zero_boost=6.0, zeros=False
-):
-    """test_decoding's tiny pair (block 8) as a DSpark drafter: Markov rank 8 of head `kind`,
-    every head weight ~ N(0, scale) so the bias moves the drafts; the drafter's final norm at
-    0.5 (not zero) so its slots differ; a draft vocabulary of every other id (and id 0).
-    zeros: the final norm zero as test_decoding's (base logits 0) and a Markov bias that
-    favours token 0 (z > 0, column 0 of markov_w2 raised), so drafts are often the target's
-    frequent 0 and get accepted, but not always."""
-    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=zero_boost, seed=seed)
-    dcfg = dataclasses.replace(
-        dcfg, markov_rank=8, markov_head_type=kind, sample_from_anchor=from_anchor,
-        enable_confidence_head=True, confidence_head_with_markov=True,
-        draft_vocab_size=draft_vocab,
-    )  # fmt: skip
-    keys = iter(jax.random.split(jax.random.key(seed + 5), 16))
-    heads = dspark.init_dspark_params(dcfg, jax.random.key(seed + 2))
-    dp = {**dp, **jax.tree.map(lambda w: scale * jax.random.normal(next(keys), w.shape), heads)}
-    dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.0 if zeros else 0.5)
-    if zeros:
-        head = dp["markov_head"]
-        head["markov_w1"]["embedding"] = jnp.abs(head["markov_w1"]["embedding"])
-        head["markov_w2"]["kernel"] = head["markov_w2"]["kernel"].at[:, 0].add(1.5)
-        if kind == "rnn":  # o, the output's pre-tanh, positive
-            head["joint_proj"]["bias"] = head["joint_proj"]["bias"].at[16:].add(3.0)
-    if draft_vocab:
-        ids = np.arange(0, 2 * draft_vocab, 2, dtype=np.int32)
-        kernel = 0.3 * jax.random.normal(next(keys), (dcfg.hidden_size, draft_vocab))
-        dp |= {"draft_to_target": jnp.asarray(ids), "lm_head": {"kernel": kernel}}
-    return tcfg, tp, dcfg, dp
 
 
 @pytest.mark.parametrize(
@@ -86,9 +54,7 @@ def test_greedy_dspark_decoding_equals_autoregressive(kind, from_anchor, draft_v
     anchor's slot alone)."""
     tcfg, tp, dcfg, dp = dspark_pair(kind, from_anchor, draft_vocab, zeros=True)
     cfg = DecodeConfig(max_new_tokens=20, block_size=block_size)
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     acc = sp.acceptance_lengths
     assert (
         acc.max() == block_size and (acc[acc > 0] < block_size).any()
@@ -110,9 +76,7 @@ def test_adaptive_dspark_decoding_equals_autoregressive(from_anchor):
         lookup_kinds=(4,),
         adaptive_prior=0.9,
     )
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     kinds = set(np.unique(sp.block_sizes).tolist())
     assert {-4, 1, 8} <= kinds and sp.acceptance_lengths.max() > 1, kinds
 
@@ -131,9 +95,7 @@ def test_greedy_dspark_decoding_with_a_confidence_cut_equals_autoregressive():
     tcfg, tp, dcfg, dp = dspark_pair(*DEFAULT_VARIANT, zeros=True)
     dp = with_confidence(dp, 1.0, -2.0)
     cfg = DecodeConfig(max_new_tokens=20, block_size=8, confidence_cut=0.5)
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     ran = sp.block_sizes[sp.block_sizes > 0]
     assert set(ran.tolist()) <= set(cut_widths(8)) and len(set(ran.tolist())) >= 2, ran
     steps = sp.block_sizes > 0
@@ -303,10 +265,9 @@ def test_dspark_decoding_refusals_and_block_width():
 
 _MESH_CHECK = """
 import json, jax, numpy as np
-from test_dspark_decoding import dspark_pair
-from test_decoding import LENS, PROMPT
+from _decode import LENS, PROMPT, dspark_pair
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding import speculative_decode
 assert jax.device_count() == 8, jax.devices()
 tcfg, tp, dcfg, dp = dspark_pair("rnn", True, zeros=True)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus, _losses, tiny_target  # noqa: F401
+from _training import corpus, logged_losses, train_config
 
 from dflash_jax.config import ConfigError
 from dflash_jax.io.drafter_io import restore_drafter
@@ -34,7 +34,7 @@ HEADS = {
 
 
 def _dspark_cfg(data_path, heads, **overrides):
-    cfg = _config(data_path, **overrides)
+    cfg = train_config(data_path, **overrides)
     cfg.drafter.update(heads)
     return cfg
 
@@ -42,7 +42,7 @@ def _dspark_cfg(data_path, heads, **overrides):
 def _setup(tmp_path, target, heads, seed=3):
     """A tiny DSpark drafter with random params (heads scaled up so the bias matters) and one
     training batch of the test corpus."""
-    _corpus(tmp_path / "data.jsonl")
+    corpus(tmp_path / "data.jsonl")
     cfg = _dspark_cfg(tmp_path / "data.jsonl", heads)
     config = trainer.drafter_config_for(cfg, target.config)
     from dflash_jax.models.drafter import init_drafter_params
@@ -192,7 +192,7 @@ def _flipped_confidence(x, y):
         pytest.param("rnn", "confidence_flipped", marks=pytest.mark.slow),
     ],
 )
-def test_dspark_loss_is_the_references(tmp_path, tiny_target, heads, broken, monkeypatch):  # noqa: F811
+def test_dspark_loss_is_the_references(tmp_path, tiny_target, heads, broken, monkeypatch):
     """Ours (chunked, 16 rows a chunk over 3 rows x 6 blocks x 4 slots) equals the reference's
     formula on the reference's own inputs within fp32 tolerance; a KL taken the other way round
     or a confidence trained toward 1 - acceptance does not."""
@@ -211,16 +211,16 @@ def test_dspark_loss_is_the_references(tmp_path, tiny_target, heads, broken, mon
     assert close == (broken is None), (float(loss), want, broken)
 
 
-class _Killed(Exception):
+class Killed(Exception):
     pass
 
 
 @pytest.mark.slow
-def test_a_tiny_dspark_run_learns_resumes_and_exports(tmp_path, tiny_target, monkeypatch):  # noqa: F811
+def test_a_tiny_dspark_run_learns_resumes_and_exports(tmp_path, tiny_target, monkeypatch):
     """12 steps of a rnn DSpark drafter with the confidence head: the loss falls, a run killed
     after its step-4 checkpoint resumes to the same losses bit for bit, and the export is a
     DSpark drafter."""
-    _corpus(tmp_path / "data.jsonl")
+    corpus(tmp_path / "data.jsonl")
     cfg = _dspark_cfg(
         tmp_path / "data.jsonl", HEADS["rnn"] | {"sample_from_anchor": True},
         num_steps=12, checkpoint_every=4,
@@ -245,15 +245,15 @@ def test_a_tiny_dspark_run_learns_resumes_and_exports(tmp_path, tiny_target, mon
 
     def dies_at_step_7(*args, **kwargs):
         if next(calls) == 7:
-            raise _Killed()
+            raise Killed()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", dies_at_step_7)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         trainer.train(cfg, tmp_path / "killed")
     monkeypatch.setattr(trainer, "train_step", real)
     trainer.train(cfg, tmp_path / "killed")
-    assert _losses(tmp_path / "killed") == _losses(tmp_path / "straight")
+    assert logged_losses(tmp_path / "killed") == logged_losses(tmp_path / "straight")
     cfg.drafter.markov_rank = 4  # another drafter: refused before anything is touched
     with pytest.raises(ConfigError, match=r"drafter.markov_rank 8 there, 4 now"):
         trainer.train(cfg, tmp_path / "straight")
@@ -263,15 +263,15 @@ def test_a_tiny_dspark_run_learns_resumes_and_exports(tmp_path, tiny_target, mon
 
 
 @pytest.mark.slow
-def test_a_dspark_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):  # noqa: F811
+def test_a_dspark_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target):
     """init_from a DFlash drafter: every DFlash leaf kept bit for bit, the heads as a fresh
     DSpark drafter of the same seed draws them; a run from there trains. Before, refused."""
     from dflash_jax.io.drafter_io import read_drafter
     from dflash_jax.models.drafter import init_drafter_params
     from dflash_jax.training.init import initial_params
 
-    _corpus(tmp_path / "data.jsonl")
-    trainer.train(_config(tmp_path / "data.jsonl", num_steps=2), tmp_path / "dflash")
+    corpus(tmp_path / "data.jsonl")
+    trainer.train(train_config(tmp_path / "data.jsonl", num_steps=2), tmp_path / "dflash")
     exported = tmp_path / "dflash" / "drafter"
     cfg = _dspark_cfg(tmp_path / "data.jsonl", HEADS["gated_anchor"], init_from=str(exported))
     config = trainer.drafter_config_for(cfg, tiny_target.config)
@@ -290,7 +290,7 @@ def test_a_dspark_run_warm_starts_from_a_dflash_drafter(tmp_path, tiny_target): 
     assert not np.array_equal(fresh["fc"]["kernel"], params["fc"]["kernel"])
     cfg.num_steps = 2
     trainer.train(cfg, tmp_path / "dspark")
-    assert sorted(_losses(tmp_path / "dspark")) == [1, 2]
+    assert sorted(logged_losses(tmp_path / "dspark")) == [1, 2]
 
 
 def test_smollm2_dspark_config_warm_starts_from_the_shipped_drafter():

@@ -5,15 +5,12 @@ random target keep it fast."""
 import jax
 import numpy as np
 import pytest
-from _chat_tokenizer import CHATML, char_tokenizer
 
-from dflash_jax.config import DecodeConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
-from dflash_jax.io.target_loader import LoadedTarget
-from dflash_jax.models.target import init_params
 from dflash_jax.training import data
-from dflash_jax.training.generate import ChatFormat, generate_records, mixture
+from dflash_jax.training.generate import generate_records, mixture
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
@@ -22,30 +19,6 @@ from dflash_jax.training.prompts import (
     read_prompt_file,
     stdlib_code_prompts,
 )
-
-
-@pytest.fixture(scope="module")
-def target():
-    tokenizer = char_tokenizer()
-    config = TargetConfig(
-        arch="llama",
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-    )
-    params = init_params(config, jax.random.key(0))
-    return LoadedTarget(config, params, tokenizer, CHATML, "tiny")
-
-
-@pytest.fixture(scope="module")
-def chat(target):
-    return ChatFormat(target.tokenizer, target.chat_template)
 
 
 def test_chat_format_renders_as_at_inference(chat):

@@ -16,19 +16,20 @@ import pytest
 import torch
 from _reference import _randomize
 from _tiny_layered import make_tiny_layered
+from _training import corpus, logged_losses, train_config
 from dflash.model import DFlashDraftModel
-from test_training import _config, _corpus, _losses
 from transformers import Qwen3Config
 
 from dflash_jax import api
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter, restore_drafter
 from dflash_jax.models.target import Transformer
 from dflash_jax.training import data, init, tap_cache, trainer
 
-VOCAB = 64  # the training corpus's tokens (test_training._corpus) are below 64
+VOCAB = 64  # the training corpus's tokens (_training.corpus) are below 64
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,10 @@ TRAIN = dict(num_steps=4, checkpoint_every=4, num_eval_prompts=1)
 
 def _train(data_path, workdir, **overrides) -> np.ndarray:
     """A 4-step run tapping a full-attention layer (1) and a linear-attention one (2)."""
-    cfg = _config(data_path, **TRAIN, **overrides)
+    cfg = train_config(data_path, **TRAIN, **overrides)
     assert tuple(cfg.drafter.target_layer_ids) == (1, 2)
     trainer.train(cfg, workdir)
-    losses = _losses(workdir)
+    losses = logged_losses(workdir)
     assert list(losses) == [1, 2, 3, 4]
     return np.array(list(losses.values()))
 
@@ -63,7 +64,7 @@ def test_trainer_learns_from_a_hybrid_targets_taps(tmp_path, hybrid_trainer):
     """Online taps (the hybrid forward cut after layer 2): finite losses falling at every step
     and an exported drafter. The tap cache's rows are the full target's taps."""
     target = hybrid_trainer
-    _corpus(tmp_path / "data.jsonl", num_records=24)
+    corpus(tmp_path / "data.jsonl", num_records=24)
     losses = _train(tmp_path / "data.jsonl", tmp_path / "online")
     assert np.isfinite(losses).all() and (np.diff(losses) < 0).all(), losses
     assert restore_drafter(tmp_path / "online" / "drafter").config.target_layer_ids == (1, 2)
@@ -87,7 +88,7 @@ def test_cached_taps_of_a_hybrid_target_train_like_online(family, tmp_path, monk
     """Online and cached taps give the same losses, for a dense-MLP and an MoE hybrid."""
     target = load_target(str(make_tiny_layered(tmp_path, family, vocab_size=VOCAB)), cache=False)
     monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
-    _corpus(tmp_path / "data.jsonl", num_records=24)
+    corpus(tmp_path / "data.jsonl", num_records=24)
     online = _train(tmp_path / "data.jsonl", tmp_path / "online")
     cached = _train(
         tmp_path / "data.jsonl", tmp_path / "cached", taps="cached", tap_cache_dtype="float32"
@@ -102,10 +103,10 @@ def test_target_initialisations_over_a_hybrid_target(tmp_path, hybrid_trainer):
     target = hybrid_trainer
     empty = tmp_path / "empty.jsonl"  # found (missing data is refused first), never read
     empty.touch()
-    cfg = _config(empty, init_from_target=True)
+    cfg = train_config(empty, init_from_target=True)
     with pytest.raises(ConfigError, match="init_from_target"):
         trainer.train(cfg, tmp_path / "run")
-    cfg = _config(empty, init_norm_from_target=True)
+    cfg = train_config(empty, init_norm_from_target=True)
     params = init.initial_params(cfg, trainer.drafter_config_for(cfg, target.config), target)
     np.testing.assert_allclose(params["norm"]["scale"], 1.0 + target.params["norm"]["scale"])
 

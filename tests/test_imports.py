@@ -239,3 +239,86 @@ def test_the_checker_catches_each_rule(tmp_path):
             test_decoding_files_stay_short()
     finally:
         ROOT = saved
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _import_graph(top: str = "dflash_jax") -> dict[str, set[str]]:
+    """module -> the project modules it imports (module- and function-level alike)."""
+    graph: dict[str, set[str]] = {}
+    for path in _sources():
+        found = _Imports(path)
+        found.visit(ast.parse(path.read_text(), filename=str(path)))
+        if found.module.split(".")[0] != top:
+            continue
+        graph.setdefault(found.module, set()).update(
+            t for _, t, _ in found.imports if t.split(".")[0] == top and t != found.module
+        )
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    """No two modules of dflash_jax import each other, directly or through others (an import
+    inside a function counts: it is the same dependency, only later)."""
+    circles = _cycles(_import_graph())
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_test_modules_stand_alone():
+    """No test module imports another (nor names one in a script it runs): what tests share
+    lives in tests/conftest.py (fixtures) and tests/_*.py (helpers); and no fixture comes in
+    through an import (`# noqa: F401`, `# noqa: F811`)."""
+    import re
+
+    problems = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = re.findall(r"(?m)^\s*(?:from|import)\s+(test_\w+)", node.value)
+            for name in names:
+                if name.startswith("test_") and name != path.stem:
+                    problems.append(f"{path.name}:{node.lineno}: imports {name}")
+        for n, line in enumerate(text.splitlines(), 1):
+            if path.name != "test_imports.py" and re.search(r"^from test_|noqa: F811", line):
+                problems.append(f"{path.name}:{n}: {line.strip()}")
+    assert not problems, "\n" + "\n".join(problems)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _decode_check import assert_greedy_speculative_equals_ar
+from _decode import assert_greedy_speculative_equals_ar
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import init_drafter_params

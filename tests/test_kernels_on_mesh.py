@@ -30,7 +30,8 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from dflash_jax import sharding
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import dispatch, pallas_gpu, pallas_tpu_decode
 from dflash_jax.ops.caches import write_rows

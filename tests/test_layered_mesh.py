@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import programs, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 
 MESH = "data=2,tensor=4"
 EXPERT_WIDTH = dict(moe_intermediate_size=24)
@@ -34,8 +34,7 @@ LENS = np.array([6, 4, 6, 4], np.int32)
 
 
 def mesh_checks(workdir: str) -> dict:
-    from _tiny_layered import make_tiny_layered
-    from test_layered_targets import _drafter
+    from _tiny_layered import make_tiny_layered, tiny_drafter
 
     from dflash_jax.io import load_target
 
@@ -46,7 +45,7 @@ def mesh_checks(workdir: str) -> dict:
         path = make_tiny_layered(Path(workdir) / family, family, num_experts=8, **EXPERT_WIDTH)
         plain = load_target(str(path), cache=False)
         placed = load_target(str(path), cache=False, mesh=mesh)
-        dcfg, dp = _drafter(plain)
+        dcfg, dp = tiny_drafter(plain)
         cfg = DecodeConfig(max_new_tokens=10, block_size=4)
         kw = dict(target_config=plain.config, drafter_config=dcfg, decode_config=cfg)
         key = jax.random.key(0)

@@ -16,12 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _tiny_layered import FAMILIES, load_torch, make_tiny_layered, make_tiny_multimodal
+from _tiny_layered import (
+    FAMILIES,
+    load_torch,
+    make_tiny_layered,
+    make_tiny_multimodal,
+    tiny_drafter,
+)
 
-from dflash_jax.config import DecodeConfig, DrafterConfig
 from dflash_jax.decoding import autoregressive_decode, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
-from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer
 
 PROMPTS = [[5, 17, 33, 3, 42, 7, 8, 50, 64], [11, 2, 60, 31], [9, 9, 4, 70, 21, 13]]
@@ -47,26 +52,6 @@ def _family(family: str, tmp: str):
 def family(request, tmp_path_factory):
     path, model = _family(request.param, str(tmp_path_factory.mktemp(request.param)))
     return request.param, path, model, load_target(str(path), cache=False)
-
-
-def _drafter(target, block_size=4):
-    c = target.config
-    dcfg = DrafterConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=c.vocab_size,
-        mask_token_id=c.vocab_size - 1,
-        target_layer_ids=(0, 2),  # a linear-attention layer's output and a full one's
-        num_target_layers=c.num_layers,
-        block_size=block_size,
-    )
-    dp = init_drafter_params(dcfg, jax.random.key(1))
-    dp["norm"]["scale"] = jnp.zeros_like(dp["norm"]["scale"])  # always proposes token 0
-    return dcfg, dp
 
 
 def _batch(prompts=PROMPTS):
@@ -102,7 +87,7 @@ def test_greedy_decodes_equal_transformers_generate(family):
     ar = autoregressive_decode(
         target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
     )
-    dcfg, dp = _drafter(target)
+    dcfg, dp = tiny_drafter(target)
     sp = speculative_decode(
         target.params, dp, prompt, lengths, key,
         target_config=target.config, drafter_config=dcfg, decode_config=cfg,
@@ -128,7 +113,7 @@ def test_adaptive_and_lookup_steps_over_recurrent_state(tmp_path):
     ar = autoregressive_decode(
         target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
     )
-    dcfg, dp = _drafter(target)
+    dcfg, dp = tiny_drafter(target)
     sp = speculative_decode(
         target.params, dp, prompt, lengths, key,
         target_config=target.config, drafter_config=dcfg, decode_config=cfg,
@@ -172,7 +157,7 @@ def test_sampling_is_lossless_over_recurrent_state(broken, tmp_path, monkeypatch
     for i in target.config.linear_layers:  # louder linear layers: their state matters more
         out_proj = target.params[f"layers_{i}"]["linear_attn"]["out_proj"]
         out_proj["kernel"] = out_proj["kernel"] * 6.0
-    dcfg, dp = _drafter(target)
+    dcfg, dp = tiny_drafter(target)
     dp["norm"]["scale"] = jnp.full_like(dp["norm"]["scale"], 0.5)  # an informative, wrong q
     if broken:
         full = lambda states, rows, produced_b: speculative_commit(

@@ -23,7 +23,6 @@ if __name__ == "__main__":
 import jax
 import numpy as np
 import pytest
-from test_generate_data import chat, target  # noqa: F401  (fixtures)
 
 NUM_PROCESSES = 2
 DECODE_MESH = "data=2,tensor=2"
@@ -32,41 +31,39 @@ TIMEOUT_S = 600
 
 
 def _decode(mesh=None) -> list[list[int]]:
-    from test_decoding import make_pair
-    from test_sharding_mesh import LENS, PROMPT
+    from _decode import LENS8, PROMPT8, make_pair
 
-    from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import speculative_decode
+    from dflash_jax.decoding.settings import DecodeConfig
 
     tcfg, tp, dcfg, dp = make_pair(block_size=4)
     out = speculative_decode(
-        tp, dp, PROMPT, LENS, jax.random.key(0), target_config=tcfg, drafter_config=dcfg,
+        tp, dp, PROMPT8, LENS8, jax.random.key(0), target_config=tcfg, drafter_config=dcfg,
         decode_config=DecodeConfig(max_new_tokens=12, block_size=4), mesh=mesh,
     )  # fmt: skip
     return np.asarray(out.tokens).tolist()
 
 
 def _train(workdir: Path, target_dir: Path, mesh: str) -> dict:
-    import test_training
+    import _training
 
     from dflash_jax.training import trainer
 
-    cfg = test_training._config(
+    cfg = _training.train_config(
         workdir / "data.jsonl", num_steps=6, checkpoint_every=3, batch_size=8,
         learning_rate=3e-3, mesh=mesh, target=str(target_dir),
     )  # fmt: skip
     run = workdir / (mesh or "one")
     trainer.train(cfg, run)
-    return {str(step): loss for step, loss in test_training._losses(run).items()}
+    return {str(step): loss for step, loss in _training.logged_losses(run).items()}
 
 
 def _setup(workdir: Path) -> Path:
     """The corpus and a tiny HF target directory (both processes read them)."""
-    import test_training
-    from test_sharding_mesh import _write_hf_dir
+    import _training
 
-    test_training._corpus(workdir / "data.jsonl")
-    _write_hf_dir(workdir / "tiny_hf", test_training.TINY_TARGET)
+    _training.corpus(workdir / "data.jsonl")
+    _training.write_hf_dir(workdir / "tiny_hf", _training.TINY_TARGET)
     return workdir / "tiny_hf"
 
 
@@ -88,7 +85,7 @@ def worker(argv) -> None:
     distributed.barrier("results written")
 
 
-def test_generate_data_splits_prompts_across_processes(tmp_path, target, chat):  # noqa: F811
+def test_generate_data_splits_prompts_across_processes(tmp_path, target, chat):
     """Each process's share (emulated here one after another): every prompt answered once, and
     a rerun (with another process count) finds nothing left to do."""
     from dflash_jax.training import data

@@ -1,6 +1,6 @@
 """Quantized targets (ops/quant.py, models/quantized.py): the quantized model is the target.
 
-One tiny pair (tests/test_decoding.py's, drafter block 16) quantized once per scheme; its own AR
+One tiny pair (tests/_decode.py's, drafter block 16) quantized once per scheme; its own AR
 decode is the reference of every DFlash decode here. int4 runs by default (the coarsest scheme,
 with both per-block and per-channel kernels at these shapes: down_proj contracts 64 values in
 two blocks, the others 32 or fewer); int8 and fp8 are slow.
@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decode import LENS, PROMPT, make_pair, two_token_tv
 from _tiny_models import make_tiny_gguf, make_tiny_hf_model
-from test_decoding import LENS, PROMPT, make_pair, two_token_tv
 
-from dflash_jax.config import ConfigError, DecodeConfig, TargetConfig
+from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.target_orbax import save_target
 from dflash_jax.models.quantized import quantize_params
@@ -186,18 +187,18 @@ def test_quantized_passes_are_batch_invariant():
     """Guards only the invariance claim: under the decodes' fixed row tile, an int8 target in bf16
     gives every position the AR step's bits in a prefill and in verifies of 4, 8 and 16 tokens
     (tests/test_batch_invariance.py's check, at SmolLM2's shapes, with quantized kernels)."""
-    from test_batch_invariance import _config, _tokens, _ways
+    from _invariance import logits_five_ways, random_tokens, smollm2_config
 
     from dflash_jax.models.target import init_params
     from dflash_jax.ops.invariance import ROW_TILE, RowRule
 
-    cfg = _config("bfloat16")
+    cfg = smollm2_config("bfloat16")
     params = init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda w: (w * 4).astype(jnp.bfloat16), params)
     params = quantize_params(params, cfg, "int8")
     rule = RowRule.fixed(ROW_TILE)
     inv = dataclasses.replace(cfg, invariant_rows=(rule.min_rows, rule.max_rows), quantize="int8")
-    ways = _ways(inv, params, _tokens())
+    ways = logits_five_ways(inv, params, random_tokens())
     for name, logits in ways.items():
         np.testing.assert_array_equal(logits, ways["ar"], err_msg=f"{name} vs ar ({rule})")
 
@@ -206,8 +207,8 @@ def test_qwen3_8b_int8_kernels_shard_by_the_table():
     """Qwen3-8B's int8 kernels (shapes only) get the float kernels' shardings from the one
     table, their scales the same on the dims they keep, and a device holds half the bf16
     kernels' bytes (what infer.memory_plan and infer.lower plan with)."""
+    from _shapes import QWEN3_8B
     from jax.sharding import AbstractMesh, AxisType, PartitionSpec
-    from test_sharding import QWEN3_8B
 
     from dflash_jax.models.target import init_params
     from dflash_jax.sharding import MESH_AXES, logical_to_spec, param_logical_axes

@@ -27,8 +27,9 @@ import openai
 import pytest
 from _chat_tokenizer import CHATML, char_tokenizer
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, sampling
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.drafter_io import LoadedDrafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params

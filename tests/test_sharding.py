@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _shapes import QWEN3_8B
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -36,10 +37,6 @@ from dflash_jax.sharding import (
 TINY = TargetConfig(
     arch="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=16,
-)  # fmt: skip
-QWEN3_8B = dict(
-    arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-    num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
 )  # fmt: skip
 
 

@@ -21,27 +21,25 @@ if os.environ.get("DFLASH_TEST_FAKE_DEVICES"):
 import jax
 import numpy as np
 import pytest
+from _decode import LENS8, PROMPT8
+from _training import write_hf_dir
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.config import TargetConfig
 from dflash_jax.decoding import autoregressive_decode, programs, speculative, speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 
 # One subprocess on 8 fake devices runs every check here (~2 min): CI's slow step runs it.
 pytestmark = pytest.mark.slow
 
 DECODE_MESHES = ("data=2,tensor=4", "data=8", "fsdp=2,tensor=4")
 # Rows of different lengths (8 rows: one per device on data=8).
-PROMPT = np.array(
-    [[5, 9, 3, 7, 1, 2, 8], [4, 4, 6, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0, 0], [7, 0, 0, 0, 0, 0, 0]]
-    * 2,
-    np.int32,
-)
-LENS = np.array([7, 3, 5, 1, 7, 3, 5, 1], np.int32)
+PROMPT, LENS = PROMPT8, LENS8
 TRAIN_MESHES = ("fsdp=4,tensor=2", "data=8")
 
 
 def _decode_checks() -> dict:
-    from test_decoding import make_pair
+    from _decode import make_pair
 
     tcfg, tp, dcfg, dp = make_pair(block_size=4)
     cfg = DecodeConfig(max_new_tokens=12, block_size=4)
@@ -79,26 +77,11 @@ HF_TARGET = TargetConfig(
 )  # fmt: skip
 
 
-def _write_hf_dir(directory: Path, config: TargetConfig = HF_TARGET) -> TargetConfig:
-    """A tiny random HF target directory (config.json + model.safetensors)."""
-    from dflash_jax.io.hf import param_layout, write_safetensors
-
-    rng = np.random.default_rng(0)
-    arrays = {
-        f"model.{name}": (0.1 * rng.normal(size=shape)).astype(np.float32)
-        for name, (_, shape, _) in param_layout(config).items()
-    }
-    directory.mkdir(parents=True)
-    write_safetensors(directory / "model.safetensors", arrays)
-    (directory / "config.json").write_text(json.dumps(config.to_hf()))
-    return config
-
-
 def _load_checks(workdir: Path) -> dict:
     from dflash_jax.io import load_target
     from dflash_jax.io.drafter_io import read_drafter
 
-    _write_hf_dir(workdir / "tiny_hf")
+    write_hf_dir(workdir / "tiny_hf", HF_TARGET)
     mesh = sharding.mesh_from_spec("data=2,tensor=4")
     ref = load_target(str(workdir / "tiny_hf"), cache=False)
     out = {}
@@ -122,13 +105,13 @@ def _load_checks(workdir: Path) -> dict:
 
 def _train(workdir: Path, run: str, mesh: str) -> dict[int, float]:
     """A tiny 6-step run (checkpoints at 3 and 6) in workdir/run on `mesh` -> losses by step."""
-    import test_training
+    import _training
 
     from dflash_jax.io.target_loader import LoadedTarget
     from dflash_jax.models.target import init_params
     from dflash_jax.training import trainer
 
-    config = test_training.TINY_TARGET
+    config = _training.TINY_TARGET
     params = init_params(config, jax.random.key(1))
 
     def load(source, dtype, mesh=None):
@@ -142,12 +125,12 @@ def _train(workdir: Path, run: str, mesh: str) -> dict[int, float]:
     trainer.load_target = load
     data = workdir / "data.jsonl"
     if not data.exists():
-        test_training._corpus(data)
-    cfg = test_training._config(
+        _training.corpus(data)
+    cfg = _training.train_config(
         data, num_steps=6, checkpoint_every=3, batch_size=8, learning_rate=3e-3, mesh=mesh
     )
     trainer.train(cfg, workdir / run)
-    return test_training._losses(workdir / run)
+    return _training.logged_losses(workdir / run)
 
 
 def _train_checks(workdir: Path) -> dict:
@@ -260,7 +243,7 @@ def test_mesh_flags_are_validated():
 def test_memory_plan_prints_per_device_bytes(tmp_path):
     """infer.memory_plan on a tiny target and drafter, both modes, 8 fake devices."""
     target = tmp_path / "tiny_hf"
-    _write_hf_dir(target)
+    write_hf_dir(target, HF_TARGET)
     config = tmp_path / "tiny_config.py"
     config.write_text(
         "from dflash_jax.training.trainer import default_config\n\n\n"

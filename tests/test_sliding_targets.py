@@ -19,11 +19,13 @@ import pytest
 import torch
 from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
 
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
 from dflash_jax.decoding.programs import check_tree_target
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from dflash_jax.io.drafter_io import load_drafter
+from dflash_jax.io.hf_config import target_from_hf, target_to_hf
 from dflash_jax.io.hf_layered import dequantize_mxfp4
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
@@ -149,7 +151,7 @@ def test_config_round_trips_and_refusals(family):
     """to_hf / from_hf round-trip; the kernels and token trees refuse these attentions."""
     name, _, _, target = family
     c = target.config
-    assert TargetConfig.from_hf(c.to_hf()) == c
+    assert target_from_hf(target_to_hf(c)) == c
     assert c.window(0) == WINDOW and c.window(1) is None
     tokens = np.array([PROMPTS[0]])
     pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))
@@ -200,11 +202,11 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
 
 def test_unsupported_gemma4_features_are_refused():
     base = {**hf_config("gemma4").to_dict(), "model_type": "gemma4_text"}
-    TargetConfig.from_hf(base)
+    target_from_hf(base)
     for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
                        ("enable_moe_block", True)):  # fmt: skip
         with pytest.raises(ConfigError, match=key):
-            TargetConfig.from_hf({**base, key: value})
+            target_from_hf({**base, key: value})
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):

@@ -141,8 +141,8 @@ def test_shipped_drafter_fits_and_decoding_is_lossless(target):
     """The drafter shipped as "default" loads against SmolLM2 and greedy DFlash decoding with
     it reproduces the target's own greedy tokens on a real prompt (fp32)."""
     from dflash_jax import api
-    from dflash_jax.config import DecodeConfig
     from dflash_jax.decoding import autoregressive_decode, speculative_decode
+    from dflash_jax.decoding.settings import DecodeConfig
     from dflash_jax.io.drafter_io import load_drafter
 
     drafter = load_drafter("default", target)

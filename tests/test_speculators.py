@@ -26,16 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decode import make_pair, two_token_tv
 from _reference import make_reference_pair
+from _speculators_run import REPO, SPECULATORS_PYTHON, assert_same_params, run_reference
 from absl import flags
 from safetensors.numpy import load_file, save_file
-from test_decoding import make_pair, two_token_tv
 
 import dflash_jax as dj
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import phases
 from dflash_jax.decoding.phases import draft_tokens
 from dflash_jax.decoding.sampling import process_logits
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import CheckpointError
 from dflash_jax.io.drafter_io import DEFAULT_DRAFTER, read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.speculators import read_speculators, write_speculators
@@ -43,9 +45,6 @@ from dflash_jax.io.zlab import read_zlab, write_zlab
 from dflash_jax.models.drafter import Drafter, draft_logits, drafter_logits, init_drafter_params
 from dflash_jax.models.target import Transformer, decoding_head
 from infer import convert
-
-REPO = Path(__file__).resolve().parents[1]
-SPECULATORS_PYTHON = os.environ.get("DFLASH_JAX_SPECULATORS_PYTHON")
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +85,6 @@ def _as_speculators_writes(zlab_dir: Path, out: Path) -> Path:
     return out
 
 
-def _assert_same_params(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def _convert(*argv):
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["convert", *argv])
@@ -112,7 +105,7 @@ def test_round_trips_keep_config_and_params(pair, tmp_path):
     assert hf["speculators_config"]["verifier"]["name_or_path"] == "some/target"
     back_config, back = read_speculators(tmp_path / "spec")
     assert back_config == config
-    _assert_same_params(back, params)
+    assert_same_params(back, params)
 
     v2 = dataclasses.replace(config, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                              selector_top_k=4)  # fmt: skip
@@ -121,14 +114,14 @@ def test_round_trips_keep_config_and_params(pair, tmp_path):
     assert json.loads((tmp_path / "spec2" / "config.json").read_text())["selector_rank"] == 8
     v2_back = read_drafter(tmp_path / "spec2")
     assert v2_back.config == v2
-    _assert_same_params(v2_back.params, v2_params)
+    assert_same_params(v2_back.params, v2_params)
 
     _convert("--source=default", f"--output={tmp_path / 'default'}", "--format=speculators",
              "--dtype=bfloat16")  # fmt: skip
     shipped = restore_drafter(DEFAULT_DRAFTER)
     again = read_drafter(tmp_path / "default", dtype="bfloat16")
     assert again.config == shipped.config
-    _assert_same_params(again.params, shipped.params)
+    assert_same_params(again.params, shipped.params)
 
 
 def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pair, tmp_path):
@@ -313,7 +306,7 @@ def test_a_draft_vocabulary_drafts_over_its_ids_mapped_to_the_targets(pair, tmp_
     save_drafter(tmp_path / "orbax", small.config, small.params)
     restored = restore_drafter(tmp_path / "orbax")
     assert restored.config == small.config and restored.params["draft_to_target"].dtype == np.int32
-    _assert_same_params(restored.params, small.params)
+    assert_same_params(restored.params, small.params)
     with pytest.raises(ConfigError, match="export it with --format=speculators"):
         write_zlab(tmp_path / "zlab", small.config, small.params)
     original["d2t"] = original["d2t"][::-1].copy()
@@ -399,7 +392,7 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
     )
     exports = {"full": (drafter.config, drafter.params), "small": (small, small_params),
                "dflash2": (v2, v2_params)}  # fmt: skip
-    run = _run_reference(target_dir, target, exports, tmp_path)
+    run = run_reference(target_dir, target, exports, tmp_path)
     for i, (config, params) in enumerate(exports.values()):
         bs = config.block_size
         block = jnp.asarray([[run.tokens[run.anchor]] + [config.mask_token_id] * (bs - 1)])
@@ -410,39 +403,3 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
             ours = ours[..., ids]
         reference = np.load(f"{tmp_path / 'ref'}{i}.npy")  # [bs, V or 64]: slot 0 is the anchor's
         np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
-
-
-@dataclasses.dataclass
-class _ReferenceRun:
-    """The inputs the reference drafted from (16 tokens, their taps, the block's anchor)."""
-
-    tokens: np.ndarray
-    taps: np.ndarray
-    anchor: int
-
-    def context(self, config, params):
-        """Our drafter's context K/V of the 16 rows (the block sees those before the anchor)."""
-        taps, positions = jnp.asarray(self.taps[None]), jnp.arange(len(self.tokens))[None]
-        return Drafter(config).apply({"params": params}, taps, positions, method="context_kv")
-
-
-def _run_reference(target_dir, target, exports: dict, tmp_path) -> _ReferenceRun:
-    """Writes each (config, params) of `exports` with --format=speculators and has the
-    reference draft one teacher-forced block at anchor 9 of 16 random tokens from each, in the
-    separate venv: `tmp_path/ref{i}.npy` (and DSpark's `ref{i}_confidence.npy`)."""
-    for name, (config, params) in exports.items():
-        write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
-    tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
-    tap_ids = next(iter(exports.values()))[0].target_layer_ids
-    _, taps_btf, _ = Transformer(target.config).apply(
-        {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
-        jnp.arange(16, dtype=jnp.int32)[None], None, None, tap_ids,
-    )  # fmt: skip
-    run = _ReferenceRun(tokens=tokens, taps=np.asarray(taps_btf[0], np.float32), anchor=9)
-    np.savez(tmp_path / "inputs.npz", taps=run.taps, tokens=tokens, anchor=run.anchor)
-    subprocess.run(
-        [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
-         str(tmp_path / "inputs.npz"), str(tmp_path / "ref"), *(str(tmp_path / n) for n in exports)],
-        check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    return run

@@ -15,8 +15,8 @@ from _tiny_models import (
     torch_logits_and_hidden,
 )
 
-from dflash_jax.config import TargetConfig
 from dflash_jax.io import load_target
+from dflash_jax.io.hf_config import target_from_hf
 from dflash_jax.models.target import Transformer, init_cache, init_params
 
 TOL = 1e-4
@@ -142,7 +142,7 @@ QWEN3_8B = {
 
 
 def test_qwen3_8b_eval_shape():
-    config = TargetConfig.from_hf(QWEN3_8B, dtype="bfloat16")
+    config = target_from_hf(QWEN3_8B, dtype="bfloat16")
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     count = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
     assert count == 8_190_735_360

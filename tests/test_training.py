@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _training import TINY_TARGET, Killed, corpus, logged_losses, train_config
 
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.io.drafter_io import restore_drafter
-from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
-from dflash_jax.models.target import init_params
 from dflash_jax.ops.attention import drafter_mask
 from dflash_jax.training import data, evaluation, trainer
 from dflash_jax.training.anchors import anchor_candidates, sample_anchors
@@ -26,22 +25,6 @@ from dflash_jax.training.loss import (
     implied_acceptance,
     position_weights,
 )
-
-TINY_TARGET = TargetConfig(
-    arch="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    eos_token_ids=(1,),
-)
-
 
 # --- anchors, labels, mask -----------------------------------------------------------------
 
@@ -161,76 +144,9 @@ def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
 # --- end to end ----------------------------------------------------------------------------
 
 
-def _corpus(path, num_records=48, seed=0):
-    """A small repeating corpus: every record walks one fixed cycle of 8 tokens from a random
-    start, so the token at p+k is a function of the anchor token alone."""
-    rng = np.random.default_rng(seed)
-    cycle = rng.permutation(np.arange(2, 64))[:8]
-    records = []
-    for i in range(num_records):
-        start, prompt_len, length = int(rng.integers(8)), 4, int(rng.integers(20, 33))
-        tokens = [int(cycle[(start + t) % 8]) for t in range(length)]
-        records.append(
-            {
-                "tokens": tokens,
-                "loss_mask": [0] * prompt_len + [1] * (length - prompt_len),
-                "source": "test",
-                "prompt": f"p{i}",
-            }
-        )
-    data.write_shard(path, records)
-
-
-def _config(data_path, **overrides):
-    cfg = trainer.default_config()
-    cfg.target = "tiny"
-    cfg.data = str(data_path)
-    cfg.compute_dtype = "float32"
-    cfg.drafter.hidden_size = 32
-    cfg.drafter.intermediate_size = 64
-    cfg.drafter.num_layers = 2
-    cfg.drafter.num_heads = 4
-    cfg.drafter.num_kv_heads = 2
-    cfg.drafter.head_dim = 8
-    cfg.drafter.mask_token_id = 0
-    cfg.drafter.target_layer_ids = (1, 2)
-    cfg.block_size = 4
-    cfg.loss_gamma = 4.0
-    cfg.seq_len = 32
-    cfg.num_anchors = 6
-    cfg.ce_chunk_rows = 16
-    cfg.batch_size = 4
-    cfg.num_steps = 40
-    cfg.learning_rate = 1e-2
-    cfg.warmup_fraction = 0.1
-    cfg.data_threads = 1
-    cfg.num_eval_prompts = 2
-    cfg.eval_every = 0
-    cfg.eval_max_new_tokens = 12
-    cfg.log_every = 1
-    cfg.checkpoint_every = 20
-    cfg.max_checkpoints = 10
-    cfg.update(overrides)
-    return cfg
-
-
-@pytest.fixture
-def tiny_target(monkeypatch):
-    target = LoadedTarget(
-        TINY_TARGET, init_params(TINY_TARGET, jax.random.key(1)), None, None, "tiny"
-    )
-    monkeypatch.setattr(trainer, "load_target", lambda source, dtype: target)
-    return target
-
-
-def _losses(workdir):
-    lines = [json.loads(x) for x in (workdir / trainer.METRICS_FILE).read_text().splitlines()]
-    return {x["step"]: x["loss"] for x in lines if "loss" in x}
-
-
 def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", eval_every=40)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", eval_every=40)
     last = trainer.train(cfg, tmp_path / "run")
     lines = [
         json.loads(x) for x in (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
@@ -273,14 +189,12 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     assert checkpoints == [20, 40]
 
 
-class _Killed(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(
+        tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3
+    )
     trainer.train(cfg, tmp_path / "straight")
 
     real = trainer.train_step
@@ -288,16 +202,16 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
 
     def dies_at_step_7(*args, **kwargs):
         if next(calls) == 7:  # after the checkpoint at 4 and the log lines of 5 and 6
-            raise _Killed()
+            raise Killed()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", dies_at_step_7)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         trainer.train(cfg, tmp_path / "killed")
-    assert max(_losses(tmp_path / "killed")) == 6
+    assert max(logged_losses(tmp_path / "killed")) == 6
     monkeypatch.setattr(trainer, "train_step", real)
     trainer.train(cfg, tmp_path / "killed")
-    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
+    straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "killed")
     assert list(resumed) == list(range(1, 13))
     assert resumed == straight  # bit-identical, steps 5..12 included
 
@@ -320,7 +234,7 @@ def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
     (bias-correction count included), with B's schedule count back at 0."""
     import optax
 
-    _corpus(tmp_path / "data.jsonl")
+    corpus(tmp_path / "data.jsonl")
     real = trainer.train_step
     seen = []
 
@@ -331,11 +245,13 @@ def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
         return out
 
     monkeypatch.setattr(trainer, "train_step", recording)
-    cfg_a = _config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=4, lr_schedule="wsd")
+    cfg_a = train_config(
+        tmp_path / "data.jsonl", num_steps=8, checkpoint_every=4, lr_schedule="wsd"
+    )
     trainer.train(cfg_a, tmp_path / "a")
     a_last = seen[-1][1]
     seen.clear()
-    cfg_b = _config(
+    cfg_b = train_config(
         tmp_path / "data.jsonl", num_steps=2, lr_schedule="wsd", warmup_fraction=0.0,
         init_from_checkpoint=str(tmp_path / "a"),
     )  # fmt: skip
@@ -363,30 +279,30 @@ def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
 
 
 def test_bad_warm_starts_are_refused(tmp_path):
-    cfg = _config(tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "nowhere"))
+    cfg = train_config(tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="init_from_checkpoint"):
         trainer.check_config(cfg)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    cfg = _config(
+    cfg = train_config(
         tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "run"),
         init_from_target=True,
     )  # fmt: skip
     with pytest.raises(ValueError, match="exclude each other"):
         trainer.check_config(cfg)
     with pytest.raises(ValueError, match="lr_schedule"):
-        trainer.check_config(_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
+        trainer.check_config(train_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
 
 
 def test_misfit_drafter_is_refused(tmp_path):
-    cfg = _config(tmp_path / "unused.jsonl")
+    cfg = train_config(tmp_path / "unused.jsonl")
     cfg.drafter.hidden_size = 48
     with pytest.raises(ConfigError, match="hidden_size=48"):
         trainer.drafter_config_for(cfg, TINY_TARGET)
-    cfg = _config(tmp_path / "unused.jsonl")
+    cfg = train_config(tmp_path / "unused.jsonl")
     cfg.drafter.target_layer_ids = (1, 4)
     with pytest.raises(ConfigError, match="target_layer_ids"):
         trainer.drafter_config_for(cfg, TINY_TARGET)
-    cfg = _config(tmp_path / "unused.jsonl")
+    cfg = train_config(tmp_path / "unused.jsonl")
     cfg.drafter.mask_token_id = 64
     with pytest.raises(ConfigError, match="mask_token_id"):
         trainer.drafter_config_for(cfg, TINY_TARGET)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus, _losses
+from _training import TINY_TARGET, corpus, logged_losses, train_config
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.io.drafter_io import restore_drafter, save_drafter
@@ -118,8 +118,8 @@ def tiny_target(monkeypatch):
 
 @pytest.mark.slow
 def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", num_steps=4, checkpoint_every=4)
     trainer.train(cfg, tmp_path / "first")
     exported = restore_drafter(tmp_path / "first" / "drafter")
     dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
@@ -127,11 +127,13 @@ def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
     jax.tree.map(np.testing.assert_array_equal, start, exported.params)
     # A warm-started run begins where the export ended: its first loss is the exported
     # drafter's, below a fresh run's first loss.
-    warm = _config(tmp_path / "data.jsonl", num_steps=2, init_from=str(tmp_path / "first/drafter"))
+    warm = train_config(
+        tmp_path / "data.jsonl", num_steps=2, init_from=str(tmp_path / "first/drafter")
+    )
     trainer.train(warm, tmp_path / "warm")
-    fresh = _losses(tmp_path / "first")
-    assert _losses(tmp_path / "warm")[1] < fresh[1]
-    other = trainer.drafter_config_for(_config(tmp_path / "x", block_size=8), TINY_TARGET)
+    fresh = logged_losses(tmp_path / "first")
+    assert logged_losses(tmp_path / "warm")[1] < fresh[1]
+    other = trainer.drafter_config_for(train_config(tmp_path / "x", block_size=8), TINY_TARGET)
     with pytest.raises(ConfigError, match="do not have this run's shapes"):
         warm_start_params(str(tmp_path / "first" / "drafter"), DrafterConfig(
             **{**other.__dict__, "num_layers": 3, "layer_types": ()}
@@ -188,7 +190,7 @@ def test_growing_is_asked_for_and_reads_an_export(tmp_path):
     with pytest.raises(ConfigError, match="not fewer than"):
         warm_start_params(str(tmp_path / "two"), big, grow_layers=True)
     with pytest.raises(ValueError, match="init_grow_layers needs config.init_from"):
-        trainer.check_config(_config(tmp_path / "data.jsonl", init_grow_layers=True))
+        trainer.check_config(train_config(tmp_path / "data.jsonl", init_grow_layers=True))
 
 
 def _nan_at_call(monkeypatch, call: int):
@@ -208,8 +210,8 @@ def _nan_at_call(monkeypatch, call: int):
 
 @pytest.mark.slow
 def test_nonfinite_step_stops_the_run_naming_it(tmp_path, tiny_target, monkeypatch):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=2)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", num_steps=8, checkpoint_every=2)
     _nan_at_call(monkeypatch, 5)
     with pytest.raises(trainer.NonFiniteError, match="step 5: non-finite.*up to step 4"):
         trainer.train(cfg, tmp_path / "run")
@@ -218,13 +220,13 @@ def test_nonfinite_step_stops_the_run_naming_it(tmp_path, tiny_target, monkeypat
     monkeypatch.undo()
     monkeypatch.setattr(trainer, "load_target", lambda source, dtype: tiny_target)
     trainer.train(cfg, tmp_path / "run")  # resumes from 4 and finishes
-    assert max(_losses(tmp_path / "run")) == 8
+    assert max(logged_losses(tmp_path / "run")) == 8
 
 
 @pytest.mark.slow
 def test_nonfinite_step_can_be_skipped_and_counted(tmp_path, tiny_target, monkeypatch):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=6, log_every=3, nonfinite="skip")
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", num_steps=6, log_every=3, nonfinite="skip")
     _nan_at_call(monkeypatch, 2)
     trainer.train(cfg, tmp_path / "run")
     lines = [
@@ -239,8 +241,8 @@ def test_nonfinite_step_can_be_skipped_and_counted(tmp_path, tiny_target, monkey
 
 @pytest.mark.slow
 def test_resume_skips_an_unreadable_checkpoint(tmp_path, tiny_target, caplog):
-    _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=2, learning_rate=3e-3)
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=2, learning_rate=3e-3)
     trainer.train(cfg, tmp_path / "straight")
     run = tmp_path / "run"
     trainer.train(cfg, run)
@@ -254,7 +256,7 @@ def test_resume_skips_an_unreadable_checkpoint(tmp_path, tiny_target, caplog):
     assert "unreadable" in caplog.text
     assert (run / "checkpoints_unreadable" / "4").is_dir()
     # Resumed from step 2: steps 3..6 replay the same data and give the same losses.
-    assert _losses(run) == _losses(tmp_path / "straight")
+    assert logged_losses(run) == logged_losses(tmp_path / "straight")
     assert max(int(p.name) for p in (run / "checkpoints").iterdir()) == 6
 
 
@@ -265,5 +267,5 @@ def test_bad_option_values_are_refused(tmp_path):
         ("init_from", str(tmp_path / "missing"), "no such drafter directory"),
     ):
         with pytest.raises(ValueError, match=message):
-            trainer.train(_config(tmp_path / "d.jsonl", **{key: value}), tmp_path / "run")
+            trainer.train(train_config(tmp_path / "d.jsonl", **{key: value}), tmp_path / "run")
     assert not Path(tmp_path / "run" / "checkpoints").exists()

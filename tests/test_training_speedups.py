@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import TINY_TARGET, _config, _corpus, _losses
+from _training import TINY_TARGET, corpus, logged_losses, train_config
 
 from dflash_jax.io.drafter_io import restore_drafter
 from dflash_jax.io.target_loader import LoadedTarget
@@ -108,7 +108,7 @@ def _online_taps(target, tokens, tap_layers):
 
 
 def test_tap_cache_equals_online_taps_resumes_and_refuses_corruption(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl", num_records=12)
+    corpus(tmp_path / "data.jsonl", num_records=12)
     source = data.record_source([str(tmp_path / "data.jsonl")])
     layers = (1, 2)
     build = lambda: tap_cache.build_tap_cache(  # noqa: E731
@@ -170,10 +170,10 @@ def test_tap_cache_equals_online_taps_resumes_and_refuses_corruption(tmp_path, t
 
 @pytest.mark.slow  # the taps themselves: test_tap_cache_equals_online_taps_...
 def test_cached_taps_train_like_online_and_sampled_vocab_learns(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl")
-    online = _config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=6)
+    corpus(tmp_path / "data.jsonl")
+    online = train_config(tmp_path / "data.jsonl", num_steps=6, checkpoint_every=6)
     trainer.train(online, tmp_path / "online")
-    cached = _config(
+    cached = train_config(
         tmp_path / "data.jsonl",
         num_steps=6,
         checkpoint_every=6,
@@ -189,32 +189,34 @@ def test_cached_taps_train_like_online_and_sampled_vocab_learns(tmp_path, tiny_t
     written = taps_file.stat().st_mtime_ns
     trainer.train(cached, tmp_path / "cached")
     assert taps_file.stat().st_mtime_ns == written
-    a, b = _losses(tmp_path / "online"), _losses(tmp_path / "cached")
+    a, b = logged_losses(tmp_path / "online"), logged_losses(tmp_path / "cached")
     assert list(a) == list(b) == list(range(1, 7))
     np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=1e-4)
 
-    sampled = _config(tmp_path / "data.jsonl", num_steps=40, vocab_negatives=16)
+    sampled = train_config(tmp_path / "data.jsonl", num_steps=40, vocab_negatives=16)
     trainer.train(sampled, tmp_path / "sampled")
-    losses = list(_losses(tmp_path / "sampled").values())
+    losses = list(logged_losses(tmp_path / "sampled").values())
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
 
 def test_bad_taps_setting_is_refused(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl")
+    corpus(tmp_path / "data.jsonl")
     with pytest.raises(ValueError, match="online' or 'cached"):
-        trainer.train(_config(tmp_path / "data.jsonl", taps="disk"), tmp_path / "run")
+        trainer.train(train_config(tmp_path / "data.jsonl", taps="disk"), tmp_path / "run")
     with pytest.raises(ValueError, match="tap_cache_dtype"):
-        trainer.train(_config(tmp_path / "data.jsonl", tap_cache_dtype="int8"), tmp_path / "run")
+        trainer.train(
+            train_config(tmp_path / "data.jsonl", tap_cache_dtype="int8"), tmp_path / "run"
+        )
     with pytest.raises(ValueError, match="vocab_negatives"):
-        trainer.train(_config(tmp_path / "data.jsonl", vocab_negatives=-1), tmp_path / "run")
+        trainer.train(train_config(tmp_path / "data.jsonl", vocab_negatives=-1), tmp_path / "run")
 
 
 @pytest.mark.slow
 def test_final_norm_can_start_from_the_target(tmp_path, tiny_target):
-    _corpus(tmp_path / "data.jsonl")
+    corpus(tmp_path / "data.jsonl")
     scale = jnp.linspace(0.5, 2.0, TINY_TARGET.hidden_size)
     tiny_target.params["norm"]["scale"] = scale
-    cfg = _config(
+    cfg = train_config(
         tmp_path / "data.jsonl",
         num_steps=1,
         checkpoint_every=1,
@@ -258,8 +260,8 @@ def test_tau_projection_recovers_a_power_law_and_refuses_flat_curves():
 def test_tap_cache_grows_by_copying_the_records_it_has(tmp_path, tiny_target, monkeypatch):
     """More records, same taps: records the finished cache has are copied (we poison them to
     see it), new ones computed; the old cache survives until the new one is complete."""
-    _corpus(tmp_path / "small.jsonl", num_records=8)
-    _corpus(tmp_path / "other.jsonl", num_records=6, seed=1)  # another cycle: new records
+    corpus(tmp_path / "small.jsonl", num_records=8)
+    corpus(tmp_path / "other.jsonl", num_records=6, seed=1)  # another cycle: new records
     small_src, other_src = (
         data.record_source([str(tmp_path / n)]) for n in ("small.jsonl", "other.jsonl")
     )

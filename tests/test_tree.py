@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import LENS, PROMPT, make_pair, run_both, two_token_tv
+from _decode import LENS, PROMPT, assert_greedy_equals_ar, make_pair, run_both, two_token_tv
 
-from dflash_jax.config import ConfigError, DecodeConfig, kind_label, tree_kind
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode, tree
+from dflash_jax.decoding.settings import DecodeConfig, kind_label, tree_kind
 from dflash_jax.decoding.speculative import Proposal
 from dflash_jax.decoding.state import LoopState
 from dflash_jax.ops import attention, dispatch
@@ -114,9 +115,7 @@ def test_greedy_tree_equals_autoregressive(arch, nodes):
     tcfg, tp, dcfg, dp = make_pair(arch)
     dp = _peaked_drafter(tp, dp, dcfg, 0.03)
     cfg = DecodeConfig(max_new_tokens=24, block_size=8, tree_nodes=nodes)
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     acc = sp.acceptance_lengths
     assert acc.max() >= 3 and (acc[acc > 0] == 1).any()
     np.testing.assert_array_equal(1 + acc.sum(axis=1), sp.lengths)
@@ -144,9 +143,7 @@ def test_greedy_tree_with_stop_and_cap():
     ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
     stop = int(ar.tokens[0, 5])  # the first row stops at or before its sixth token
     cfg = DecodeConfig(**{**cfg.__dict__, "stop_token_ids": (stop,)})
-    ar, sp = run_both(tcfg, tp, dcfg, dp, cfg)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    np.testing.assert_array_equal(sp.lengths, ar.lengths)
+    ar, sp = assert_greedy_equals_ar(tcfg, tp, dcfg, dp, cfg)
     assert sp.lengths[0] <= 6 and sp.tokens[0, sp.lengths[0] - 1] == stop
 
 

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import TREE_KIND_BASE, DecodeConfig
+from dflash_jax.decoding.settings import TREE_KIND_BASE, DecodeConfig
 
 
 def default_step_costs(kinds: tuple[int, ...], platform: str | None = None) -> np.ndarray:

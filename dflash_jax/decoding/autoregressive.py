@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.config import TargetConfig
 from dflash_jax.decoding.phases import next_token, prefill
 from dflash_jax.decoding.programs import (
     check_prompt,
@@ -20,6 +20,7 @@ from dflash_jax.decoding.programs import (
     step_limit_array,
     typed_key,
 )
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import (
     DecodeOutput,
     LoopState,

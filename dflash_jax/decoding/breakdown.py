@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import phases, programs, selector, tree
 from dflash_jax.decoding.floors import (
     bracket_floors,
@@ -37,6 +37,7 @@ from dflash_jax.decoding.floors import (
     loop_time,
     tie,
 )
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import commit as commit_tokens
 from dflash_jax.models.target import decoding_head
 from dflash_jax.ops.caches import write_rows

@@ -16,9 +16,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, cache_root
+from dflash_jax.config import cache_root
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.runner import timed_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops.invariance import machine_name, software_name
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, TargetConfig
+from dflash_jax.config import TargetConfig
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.target import Transformer, decoding_head, init_cache, row_rule
 from dflash_jax.ops import dots, invariance
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding.sampling import process_logits, row_keys, sample
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import draft_vocab_logits, finish_logits, on_target_vocab
 from dflash_jax.models.dspark import ConfidenceHead, MarkovHead
 from dflash_jax.models.target import Head

@@ -13,7 +13,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import markov, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
@@ -25,6 +24,7 @@ from dflash_jax.decoding.sampling import (
     sample,
     token_logprobs,
 )
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
 from dflash_jax.models.drafter import (
     Drafter,

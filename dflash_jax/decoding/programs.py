@@ -20,7 +20,8 @@ import numpy as np
 from absl import logging
 
 from dflash_jax import sharding
-from dflash_jax.config import ConfigError, DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import DecodeOutput, carry_shardings, max_steps
 from dflash_jax.models.drafter import check_fits
 from dflash_jax.ops import invariance

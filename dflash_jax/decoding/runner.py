@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive, programs, speculative
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import DecodeOutput, finish, max_steps
 
 # Steps per advance call while streaming: text shows up every few steps, and the round trips

@@ -10,7 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops.reductions import argmax_last
 
 

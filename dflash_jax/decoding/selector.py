@@ -16,8 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding.sampling import row_keys, sample
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.dflash2 import CandidateSelector
 from dflash_jax.models.drafter import finish_logits
 from dflash_jax.models.target import Head

@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import ConfigError, DecodeConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import programs, speculative
 from dflash_jax.decoding.phases import init_speculative
 from dflash_jax.decoding.runner import compile_half
 from dflash_jax.decoding.sampling import RowSettings
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps
 from dflash_jax.models.target import decoding_head
 

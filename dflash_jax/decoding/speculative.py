@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig, tree_kind
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import adaptive, cut, lookup, tree
 from dflash_jax.decoding.phases import (
     draft_hidden,
@@ -33,6 +33,7 @@ from dflash_jax.decoding.programs import (
     step_limit_array,
     typed_key,
 )
+from dflash_jax.decoding.settings import DecodeConfig, tree_kind
 from dflash_jax.decoding.state import (
     DecodeOutput,
     LoopState,

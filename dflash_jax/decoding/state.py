@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding.sampling import split_key
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.target import KVCache
 
 
@@ -27,8 +27,8 @@ class DecodeOutput:
     lengths [B]; num_steps [B]: loop steps run for the row (the prefill token is not a step);
     acceptance_lengths [B, max_steps]: tokens committed per step incl. the bonus (tau), 0 after;
     block_sizes [B, max_steps]: the step kind each step ran (its block size; 1 = a plain target
-    step of the adaptive mode, -b = a prompt-lookup step of block size b, `config.tree_kind(N)`
-    = a tree step of N tokens, named by `config.kind_label`), 0 where the row ran no step."""
+    step of the adaptive mode, -b = a prompt-lookup step of block size b, `settings.tree_kind(N)`
+    = a tree step of N tokens, named by `settings.kind_label`), 0 where the row ran no step."""
 
     tokens: jax.Array
     lengths: jax.Array

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
 from dflash_jax.io import paths
+from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.speculators import is_speculators, read_config_json, read_speculators
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
@@ -62,7 +63,7 @@ def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: di
     )
     checkpointer.save(directory / ORBAX_PARAMS_DIR, params)
     checkpointer.wait_until_finished()
-    config_json = json.dumps(config.to_zlab(), indent=2, sort_keys=True)
+    config_json = json.dumps(drafter_to_zlab(config), indent=2, sort_keys=True)
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
 
 
@@ -114,7 +115,7 @@ def restore_drafter(
         hf = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read the drafter config {config_path}: {e}") from e
-    config = DrafterConfig.from_zlab(hf, dtype=dtype or hf.get("torch_dtype", "float32"))
+    config = drafter_from_zlab(hf, dtype=dtype or hf.get("torch_dtype", "float32"))
     floats = lambda x: jnp.dtype(config.dtype) if jnp.issubdtype(x, jnp.floating) else x
     shapes = jax.tree.map(  # the weights in `dtype`; a draft vocabulary's ids stay int32
         lambda x: jax.ShapeDtypeStruct(x.shape, floats(x.dtype)),

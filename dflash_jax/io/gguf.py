@@ -178,7 +178,7 @@ def native_kernels(tensors: dict[str, StoredTensor], config, scheme: str) -> dic
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, StoredTensor], bool]:
-    """Returns (HF-style config dict for `TargetConfig.from_hf`, canonical HF name ->
+    """Returns (HF-style config dict for `io.hf_config.target_from_hf`, canonical HF name ->
     StoredTensor in HF layout, whether the file embeds a tokenizer). Only the llama
     architecture is supported."""
     file = str(path)

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from dflash_jax.config import DFLASH2_FIELDS, DSPARK_FIELDS, ConfigError, DrafterConfig
+from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.zlab import (
     CONFIG_FILE,
@@ -59,7 +60,7 @@ from dflash_jax.io.zlab import (
 VERSION = "0.9.0"  # the release whose format this module reads and writes
 MODEL_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel",
                "dspark": "DSparkSpeculator"}  # fmt: skip
-# our z-lab-style architecture name of each model type (`DrafterConfig.from_zlab` reads it)
+# our z-lab-style architecture name of each model type (`drafter_from_zlab` reads it)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
                  "dspark": "DSparkDraftModel"}  # fmt: skip
 # `DSparkSpeculatorConfig`'s defaults, for a checkpoint that leaves a field out
@@ -94,7 +95,7 @@ def is_speculators(config_json: dict) -> bool:
 
 
 def zlab_config(spec: dict, where: str) -> dict:
-    """A `speculators` config.json dict -> the z-lab dict `DrafterConfig.from_zlab` reads;
+    """A `speculators` config.json dict -> the z-lab dict `drafter_from_zlab` reads;
     refuses what our decode cannot run, naming the field and what to do."""
     kind = spec.get("speculators_model_type")
     if kind not in MODEL_TYPES:
@@ -167,7 +168,7 @@ def zlab_config(spec: dict, where: str) -> dict:
 def speculators_config(config: DrafterConfig, verifier: str | None = None) -> dict:
     """The `speculators` config.json of our drafter; refuses what the format cannot say.
     verifier: the target's hub id or path (the reference loads its embedding and head from it)."""
-    z = config.to_zlab()
+    z = drafter_to_zlab(config)
     if "sliding_attention" in config.layer_types:
         raise ConfigError(
             "this drafter has sliding-window layers, which the speculators format windows "
@@ -229,7 +230,7 @@ def read_speculators(directory: str | Path, dtype: str = "float32") -> tuple[Dra
     misshapen tensors."""
     directory = Path(directory)
     spec = read_config_json(directory)
-    config = DrafterConfig.from_zlab(zlab_config(spec, str(directory / CONFIG_FILE)), dtype=dtype)
+    config = drafter_from_zlab(zlab_config(spec, str(directory / CONFIG_FILE)), dtype=dtype)
     tensors = read_tensors(directory)
     ours = {k: v for k, v in tensors.items() if k not in VERIFIER_TENSORS | VOCAB_MAPS}
     params = params_from_tensors(directory, config, ours, dtype)

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,8 @@ from dflash_jax.io.hf import (
     read_json,
     read_safetensors_dir,
 )
+from dflash_jax.io.hf_config import target_from_hf
+from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.io.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from dflash_jax.models.quantized import check_quantizable, quantize_params
 from dflash_jax.ops.quant import check_scheme
@@ -44,18 +45,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # The GGUF's tensors are dequantised by gguf and its tokenizer converted by transformers and
 # tokenizers: a new version of any of them may convert differently.
 _GGUF_CONVERTERS = ("gguf", "transformers", "tokenizers")
-
-
-@dataclasses.dataclass
-class LoadedTarget:
-    """A target ready to run: `Transformer(config).apply({"params": params}, ...)`."""
-
-    config: TargetConfig
-    params: dict
-    tokenizer: Any  # a transformers fast tokenizer, or None when the source ships none
-    chat_template: str | None
-    source: str  # the resolved local path
-    mesh: Any = None  # the jax Mesh the params are sharded over (load_target(mesh=...)), or None
 
 
 def load_target(
@@ -252,7 +241,7 @@ def _cast(dtype: str):
 
 def _config(hf: dict, dtype: str, where: Path, extra_eos: tuple[int, ...] = ()) -> TargetConfig:
     try:
-        config = TargetConfig.from_hf(hf, dtype=dtype)
+        config = target_from_hf(hf, dtype=dtype)
     except (ConfigError, KeyError) as e:
         raise ConfigError(f"{where}: {e}") from e
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))

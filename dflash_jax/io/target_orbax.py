@@ -28,6 +28,7 @@ import qwix
 from dflash_jax import sharding
 from dflash_jax.config import TargetConfig
 from dflash_jax.io.hf import CheckpointError
+from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.ops.quant import QWeight
 
 CONFIG_FILE = "target_config.json"
@@ -57,7 +58,6 @@ def save_target(directory: str | os.PathLike, target) -> None:
 def restore_target(directory: str | os.PathLike, dtype: str | None = None, mesh=None):
     """The `LoadedTarget` `save_target` wrote. dtype: the compute dtype to run it in (None: the
     saved one); float leaves are cast to it, quantized kernels stay as stored."""
-    from dflash_jax.io.target_loader import LoadedTarget
     from dflash_jax.io.tokenizer import load_hf_tokenizer
 
     directory = Path(directory).expanduser().resolve()

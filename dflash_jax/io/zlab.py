@@ -33,6 +33,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.io import paths
+from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.hf import CheckpointError, canonical_name, read_safetensors_dir
 
 CONFIG_FILE = "config.json"
@@ -169,7 +170,7 @@ def read_zlab_config(directory: str | Path, dtype: str = "float32") -> DrafterCo
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read the drafter config {path}: {e}") from e
-    return DrafterConfig.from_zlab(hf, dtype=dtype)
+    return drafter_from_zlab(hf, dtype=dtype)
 
 
 def read_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -286,4 +287,4 @@ def write_zlab(
             "--format=speculators"
         )
     tensors = tensors_from_params(config, params, dtype)
-    write_checkpoint(directory, dataclasses.replace(config, dtype=dtype).to_zlab(), tensors)
+    write_checkpoint(directory, drafter_to_zlab(dataclasses.replace(config, dtype=dtype)), tensors)

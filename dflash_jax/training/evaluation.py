@@ -18,8 +18,9 @@ import functools
 import jax
 import numpy as np
 
-from dflash_jax.config import DecodeConfig, DrafterConfig
+from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding import speculative_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.training import data
 from dflash_jax.training.loss import implied_acceptance, position_weights
 from dflash_jax.training.step import drafter_loss

@@ -30,8 +30,8 @@ import tqdm
 from absl import logging
 from etils import epath
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import paths
 from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, dedupe

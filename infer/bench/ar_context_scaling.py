@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
 from infer import cli
 from infer.logs import quiet_library_logs

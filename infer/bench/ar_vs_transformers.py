@@ -18,7 +18,7 @@ import numpy as np
 from absl import flags
 
 from dflash_jax import api
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from infer import cli
 
 FLAGS = flags.FLAGS

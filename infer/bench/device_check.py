@@ -54,7 +54,9 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
-from dflash_jax.config import DecodeConfig, DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig
+from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.io.hf_config import target_from_hf
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
 from infer import cli
@@ -79,10 +81,15 @@ PEAK_BYTES_PER_S = {
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("output", None, "Write the stages' JSON here (rewritten after each stage).")
-flags.DEFINE_bool("tiny", False, "Toy shapes for every stage (a CPU run in ~3 minutes).")
-flags.DEFINE_list("stages", list(STAGES), f"Stages to run, from {STAGES}.")
-flags.mark_flag_as_required("output")
+
+
+def define_flags() -> None:
+    """The command's flags, defined when it runs as a program: the module is imported by tests
+    beside other CLIs that define --output too (absl refuses a flag defined twice)."""
+    flags.DEFINE_string("output", None, "Write the stages' JSON here (rewritten after each stage).")
+    flags.DEFINE_bool("tiny", False, "Toy shapes for every stage (a CPU run in ~3 minutes).")
+    flags.DEFINE_list("stages", list(STAGES), f"Stages to run, from {STAGES}.")
+    flags.mark_flag_as_required("output")
 
 
 @dataclasses.dataclass
@@ -446,7 +453,7 @@ def _models(ctx):
 
     hf = TINY_TARGET if ctx.tiny else KNOWN_TARGETS["Qwen/Qwen3-8B"]
     dtype = _decode_dtype()
-    tcfg = TargetConfig.from_hf(hf, dtype=dtype)
+    tcfg = target_from_hf(hf, dtype=dtype)
     tcfg = dataclasses.replace(tcfg, eos_token_ids=())
     layers = tcfg.num_layers
     dcfg = DrafterConfig(
@@ -719,4 +726,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import kind_label
+from dflash_jax.decoding.settings import kind_label
 from dflash_jax.decoding.slots import SlotDecoder
 from infer import cli, common, report, serve
 from infer.serving.server import WARM_PROMPT

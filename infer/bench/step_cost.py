@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.config import kind_label
+from dflash_jax.decoding.settings import kind_label
 from infer import cli, common
 
 FLAGS = flags.FLAGS

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from dflash_jax.config import TREE_KIND_BASE, kind_label
+from dflash_jax.decoding.settings import TREE_KIND_BASE, kind_label
 from infer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dflash_jax.config import TREE_KIND_BASE, kind_label
+from dflash_jax.decoding.settings import TREE_KIND_BASE, kind_label
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets as vLLM's: latencies from milliseconds (a chunk) to minutes (a long answer).

@@ -1,0 +1,165 @@
+"""The decode settings (`DecodeConfig`: frozen and hashable, a static argument of the jitted
+loops) and the step-kind encoding every decode records (`tree_kind`, `kind_label`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.config import ConfigError
+
+# A tree step of N nodes is recorded (`DecodeOutput.block_sizes`, `DecodeConfig.all_kinds`) as
+# TREE_KIND_BASE + N: above every block size (a drafting kind is its block size, a copy its
+# negative), so one int still names any step kind. `kind_label` names it "treeN".
+TREE_KIND_BASE = 1000
+
+
+def tree_kind(num_nodes: int) -> int:
+    """The recorded kind of a tree step of `num_nodes` tokens."""
+    return TREE_KIND_BASE + num_nodes
+
+
+def kind_label(kind: int) -> str:
+    """A step kind as text: its block size ("8"; "1" a plain step), "-8" for a copied block,
+    "tree16" for a tree of 16 tokens."""
+    kind = int(kind)
+    return f"tree{kind - TREE_KIND_BASE}" if kind >= TREE_KIND_BASE else str(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static decoding settings. `temperature == 0` is greedy; otherwise sampling with
+    top-k (0 = off) and top-p (1 = off), applied identically to target and draft."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    block_size: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    # Adaptive draft length (decoding/adaptive.py): each loop step picks one of `step_kinds`
+    # block sizes (1 = a plain target step, no drafting) by expected tokens per unit of cost.
+    adaptive: bool = False
+    step_kinds: tuple[int, ...] = ()  # () with adaptive: 1, 4, 8 and block_size (those <= it)
+    adaptive_rate: float = 0.2  # weight of the newest step in the acceptance estimates
+    adaptive_prior: float = 0.3  # initial per-position acceptance estimate (see adaptive.py)
+    probe_every: int = 16  # after this many plain steps in a row, draft once to re-measure
+    probe_backoff: int = 4  # a failed probe doubles the wait, up to probe_every * this
+    # Prompt-lookup step kinds (adaptive only; decoding/lookup.py): block sizes whose drafts are
+    # copied from the prompt and the text so far (the longest suffix match of up to
+    # `lookup_ngram` tokens, then what followed it) instead of drafted; verified the same way.
+    lookup_kinds: tuple[int, ...] = ()
+    lookup_ngram: int = 3
+    # Every target pass batch-invariant (`ops.invariance`): a position's logits are bitwise the
+    # same in an AR step, a verify, a prefill or a batch, so greedy speculative output equals
+    # greedy AR output in any dtype. False: the passes as XLA picks them (fastest; a verify and
+    # an AR step may then round a near-tie apart: ~1e-6 apart in fp32, where no benchmark
+    # prompt has flipped, but often in bf16). None: on for every dtype but float32
+    # (`decoding.programs.run_target_config`).
+    batch_invariant: bool | None = None
+    # The row tile of a batch-invariant decode: every GEMM of every target pass runs at exactly
+    # this many rows (`ops.invariance.RowRule.fixed`; 0: `ops.invariance.ROW_TILE`, 32). Runs
+    # at one tile give a position the same bits, whatever their batch; a run whose passes are
+    # all wide (a server's slots x 16, `ops.invariance.row_tile_for`) sets a wider one, which
+    # runs them as one tile instead of several.
+    row_tile: int = 0
+    # Tree verification (decoding/tree.py): a step that verifies a tree of this many tokens (the
+    # anchor and tree_nodes - 1 drafted nodes, grown best-first from the drafter's per-position
+    # distributions) in one target pass and commits its longest accepted path. Fixed mode: every
+    # step is one. Adaptive: one more step kind (`tree_kind(tree_nodes)`, last in `all_kinds`)
+    # the controller chooses beside the chains and copies. 0: no tree.
+    tree_nodes: int = 0
+    # Each row carries its own request's settings in the loop state (`sampling.RowSettings`:
+    # temperature, top-k, top-p, PRNG key, token limit up to max_new_tokens), so the rows of one
+    # running decode can be different requests (a server's slots, `decoding.slots`). The start
+    # gives every row this config's settings; greedy rows keep the argmax of the greedy path.
+    row_settings: bool = False
+    # DSpark's confidence cut (a drafter with a confidence head, `models/dspark.py`): a step
+    # keeps its drafts only while the product of their predicted acceptance probabilities
+    # stays >= this; the drafts after the cut are not offered to the verify (the step commits
+    # the kept drafts the target accepts, then one target token: at the cut a sample of the
+    # target itself). A fixed-block decode verifies at the narrowest compiled width holding
+    # every active row's kept drafts (`decoding/cut.py`: what a cut saves); adaptive kinds
+    # apply the cut to their own drafts. 0: no cut (the measured default, docs/results.md).
+    confidence_cut: float = 0.0
+    # With row_settings: log-probabilities kept for every committed token (a server's
+    # `logprobs`): the token's and those of the `logprobs` likeliest tokens, from the
+    # distribution the row draws from (its temperature, top-k and top-p; a greedy row's raw
+    # distribution), computed in a step only while some row asks (`RowSettings.logprobs`).
+    # 0: none kept (the loop state has no room for them).
+    logprobs: int = 0
+
+    def __post_init__(self):
+        if self.logprobs and not (0 < self.logprobs <= 20 and self.row_settings):
+            raise ConfigError(
+                f"logprobs={self.logprobs}: 1 to 20 alternatives, with row_settings (0: none)"
+            )
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if not 0 <= self.row_tile <= 1024:
+            raise ConfigError(f"row_tile={self.row_tile}: give 1 to 1024 rows (0: the default, 32)")
+        if self.tree_nodes and (self.tree_nodes < 2 or self.block_size < 2):
+            raise ConfigError(
+                f"tree_nodes={self.tree_nodes} needs at least 2 nodes (the anchor and one "
+                f"draft) and block_size >= 2 (got {self.block_size}); 0 = a chain"
+            )
+        if self.tree_nodes and self.row_settings:
+            raise ConfigError(
+                f"tree_nodes={self.tree_nodes} with row_settings: per-row sampling settings are "
+                "not implemented for tree steps; use tree_nodes=0"
+            )
+        if self.tree_nodes and self.block_size >= TREE_KIND_BASE:
+            raise ConfigError(
+                f"block_size={self.block_size} with a tree: block sizes below {TREE_KIND_BASE} "
+                "(a tree step's recorded kind lies above them)"
+            )
+        kinds = self.step_kinds
+        if self.adaptive and not kinds:
+            kinds = tuple(sorted({1, *(b for b in (4, 8) if b < self.block_size), self.block_size}))
+        if kinds and (min(kinds) < 1 or max(kinds) != self.block_size or len(set(kinds)) < 2):
+            raise ConfigError(
+                f"step_kinds={kinds} must be distinct block sizes >= 1 (at least two), the "
+                f"largest equal to block_size={self.block_size}"
+            )
+        object.__setattr__(self, "step_kinds", tuple(sorted(kinds)) if self.adaptive else ())
+        if not 0.0 < self.adaptive_rate <= 1.0 or not 0.0 <= self.adaptive_prior <= 1.0:
+            raise ConfigError(
+                f"adaptive_rate={self.adaptive_rate} must be in (0, 1] and "
+                f"adaptive_prior={self.adaptive_prior} in [0, 1]"
+            )
+        if self.probe_every < 1:
+            raise ConfigError(f"probe_every={self.probe_every} must be at least 1")
+        if not 0.0 <= self.confidence_cut < 1.0:
+            raise ConfigError(f"confidence_cut={self.confidence_cut} must be in [0, 1) (0: no cut)")
+        lookup = tuple(sorted({int(b) for b in self.lookup_kinds}))
+        if lookup and (not self.adaptive or min(lookup) < 2 or max(lookup) > self.block_size):
+            raise ConfigError(
+                f"lookup_kinds={self.lookup_kinds} need adaptive=True and block sizes in "
+                f"[2, block_size={self.block_size}]"
+            )
+        object.__setattr__(self, "lookup_kinds", lookup)
+        if self.lookup_ngram < 1:
+            raise ConfigError(f"lookup_ngram={self.lookup_ngram} must be at least 1")
+        if self.probe_backoff < 1:
+            raise ConfigError(f"probe_backoff={self.probe_backoff} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size={self.block_size} must be at least 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def all_kinds(self) -> tuple[int, ...]:
+        """Every adaptive step kind, in the order of the controller's costs and of a forced
+        kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes,
+        then the tree kind `tree_kind(tree_nodes)` when there is a tree (how
+        `DecodeOutput.block_sizes` records them)."""
+        tree = (tree_kind(self.tree_nodes),) if self.adaptive and self.tree_nodes else ()
+        return self.step_kinds + tuple(-b for b in self.lookup_kinds) + tree
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
