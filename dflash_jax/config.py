@@ -473,6 +473,14 @@ class DrafterConfig:
     and `draft_to_target` (int32 [draft vocab], each draft id's target id, ascending); 0: it
     drafts through the target's lm_head over the target's vocabulary.
 
+    Sliding layers (`layer_types`, `sliding_window` W) bound what a block sees of the context.
+    z-lab's window (the reference `dflash` package, HF's sliding window) is measured from each
+    query: slot j at position p sees keys at p - W < position (so its own block too, within W).
+    `window_from_anchor` (the `speculators` format's window) measures it from the block's
+    anchor a: every slot of the block sees context positions a - W .. a - 1 and its whole block
+    (or its earlier slots, when causal). Either way a windowed layer drafts over at most W
+    context rows, whatever the context's length.
+
     DSpark (`speculators`' `DSparkDraftModel`, `config.is_dspark`) when any of the
     `DSPARK_FIELDS` below is set: a DFlash drafter whose draft at position anchor+i+1 gets a
     low-rank Markov logit bias from the token at anchor+i (`markov_rank` > 0; the
@@ -500,6 +508,7 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    window_from_anchor: bool = False
     causal: bool | None = None
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
@@ -613,6 +622,8 @@ class DrafterConfig:
         return self.layer_types[i] == "sliding_attention"
 
     def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: full attention); `window_from_anchor` says from
+        where it is measured."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @classmethod
@@ -680,6 +691,7 @@ class DrafterConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
             layer_types=tuple(hf.get("layer_types") or ()),
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            window_from_anchor=bool(lookup("window_from_anchor", False)),
             causal=None if is_causal is None else bool(is_causal),
             input_embedding_scale=lookup("input_embedding_scale"),
             output_multiplier=lookup("output_multiplier"),
@@ -701,6 +713,8 @@ class DrafterConfig:
                 dflash_config[name] = getattr(self, name)
         if self.draft_vocab_size:  # ours (Orbax) only: write_zlab refuses it
             dflash_config["draft_vocab_size"] = self.draft_vocab_size
+        if self.window_from_anchor:  # ours (Orbax) only: write_zlab refuses it
+            dflash_config["window_from_anchor"] = True
         arch = "DFlash2DraftModel" if self.is_dflash2 else "DFlashDraftModel"
         if self.is_dflash2:
             dflash_config |= {name: getattr(self, name) for name in DFLASH2_FIELDS}
