@@ -842,6 +842,17 @@ class DecodeConfig:
     # every active row's kept drafts (`decoding/cut.py`: what a cut saves); adaptive kinds
     # apply the cut to their own drafts. 0: no cut (the measured default, docs/results.md).
     confidence_cut: float = 0.0
+    # Prompts longer than this are prefilled in chunks of this many tokens (`phases.prompt_pass`),
+    # each a pass over the cache written so far: a layer's prefill holds scores for
+    # prefill_chunk x prompt slots, not prompt x prompt (32k tokens of Qwen3-8B: 267 GiB of
+    # fp32 scores whole). 0: the whole prompt in one pass.
+    prefill_chunk: int = 512
+    # Bounded drafting for drafters trained without a window (`models.drafter`): every
+    # full-attention draft layer sees the first `draft_sinks` context rows and the last
+    # `draft_window` before the block's anchor, so a draft's cost stops growing with the
+    # context. Lossless (the target verifies); acceptance may change. 0: the whole context.
+    draft_window: int = 0
+    draft_sinks: int = 4
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -892,6 +903,13 @@ class DecodeConfig:
             raise ConfigError(f"lookup_ngram={self.lookup_ngram} must be at least 1")
         if self.probe_backoff < 1:
             raise ConfigError(f"probe_backoff={self.probe_backoff} must be at least 1")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 0 (0: whole)")
+        if self.draft_window < 0 or self.draft_sinks < 0:
+            raise ConfigError(
+                f"draft_window={self.draft_window} and draft_sinks={self.draft_sinks} must be "
+                ">= 0 (draft_window 0: the drafter sees the whole context)"
+            )
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

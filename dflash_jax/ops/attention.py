@@ -77,11 +77,16 @@ def context_mask(
     anchors + j. A query of block n sees context slot s iff s < min(anchor_n, context_length)
     (strictly before its anchor) and, with `window`, q_pos - s < window (`from_anchor`:
     anchor - s <= window, the same W context rows for every slot). -> [B, N*J, S] bool."""
-    lo_bt, hi_bt = context_bounds(context_lengths, anchors, block_size, window, from_anchor)
+    b, n = anchors.shape
+    q_pos_bt = (anchors[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(b, -1)
+    q_anchor_bt = jnp.repeat(anchors, block_size, axis=1)
     ctx_pos_s = jnp.arange(num_context)
-    return (ctx_pos_s[None, None, :] >= lo_bt[:, :, None]) & (
-        ctx_pos_s[None, None, :] < hi_bt[:, :, None]
-    )
+    ctx_limit_bt = jnp.minimum(q_anchor_bt, context_lengths[:, None])
+    visible_bts = ctx_pos_s[None, None, :] < ctx_limit_bt[:, :, None]
+    if window is not None:
+        start_bt = q_anchor_bt if from_anchor else q_pos_bt + 1
+        visible_bts &= (start_bt[:, :, None] - ctx_pos_s[None, None, :]) <= window
+    return visible_bts
 
 
 def context_bounds(
