@@ -78,9 +78,7 @@ def test_a_windowed_block_drafts_over_its_window_alone(from_anchor):
     anchors = lengths[:, None]
     mask = xla.drafter_mask(lengths, anchors, j, s, causal=True, window=window,
                             from_anchor=from_anchor)  # fmt: skip
-    dense = xla.attention(
-        q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask
-    )
+    dense = xla.attention(q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask)
     got = dispatch.block_attention(
         q, k, v, blk_k, blk_v, lengths, anchors, block_size=j, causal=True, window=window,
         window_from_anchor=from_anchor, impl="xla",

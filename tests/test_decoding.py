@@ -6,6 +6,7 @@ between 1 and the block size, which exercises partial acceptance, the bonus toke
 accepted blocks and the max_new_tokens cap.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -71,6 +72,35 @@ def run_both(tcfg, tp, dcfg, dp, cfg, prompt=PROMPT, lens=LENS, seed=0):
         tp, dp, prompt, lens, key, target_config=tcfg, drafter_config=dcfg, decode_config=cfg
     )
     return jax.tree.map(np.asarray, ar), jax.tree.map(np.asarray, sp)
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_the_whole_prompts_tokens():
+    """Prefill in chunks of 3 (PROMPT's 7 tokens: chunks at 0, 3 and 4, the last overlapping
+    its predecessor): the last hidden states, taps and written cache rows equal the whole
+    prompt's pass to fp32 rounding, and a speculative decode prefilled so gives the tokens of
+    the AR decode prefilled whole."""
+    tcfg, tp, dcfg, dp = make_pair()
+    prompt, last = jnp.asarray(PROMPT), jnp.asarray(LENS) - 1
+
+    def prompt_pass(chunk):
+        run = lambda tp: phases.prompt_pass(
+            tp, tcfg, prompt, phases.init_cache(tcfg, 3, 12), (0, 2), last, chunk
+        )
+        return jax.jit(run)(tp)
+
+    (whole_h, whole_taps, whole), (h, taps, cache) = prompt_pass(0), prompt_pass(3)
+    np.testing.assert_allclose(h, whole_h, atol=1e-5)
+    np.testing.assert_allclose(taps, whole_taps, atol=1e-3)  # taps up to ~130 here
+    written = jnp.arange(12)[None, None, :, None] < jnp.asarray(LENS)[:, None, None, None]
+    for a, b in zip(cache.k + cache.v, whole.k + whole.v, strict=True):
+        np.testing.assert_allclose(jnp.where(written, a, 0), jnp.where(written, b, 0), atol=1e-3)
+    cfg = DecodeConfig(max_new_tokens=24, block_size=3)
+    chunked = dataclasses.replace(cfg, prefill_chunk=3)
+    ar = autoregressive_decode(tp, PROMPT, LENS, jax.random.key(0), target_config=tcfg,
+                               decode_config=cfg)  # fmt: skip
+    sp = speculative_decode(tp, dp, PROMPT, LENS, jax.random.key(0), target_config=tcfg,
+                            drafter_config=dcfg, decode_config=chunked)  # fmt: skip
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
 
 
 @pytest.mark.parametrize(
