@@ -525,6 +525,11 @@ class DrafterConfig:
     confidence_head_with_markov: bool = False
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
+    # Run settings too (`DecodeConfig.draft_window`, set by the decode): drafting one block,
+    # each full-attention layer sees the first `draft_sinks` context rows and the
+    # `draft_window` before the anchor (0: all of them). Sliding layers keep their own window.
+    draft_window: int = 0
+    draft_sinks: int = 0
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)

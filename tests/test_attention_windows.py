@@ -79,10 +79,42 @@ def test_a_windowed_block_drafts_over_its_window_alone(from_anchor):
     mask = xla.drafter_mask(lengths, anchors, j, s, causal=True, window=window,
                             from_anchor=from_anchor)  # fmt: skip
     dense = xla.attention(q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask)
-    got = dispatch.block_attention(
-        q, k, v, blk_k, blk_v, lengths, anchors, block_size=j, causal=True, window=window,
-        window_from_anchor=from_anchor, impl="xla",
-    )  # fmt: skip
+    attend = jax.jit(
+        lambda *a: dispatch.block_attention(
+            *a,
+            lengths,
+            anchors,
+            block_size=j,
+            causal=True,
+            window=window,
+            window_from_anchor=from_anchor,
+            impl="xla",
+        )  # fmt: skip
+    )
+    got = attend(q, k, v, blk_k, blk_v)
     np.testing.assert_allclose(got, dense, atol=1e-5)
     other = xla.drafter_mask(lengths, anchors, j, s, True, window, not from_anchor)
     assert not jnp.array_equal(mask, other)
+
+
+def test_a_bounded_draft_context_sees_its_sinks_and_window():
+    """`sinks_and_window` (2 sinks, window 6) on a full-attention layer drafting one block per
+    row over a 40-slot cache equals the dense mask 'before the anchor, and among the first 2
+    slots or the 6 before the anchor', for anchors far past, just past and inside the bound."""
+    b, s, j = 4, 40, 4
+    q, k, v, blk_k, blk_v = _qkv(jax.random.key(5), b, j, 4, 2, s)
+    lengths = jnp.array([30, 9, 5, 40])
+    anchors = lengths[:, None]
+    ctx = xla.context_mask(lengths, anchors, j, s)
+    pos = jnp.arange(s)[None, None, :]
+    ctx &= (pos < 2) | (pos >= anchors[:, :, None] - 6)
+    blk = jnp.ones((b, j, j), bool)
+    mask = jnp.concatenate([ctx, blk], axis=-1)
+    dense = xla.attention(q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask)
+    attend = jax.jit(
+        lambda *a: dispatch.block_attention(
+            *a, lengths, anchors, block_size=j, sinks_and_window=(2, 6), impl="xla"
+        )
+    )
+    got = attend(q, k, v, blk_k, blk_v)
+    np.testing.assert_allclose(got, dense, atol=1e-5)

@@ -96,6 +96,7 @@ class DrafterLayer(nn.Module):
             causal=causal,
             window=window,
             window_from_anchor=self.config.window_from_anchor,
+            sinks_and_window=(self.config.draft_sinks, self.config.draft_window),
             impl=self.config.attention_impl,
         )
         attn_bqd = self.self_attn.output(attn_bqnh)

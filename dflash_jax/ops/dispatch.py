@@ -243,6 +243,7 @@ def block_attention(
     causal: bool = False,
     window: int | None = None,
     window_from_anchor: bool = False,
+    sinks_and_window: tuple[int, int] = (0, 0),
     impl: str = "auto",
 ) -> jax.Array:
     """The drafter's attention under `drafter_mask` (training: N anchor blocks over the whole
@@ -253,11 +254,20 @@ def block_attention(
     anchors + j and sees context slots < min(anchor, context_length)); `window` (measured from
     each query, or from the anchor: `window_from_anchor`, which leaves the block unwindowed).
     Drafting one block with a window reads only the window's slots of the cache
-    (`window_slice`), so its cost does not grow with the context. -> [B,Q,N,H].
+    (`window_slice`), so its cost does not grow with the context. `sinks_and_window` (sinks,
+    W), W > 0, for a full-attention layer drafting one block: it sees only the first `sinks`
+    context slots and the W before the anchor (`sink_window_slice`; not the drafter it was
+    trained as, but the target verifies every draft). -> [B,Q,N,H].
     """
-    if window is not None and anchors.shape[1] == 1 and ctx_k.shape[2] > window:
+    single = anchors.shape[1] == 1
+    sinks, bound = sinks_and_window
+    if window is not None and single and ctx_k.shape[2] > window:
         ctx_k, ctx_v, context_lengths, anchors = window_slice(
             ctx_k, ctx_v, context_lengths, anchors, window
+        )
+    elif window is None and single and bound and ctx_k.shape[2] > sinks + bound:
+        ctx_k, ctx_v, context_lengths, anchors = sink_window_slice(
+            ctx_k, ctx_v, context_lengths, anchors, sinks, bound
         )
     blk_window = None if window_from_anchor else window
     bounds = lambda: xla.context_bounds(
@@ -307,6 +317,21 @@ def window_slice(ctx_k, ctx_v, context_lengths, anchors, window: int):
     cut = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, window, axis=1))
     lengths = jnp.clip(context_lengths - start_b, 0, window)
     return cut(ctx_k, start_b), cut(ctx_v, start_b), lengths, anchors - start_b[:, None]
+
+
+def sink_window_slice(ctx_k, ctx_v, context_lengths, anchors, sinks: int, window: int):
+    """The keys a full-attention layer drafting one block per row sees under a bounded draft
+    context: context slots [0, sinks) and the `window` slots before the anchor, laid side by
+    side ([B,K,S,H] -> [B,K,sinks + window,H]), with lengths and anchors such that the visible
+    part is a prefix (the window starts at the anchor - window, or at `sinks` when that is
+    later, so no slot is taken twice). -> (ctx_k, ctx_v, context_lengths, anchors)."""
+    s = ctx_k.shape[2]
+    hi_b = jnp.minimum(anchors[:, 0], context_lengths)
+    start_b = jnp.clip(anchors[:, 0] - window, sinks, s - window)
+    cut = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, window, axis=1))
+    join = lambda x: jnp.concatenate([x[:, :, :sinks], cut(x, start_b)], axis=2)
+    live_b = jnp.minimum(hi_b, sinks) + jnp.clip(hi_b - start_b, 0, window)
+    return join(ctx_k), join(ctx_v), live_b, live_b[:, None]
 
 
 def causal_attention(
