@@ -851,7 +851,7 @@ class DecodeConfig:
     # each a pass over the cache written so far: a layer's prefill holds scores for
     # prefill_chunk x prompt slots, not prompt x prompt (32k tokens of Qwen3-8B: 267 GiB of
     # fp32 scores whole). 0: the whole prompt in one pass.
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     # Bounded drafting for drafters trained without a window (`models.drafter`): every
     # full-attention draft layer sees the first `draft_sinks` context rows and the last
     # `draft_window` before the block's anchor, so a draft's cost stops growing with the

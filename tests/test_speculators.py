@@ -30,6 +30,7 @@ from _reference import make_reference_pair
 from absl import flags
 from safetensors.numpy import load_file, save_file
 from test_decoding import make_pair, two_token_tv
+from transformers import Qwen3Config
 
 import dflash_jax as dj
 from dflash_jax.config import ConfigError, DecodeConfig
@@ -110,6 +111,10 @@ def test_round_trips_keep_config_and_params(pair, tmp_path):
     hf = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert hf["speculators_model_type"] == "dflash" and hf["aux_hidden_state_layer_ids"] == [2, 4]
     assert hf["speculators_config"]["verifier"]["name_or_path"] == "some/target"
+    # transformers 4 readers take rope_theta / rope_scaling, 5 rope_parameters: both written
+    layer = hf["transformer_layer_config"]
+    assert layer["rope_theta"] == config.rope_theta == 1e6  # not transformers' default
+    assert Qwen3Config(**layer).rope_parameters["rope_theta"] == config.rope_theta
     back_config, back = read_speculators(tmp_path / "spec")
     assert back_config == config
     _assert_same_params(back, params)

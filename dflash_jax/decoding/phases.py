@@ -93,7 +93,9 @@ def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk
     runs as a scan over chunks of `chunk` tokens, the last one ending at P (overlapping its
     predecessor, whose rows it rewrites), each attending to the cache written before it and to
     itself (`cached_attention`, as a verify does): a layer then holds chunk x P scores instead
-    of P x P, on every platform."""
+    of P x P, on every platform. Chunks past every row's last position (the padding of a
+    power-of-two buffer) are skipped: their taps are zeros and their cache rows unwritten,
+    which nothing reads."""
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
     if not chunk or p <= chunk or tcfg.layered:
@@ -111,15 +113,21 @@ def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
         return model.apply(params, *args, method="hidden")
 
+    shapes = jax.eval_shape(run, cache, starts[0])
+
+    def skip(cache, start):  # a chunk past every row's prompt (the buffer's padding)
+        zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+        return zeros(shapes[0]), jax.tree.map(zeros, shapes[1]), cache
+
     def body(carry, start):
         cache, hidden_b1d = carry
-        chunk_hidden_b1d, taps_bcf, cache = run(cache, start)
+        live = start <= jnp.max(last_b)
+        chunk_hidden_b1d, taps_bcf, cache = jax.lax.cond(live, run, skip, cache, start)
         mine_b = (last_b >= start) & (last_b < start + chunk)
         hidden_b1d = jnp.where(mine_b[:, None, None], chunk_hidden_b1d, hidden_b1d)
         return (cache, hidden_b1d), taps_bcf
 
-    hidden_shape = jax.eval_shape(run, cache, starts[0])[0]
-    hidden_b1d = jnp.zeros(hidden_shape.shape, hidden_shape.dtype)
+    hidden_b1d = jnp.zeros(shapes[0].shape, shapes[0].dtype)
     (cache, hidden_b1d), taps_nbcf = jax.lax.scan(body, (cache, hidden_b1d), starts)
     if taps_nbcf is None:
         return hidden_b1d, None, cache

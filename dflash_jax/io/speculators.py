@@ -197,8 +197,7 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
         )
     kind = "dflash2" if config.is_dflash2 else "dspark" if config.is_dspark else "dflash"
     # num_target_layers stays in the layer config (the reference ignores it), so it round-trips
-    not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "rope_theta",
-                 "torch_dtype")  # fmt: skip
+    not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "torch_dtype")
     layer = {k: v for k, v in z.items() if k not in not_layer}
     # rope_parameters for transformers 5 readers, rope_theta and rope_scaling (as z-lab writes
     # them) for transformers 4 ones
