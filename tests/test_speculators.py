@@ -10,6 +10,11 @@ newer), so it runs in its own venv, named by DFLASH_JAX_SPECULATORS_PYTHON (skip
     python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 speculators==0.9.0
     /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio   # builds for another torch
     DFLASH_JAX_SPECULATORS_PYTHON=/tmp/specvenv/bin/python python -m pytest tests/test_speculators.py
+
+(A lighter venv, used for issue 61: this venv's packages through a .pth file, then
+`pip install --no-deps speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings
+hs-connectors==0.9.0` and a stub `datasets` module, which speculators imports but never uses
+here.)
 """
 
 from __future__ import annotations
