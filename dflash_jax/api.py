@@ -564,6 +564,7 @@ def decode_config(
     batch_invariant: bool | None = None,
     confidence_cut: float = 0.0,
     row_tile: int = 0,
+    draft_window: int = 0,
 ) -> DecodeConfig:
     """The DecodeConfig of a decode whose block size and mode are settled (`decode_mode`):
     None lookup kinds are `DEFAULT_LOOKUP_KINDS` (those <= the block size); step and lookup
@@ -585,6 +586,7 @@ def decode_config(
         row_tile=row_tile,
         tree_nodes=tree_nodes,
         confidence_cut=confidence_cut,
+        draft_window=draft_window,
     )
 
 
@@ -605,6 +607,7 @@ def generate_config(
     platform: str | None = None,
     confidence_cut: float = 0.0,
     row_tile: int = 0,
+    draft_window: int = 0,
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
     block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
@@ -622,6 +625,7 @@ def generate_config(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         step_kinds=step_kinds, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
         batch_invariant=batch_invariant, confidence_cut=confidence_cut, row_tile=row_tile,
+        draft_window=draft_window,
     )  # fmt: skip
 
 

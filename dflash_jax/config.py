@@ -343,6 +343,14 @@ class DrafterConfig:
     and `draft_to_target` (int32 [draft vocab], each draft id's target id, ascending); 0: it
     drafts through the target's lm_head over the target's vocabulary.
 
+    Sliding layers (`layer_types`, `sliding_window` W) bound what a block sees of the context.
+    z-lab's window (the reference `dflash` package, HF's sliding window) is measured from each
+    query: slot j at position p sees keys at p - W < position (so its own block too, within W).
+    `window_from_anchor` (the `speculators` format's window) measures it from the block's
+    anchor a: every slot of the block sees context positions a - W .. a - 1 and its whole block
+    (or its earlier slots, when causal). Either way a windowed layer drafts over at most W
+    context rows, whatever the context's length.
+
     DSpark (`speculators`' `DSparkDraftModel`, `config.is_dspark`) when any of the
     `DSPARK_FIELDS` below is set: a DFlash drafter whose draft at position anchor+i+1 gets a
     low-rank Markov logit bias from the token at anchor+i (`markov_rank` > 0; the
@@ -370,6 +378,7 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    window_from_anchor: bool = False
     causal: bool | None = None
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
@@ -386,6 +395,11 @@ class DrafterConfig:
     confidence_head_with_markov: bool = False
     dtype: str = "float32"
     attention_impl: str = "auto"  # a run setting: never read from or written to config.json
+    # Run settings too (`DecodeConfig.draft_window`, set by the decode): drafting one block,
+    # each full-attention layer sees the first `draft_sinks` context rows and the
+    # `draft_window` before the anchor (0: all of them). Sliding layers keep their own window.
+    draft_window: int = 0
+    draft_sinks: int = 0
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
@@ -483,4 +497,6 @@ class DrafterConfig:
         return self.layer_types[i] == "sliding_attention"
 
     def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: full attention); `window_from_anchor` says from
+        where it is measured."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None

@@ -83,6 +83,15 @@ flags.DEFINE_float(
     lower_bound=0.0, upper_bound=0.999,
 )  # fmt: skip
 flags.DEFINE_integer(
+    "draft_window", 0,
+    "Bounded drafting at long context (DecodeConfig.draft_window): each full-attention draft "
+    "layer sees the first 4 context rows and this many before the block's anchor, so a "
+    "draft's cost stops growing with the context (a drafter's own sliding layers keep their "
+    "trained window). Lossless (the target verifies every draft); acceptance may drop. "
+    "0 = the whole context.",
+    lower_bound=0,
+)  # fmt: skip
+flags.DEFINE_integer(
     "tree_nodes", 0,
     "Tree verification: a step that verifies a tree of this many tokens (the anchor and the "
     "drafter's most probable continuations, grown best-first; decoding/tree.py) in one target "
@@ -176,6 +185,7 @@ def _flag_settings() -> dict:
         top_p=FLAGS.top_p, step_kinds=tuple(int(k) for k in FLAGS.step_kinds),
         lookup_kinds=lookup, tree_nodes=FLAGS.tree_nodes, batch_invariant=FLAGS.batch_invariant,
         confidence_cut=FLAGS.confidence_cut, row_tile=FLAGS.row_tile,
+        draft_window=FLAGS.draft_window,
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """The XLA attention forms the decode loop uses equal the dense reference: attending to the old
-cache plus the new block (`append_attention`), and cutting the cache to its live width
-(`dispatch.live_window`), at window boundaries and with ragged rows."""
+cache plus the new block (`append_attention`), cutting the cache to its live width
+(`dispatch.live_window`), at window boundaries and with ragged rows, and a sliding layer's block
+drafted over its window's slots only (`dispatch.window_slice`)."""
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +64,57 @@ def test_live_window_cuts_the_cache_without_changing_the_result(longest):
         qd, k, v, blk_k, blk_v, xla.context_mask(ctx_len, anchors, j, s), xla.block_mask(j)
     )
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("from_anchor", [False, True])
+def test_a_windowed_block_drafts_over_its_window_alone(from_anchor):
+    """One block per row (drafting) of a sliding layer, window 6 over a 40-slot cache: the
+    attention over the window's slots cut from the cache equals the dense `drafter_mask` over
+    the whole cache, for rows whose anchor is past, inside and at the start of the window; the
+    two windows (from each query, from the anchor) differ."""
+    b, s, j, window = 3, 40, 4, 6
+    q, k, v, blk_k, blk_v = _qkv(jax.random.key(3), b, j, 4, 2, s)
+    lengths = jnp.array([30, 5, 40])
+    anchors = lengths[:, None]
+    mask = xla.drafter_mask(lengths, anchors, j, s, causal=True, window=window,
+                            from_anchor=from_anchor)  # fmt: skip
+    dense = xla.attention(q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask)
+    attend = jax.jit(
+        lambda *a: dispatch.block_attention(
+            *a,
+            lengths,
+            anchors,
+            block_size=j,
+            causal=True,
+            window=window,
+            window_from_anchor=from_anchor,
+            impl="xla",
+        )  # fmt: skip
+    )
+    got = attend(q, k, v, blk_k, blk_v)
+    np.testing.assert_allclose(got, dense, atol=1e-5)
+    other = xla.drafter_mask(lengths, anchors, j, s, True, window, not from_anchor)
+    assert not jnp.array_equal(mask, other)
+
+
+def test_a_bounded_draft_context_sees_its_sinks_and_window():
+    """`sinks_and_window` (2 sinks, window 6) on a full-attention layer drafting one block per
+    row over a 40-slot cache equals the dense mask 'before the anchor, and among the first 2
+    slots or the 6 before the anchor', for anchors far past, just past and inside the bound."""
+    b, s, j = 4, 40, 4
+    q, k, v, blk_k, blk_v = _qkv(jax.random.key(5), b, j, 4, 2, s)
+    lengths = jnp.array([30, 9, 5, 40])
+    anchors = lengths[:, None]
+    ctx = xla.context_mask(lengths, anchors, j, s)
+    pos = jnp.arange(s)[None, None, :]
+    ctx &= (pos < 2) | (pos >= anchors[:, :, None] - 6)
+    blk = jnp.ones((b, j, j), bool)
+    mask = jnp.concatenate([ctx, blk], axis=-1)
+    dense = xla.attention(q, jnp.concatenate([k, blk_k], 2), jnp.concatenate([v, blk_v], 2), mask)
+    attend = jax.jit(
+        lambda *a: dispatch.block_attention(
+            *a, lengths, anchors, block_size=j, sinks_and_window=(2, 6), impl="xla"
+        )
+    )
+    got = attend(q, k, v, blk_k, blk_v)
+    np.testing.assert_allclose(got, dense, atol=1e-5)

@@ -7,6 +7,8 @@ between 1 and the block size, which exercises partial acceptance, the bonus toke
 accepted blocks and the max_new_tokens cap.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,41 @@ from _decode import (
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.decoding import autoregressive_decode, phases, sampling, speculative_decode
 from dflash_jax.decoding.settings import DecodeConfig
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_the_whole_prompts_tokens():
+    """Prefill in chunks of 3. PROMPT padded to a 12-token buffer (chunks at 0, 3, 6 and 9, the
+    last past every row's prompt, skipped): the last hidden states, taps and cache rows of each
+    row's prompt equal the whole buffer's pass to fp32 rounding. PROMPT itself (7 tokens:
+    chunks at 0, 3 and 4, the last overlapping its predecessor): a speculative decode
+    prefilled so gives the tokens of the AR decode prefilled whole."""
+    tcfg, tp, dcfg, dp = make_pair()
+    prompt, last = jnp.pad(jnp.asarray(PROMPT), ((0, 0), (0, 5))), jnp.asarray(LENS) - 1
+
+    def prompt_pass(chunk):
+        run = lambda tp: phases.prompt_pass(
+            tp, tcfg, prompt, phases.init_cache(tcfg, 3, 16), (0, 2), last, chunk
+        )
+        return jax.jit(run)(tp)
+
+    (whole_h, whole_taps, whole), (h, taps, cache) = prompt_pass(0), prompt_pass(3)
+    np.testing.assert_allclose(h, whole_h, atol=1e-5)
+    mine = jnp.arange(12)[None, :, None] < jnp.asarray(LENS)[:, None, None]
+    same = lambda a, b, mask: np.testing.assert_allclose(  # taps up to ~130 here
+        jnp.where(mask, a, 0), jnp.where(mask, b, 0), atol=1e-3
+    )
+    same(taps, whole_taps, mine)
+    written = jnp.arange(16)[None, None, :, None] < jnp.asarray(LENS)[:, None, None, None]
+    for a, b in zip(cache.k + cache.v, whole.k + whole.v, strict=True):
+        same(a, b, written)
+    assert not np.asarray(taps[:, 9:]).any()  # the skipped chunk
+    cfg = DecodeConfig(max_new_tokens=24, block_size=3)
+    chunked = dataclasses.replace(cfg, prefill_chunk=3)
+    ar = autoregressive_decode(tp, PROMPT, LENS, jax.random.key(0), target_config=tcfg,
+                               decode_config=cfg)  # fmt: skip
+    sp = speculative_decode(tp, dp, PROMPT, LENS, jax.random.key(0), target_config=tcfg,
+                            drafter_config=dcfg, decode_config=chunked)  # fmt: skip
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,10 @@ def test_bounds_are_the_dense_masks(window):
     slots = jnp.arange(23)[None, None, :]
     ranged = (slots >= lo[:, :, None]) & (slots < hi[:, :, None])
     assert jnp.array_equal(ranged, xla.context_mask(lengths, anchors, 4, 23, window))
+    if window is not None:  # the speculators format's window, measured from the anchor
+        lo, hi = xla.context_bounds(lengths, anchors, 4, window, from_anchor=True)
+        ranged = (slots >= lo[:, :, None]) & (slots < hi[:, :, None])
+        assert jnp.array_equal(ranged, xla.context_mask(lengths, anchors, 4, 23, window, True))
     # The TPU training kernel's block-key ranges: the block part of drafter_mask.
     for causal in (False, True):
         blo, bhi = pallas_tpu.block_bounds(16, 4, causal, window)

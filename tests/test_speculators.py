@@ -10,6 +10,11 @@ newer), so it runs in its own venv, named by DFLASH_JAX_SPECULATORS_PYTHON (skip
     python3 -m venv /tmp/specvenv && /tmp/specvenv/bin/pip install torch==2.13.0 speculators==0.9.0
     /tmp/specvenv/bin/pip uninstall -y torchvision torchaudio   # builds for another torch
     DFLASH_JAX_SPECULATORS_PYTHON=/tmp/specvenv/bin/python python -m pytest tests/test_speculators.py
+
+(A lighter venv, used for issue 61: this venv's packages through a .pth file, then
+`pip install --no-deps speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings
+hs-connectors==0.9.0` and a stub `datasets` module, which speculators imports but never uses
+here.)
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from _reference import make_reference_pair
 from _speculators_run import REPO, SPECULATORS_PYTHON, assert_same_params, run_reference
 from absl import flags
 from safetensors.numpy import load_file, save_file
+from transformers import Qwen3Config
 
 import dflash_jax as dj
 from dflash_jax.config import ConfigError
@@ -103,6 +109,10 @@ def test_round_trips_keep_config_and_params(pair, tmp_path):
     hf = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert hf["speculators_model_type"] == "dflash" and hf["aux_hidden_state_layer_ids"] == [2, 4]
     assert hf["speculators_config"]["verifier"]["name_or_path"] == "some/target"
+    # transformers 4 readers take rope_theta / rope_scaling, 5 rope_parameters: both written
+    layer = hf["transformer_layer_config"]
+    assert layer["rope_theta"] == config.rope_theta == 1e6  # not transformers' default
+    assert Qwen3Config(**layer).rope_parameters["rope_theta"] == config.rope_theta
     back_config, back = read_speculators(tmp_path / "spec")
     assert back_config == config
     assert_same_params(back, params)
@@ -171,13 +181,58 @@ def test_an_embedding_tap_loads_decodes_and_exports(pair, tmp_path):
     np.testing.assert_array_equal(out.tokens, ar.tokens)
 
 
+def _with_sliding_layers(spec_dir: Path, out: Path, non_causal: bool) -> Path:
+    """`spec_dir` with its first layer sliding (window 4), as speculators' training writes it
+    (`layer_types`, `sliding_window`, `use_sliding_window`, `sliding_window_non_causal`)."""
+    shutil.copytree(spec_dir, out)
+    hf = json.loads((out / "config.json").read_text())
+    hf["transformer_layer_config"] |= {"layer_types": ["sliding_attention", "full_attention"],
+                                       "sliding_window": 4, "use_sliding_window": True}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(hf | {"sliding_window_non_causal": non_causal}))
+    return out
+
+
+@pytest.mark.parametrize("non_causal", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_sliding_layers_load_decode_losslessly_and_round_trip(pair, tmp_path, non_causal):
+    """A speculators checkpoint whose first layer slides (window 4, measured from the block's
+    anchor; causal in the block unless sliding_window_non_causal) loads with that window,
+    decodes the target's greedy tokens over contexts longer than the window, and round-trips
+    through the format; z-lab's format, whose window is measured from each query, refuses it.
+    Slow: the non-causal case (one more decode compile; its logits are the reference's in
+    `test_speculators_writes_sliding_drafters_we_load_and_draft_alike`)."""
+    target_dir, zlab_dir = pair
+    spec_dir = _as_speculators_writes(zlab_dir, tmp_path / "spec")
+    sliding_dir = _with_sliding_layers(spec_dir, tmp_path / "sliding", non_causal)
+    target = dj.load_target(str(target_dir), cache=False)
+    drafter = dj.load_drafter(sliding_dir, target)
+    c = drafter.config
+    assert c.window_from_anchor and c.sliding_window == 4 and c.layer_window(1) is None
+    assert c.layer_is_causal(0) is not non_causal and not c.layer_is_causal(1)
+    out = _decode(target, drafter)
+    prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
+    ar = dj.autoregressive_decode(
+        target.params, prompt, jnp.array([8, 3], jnp.int32), jax.random.key(0),
+        target_config=target.config, decode_config=DecodeConfig(max_new_tokens=24),
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+    write_speculators(tmp_path / "again", c, drafter.params, dtype="float32")
+    again = read_drafter(tmp_path / "again")
+    assert dataclasses.replace(again.config, dtype=c.dtype) == c
+    assert_same_params(again.params, drafter.params)
+    with pytest.raises(ConfigError, match="export it with --format=speculators"):
+        write_zlab(tmp_path / "zlab", c, drafter.params)
+
+
 def _decode(target, drafter, tree_nodes: int = 0):
     """A greedy speculative decode of two prompts (one compile per drafter config)."""
     prompt = jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]], jnp.int32)
     return dj.speculative_decode(
         target.params, drafter.params, prompt, jnp.array([8, 3], jnp.int32), jax.random.key(0),
         target_config=target.config, drafter_config=drafter.config,
-        decode_config=DecodeConfig(max_new_tokens=24, block_size=4, tree_nodes=tree_nodes),
+        decode_config=DecodeConfig(
+            max_new_tokens=24, block_size=drafter.config.block_size, tree_nodes=tree_nodes
+        ),
     )  # fmt: skip
 
 
@@ -187,6 +242,7 @@ REFUSED = {
     "negative tap": ({"aux_hidden_state_layer_ids": [-1, 4]}, "from 0 \\(the embedding\\)"),
     "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
                 "sliding-window draft layers"),
+    "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
     "no vocab": ({"transformer_layer_config": {"vocab_size": None}}, "lacks \\['vocab_size'\\]"),
     "rope per layer type": ({"transformer_layer_config": {"rope_parameters": {
         "full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}},
@@ -208,7 +264,8 @@ def test_what_our_decode_cannot_run_is_refused_naming_it(pair, tmp_path):
         with pytest.raises(ConfigError, match=message):
             read_drafter(variant)
     config = read_zlab(zlab_dir)[0]
-    for bad in ({"causal": True}, {"output_multiplier": 2.0}):
+    z_window = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4}
+    for bad in ({"causal": True}, {"output_multiplier": 2.0}, z_window):
         with pytest.raises(ConfigError, match="export it with --format=zlab"):
             write_speculators(tmp_path / "no", dataclasses.replace(config, **bad), {})
 
@@ -403,3 +460,115 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
             ours = ours[..., ids]
         reference = np.load(f"{tmp_path / 'ref'}{i}.npy")  # [bs, V or 64]: slot 0 is the anchor's
         np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
+
+
+@dataclasses.dataclass
+class _ReferenceRun:
+    """The inputs the reference drafted from (16 tokens, their taps, the block's anchor)."""
+
+    tokens: np.ndarray
+    taps: np.ndarray
+    anchor: int
+
+    def context(self, config, params):
+        """Our drafter's context K/V of the 16 rows (the block sees those before the anchor)."""
+        taps, positions = jnp.asarray(self.taps[None]), jnp.arange(len(self.tokens))[None]
+        return Drafter(config).apply({"params": params}, taps, positions, method="context_kv")
+
+
+def _run_reference(target_dir, target, exports: dict, tmp_path) -> _ReferenceRun:
+    """Writes each (config, params) of `exports` with --format=speculators and has the
+    reference draft one teacher-forced block at anchor 9 of 16 random tokens from each, in the
+    separate venv: `tmp_path/ref{i}.npy` (and DSpark's `ref{i}_confidence.npy`)."""
+    for name, (config, params) in exports.items():
+        write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
+    tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
+    tap_ids = next(iter(exports.values()))[0].target_layer_ids
+    _, taps_btf, _ = Transformer(target.config).apply(
+        {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
+        jnp.arange(16, dtype=jnp.int32)[None], None, None, tap_ids,
+    )  # fmt: skip
+    run = _ReferenceRun(tokens=tokens, taps=np.asarray(taps_btf[0], np.float32), anchor=9)
+    np.savez(tmp_path / "inputs.npz", taps=run.taps, tokens=tokens, anchor=run.anchor)
+    subprocess.run(
+        [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
+         str(tmp_path / "inputs.npz"), str(tmp_path / "ref"), *(str(tmp_path / n) for n in exports)],
+        check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    return run
+
+
+# Written by speculators itself (`_speculators_reference.py --write`): DFlash with a sliding first
+# layer, causal and non-causal in the block, and DFlash2 in its released layout (block 8, its
+# sliding layers before a full one, non-causal by DFlash2's default), windows of 4 context rows.
+_WRITTEN = {
+    "dflash causal": ("dflash", 4, ["sliding_attention", "full_attention"], {}),
+    "dflash non-causal": ("dflash", 4, ["sliding_attention", "full_attention"],
+                          {"sliding_window_non_causal": True}),
+    "dflash2": ("dflash2", 8, ["sliding_attention", "sliding_attention", "full_attention"],
+                {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                 "selector_top_k": 4}),
+}  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not SPECULATORS_PYTHON,
+    reason="speculators needs its own venv (it pins transformers<=5.19): set "
+    "DFLASH_JAX_SPECULATORS_PYTHON to its python (see this module's docstring)",
+)
+def test_speculators_writes_sliding_drafters_we_load_and_draft_alike(pair, tmp_path):
+    """Random drafters with sliding-window layers, built and saved by `speculators` 0.9.0's own
+    classes (`_WRITTEN`), load with `load_drafter` (window measured from the anchor) and draft
+    one teacher-forced block at anchor 12 of 24 tokens (8 rows past the window) with the
+    reference's logits; they decode the target's greedy tokens."""
+    target_dir, _ = pair
+    target = dj.load_target(str(target_dir), cache=False)
+    tokens = np.random.default_rng(0).integers(0, 500, size=24).astype(np.int64)
+    anchor = 12
+    dirs = []
+    for name, (kind, block, types, top) in _WRITTEN.items():
+        spec = {"kind": kind, "seed": len(dirs) + 3, "verifier": str(target_dir),
+                "layer": dict(vocab_size=512, hidden_size=64, intermediate_size=192,
+                              num_hidden_layers=len(types), num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                              max_position_embeddings=512, layer_types=types, sliding_window=4,
+                              use_sliding_window=True),
+                "top": dict(draft_vocab_size=512, block_size=block, mask_token_id=511,
+                            aux_hidden_state_layer_ids=[2, 4], **top)}  # fmt: skip
+        (tmp_path / f"{kind}{len(dirs)}.json").write_text(json.dumps(spec))
+        dirs.append(tmp_path / name.replace(" ", "_"))
+        _reference_script("--write", tmp_path / f"{kind}{len(dirs) - 1}.json", dirs[-1])
+    _, taps_btf, _ = Transformer(target.config).apply(
+        {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
+        jnp.arange(24, dtype=jnp.int32)[None], None, None, (1, 3),
+    )  # fmt: skip
+    np.savez(tmp_path / "inputs.npz", taps=np.asarray(taps_btf[0]), tokens=tokens, anchor=anchor)
+    _reference_script(tmp_path / "inputs.npz", tmp_path / "ref", *dirs)
+    for i, directory in enumerate(dirs):
+        drafter = dj.load_drafter(directory, target)
+        config, params = drafter.config, drafter.params
+        assert config.window_from_anchor and config.sliding_window == 4, directory
+        bs = config.block_size
+        ctx_k, ctx_v = Drafter(config).apply(
+            {"params": params}, taps_btf, jnp.arange(24)[None], method="context_kv"
+        )
+        block = jnp.asarray([[tokens[anchor]] + [config.mask_token_id] * (bs - 1)])
+        ours = draft_logits(params, target.params, target.config, config, block, ctx_k, ctx_v,
+                            jnp.array([anchor]), jnp.array([[anchor]]), bs)[0, 0]  # fmt: skip
+        reference = np.load(f"{tmp_path / 'ref'}{i}.npy")
+        np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
+        out = _decode(target, drafter)
+        ar = dj.autoregressive_decode(
+            target.params, jnp.array([[5, 9, 13, 2, 7, 7, 40, 3], [3, 8, 100, 0, 0, 0, 0, 0]]),
+            jnp.array([8, 3], jnp.int32), jax.random.key(0), target_config=target.config,
+            decode_config=DecodeConfig(max_new_tokens=24),
+        )  # fmt: skip
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+
+def _reference_script(*args) -> None:
+    """Runs `_speculators_reference.py` in the speculators venv."""
+    subprocess.run(
+        [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"), *map(str, args)],
+        check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip

@@ -59,20 +59,12 @@ def prefill(
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
     cache = init_cache(tcfg, b, cache_len)
-    positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     # Under a row rule, at a tile as wide as the buffer allows (`prefill_rows`): every decode
     # of this prompt runs this same prefill, the target alone's too.
     rule = prefill_rows(tcfg.invariant_rows, p)
     ptcfg = tcfg if rule == tcfg.invariant_rows else dataclasses.replace(tcfg, invariant_rows=rule)
-    hidden_b1d, taps_bpf, cache = Transformer(ptcfg).apply(
-        {"params": target_params},
-        prompt_bp,
-        positions_bp,
-        cache,
-        None,  # an empty cache: written from slot 0
-        tap_layers,
-        (prompt_lengths_b - 1)[:, None],
-        method="hidden",
+    hidden_b1d, taps_bpf, cache = prompt_pass(
+        target_params, ptcfg, prompt_bp, cache, tap_layers, prompt_lengths_b - 1, cfg.prefill_chunk
     )
     if rows is None:
         first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
@@ -108,6 +100,57 @@ def prefill(
         **kept,
     )
     return state, taps_bpf
+
+
+def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk: int):
+    """The target over the right-padded prompt [B,P], its K/V written into the empty `cache`
+    from slot 0. -> (final-normed hidden at each row's `last_b` position [B,1,D], taps [B,P,F]
+    or None, cache). A prompt longer than `chunk` tokens (the MoE / hybrid families excepted)
+    runs as a scan over chunks of `chunk` tokens, the last one ending at P (overlapping its
+    predecessor, whose rows it rewrites), each attending to the cache written before it and to
+    itself (`cached_attention`, as a verify does): a layer then holds chunk x P scores instead
+    of P x P, on every platform. Chunks past every row's last position (the padding of a
+    power-of-two buffer) are skipped: their taps are zeros and their cache rows unwritten,
+    which nothing reads."""
+    b, p = prompt_bp.shape
+    model, params = Transformer(tcfg), {"params": target_params}
+    if not chunk or p <= chunk or tcfg.layered:
+        positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        # cache_lengths None: an empty cache, written from slot 0
+        args = (prompt_bp, positions_bp, cache, None, tap_layers, last_b[:, None])
+        return model.apply(params, *args, method="hidden")
+    starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
+
+    def run(cache, start):
+        tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
+        positions_bc = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
+        start_b = jnp.full((b,), start, jnp.int32)
+        args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
+        return model.apply(params, *args, method="hidden")
+
+    shapes = jax.eval_shape(run, cache, starts[0])
+
+    def skip(cache, start):  # a chunk past every row's prompt (the buffer's padding)
+        zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+        return zeros(shapes[0]), jax.tree.map(zeros, shapes[1]), cache
+
+    def body(carry, start):
+        cache, hidden_b1d = carry
+        live = start <= jnp.max(last_b)
+        chunk_hidden_b1d, taps_bcf, cache = jax.lax.cond(live, run, skip, cache, start)
+        mine_b = (last_b >= start) & (last_b < start + chunk)
+        hidden_b1d = jnp.where(mine_b[:, None, None], chunk_hidden_b1d, hidden_b1d)
+        return (cache, hidden_b1d), taps_bcf
+
+    hidden_b1d = jnp.zeros(shapes[0].shape, shapes[0].dtype)
+    (cache, hidden_b1d), taps_nbcf = jax.lax.scan(body, (cache, hidden_b1d), starts)
+    if taps_nbcf is None:
+        return hidden_b1d, None, cache
+    n = len(starts)
+    head_bqf = jnp.moveaxis(taps_nbcf[:-1], 0, 1).reshape(b, (n - 1) * chunk, -1)
+    taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, n * chunk - p :]], axis=1)
+    return hidden_b1d, taps_bpf, cache
 
 
 def context_rows(drafter_params, dcfg, drf_len_b, taps_btf):

@@ -87,11 +87,29 @@ class DecodeConfig:
     # distribution), computed in a step only while some row asks (`RowSettings.logprobs`).
     # 0: none kept (the loop state has no room for them).
     logprobs: int = 0
+    # Prompts longer than this are prefilled in chunks of this many tokens (`phases.prompt_pass`),
+    # each a pass over the cache written so far: a layer's prefill holds scores for
+    # prefill_chunk x prompt slots, not prompt x prompt (32k tokens of Qwen3-8B: 267 GiB of
+    # fp32 scores whole). 0: the whole prompt in one pass.
+    prefill_chunk: int = 256
+    # Bounded drafting for drafters trained without a window (`models.drafter`): every
+    # full-attention draft layer sees the first `draft_sinks` context rows and the last
+    # `draft_window` before the block's anchor, so a draft's cost stops growing with the
+    # context. Lossless (the target verifies); acceptance may change. 0: the whole context.
+    draft_window: int = 0
+    draft_sinks: int = 4
 
     def __post_init__(self):
         if self.logprobs and not (0 < self.logprobs <= 20 and self.row_settings):
             raise ConfigError(
                 f"logprobs={self.logprobs}: 1 to 20 alternatives, with row_settings (0: none)"
+            )
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 0 (0: whole)")
+        if self.draft_window < 0 or self.draft_sinks < 0:
+            raise ConfigError(
+                f"draft_window={self.draft_window} and draft_sinks={self.draft_sinks} must be "
+                ">= 0 (draft_window 0: the drafter sees the whole context)"
             )
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")

@@ -205,7 +205,10 @@ def _advance_speculative(
     cfg = decode_config
     ctx = _StepContext(
         tcfg=target_config,
-        dcfg=drafter_config,
+        # DecodeConfig.draft_window: full-attention draft layers see sinks + a window
+        dcfg=dataclasses.replace(
+            drafter_config, draft_window=cfg.draft_window, draft_sinks=cfg.draft_sinks
+        ),
         cfg=cfg,
         target_params=target_params,
         drafter_params=drafter_params,

@@ -79,6 +79,7 @@ def drafter_from_zlab(hf: Mapping[str, Any], dtype: str = "float32") -> DrafterC
         max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
         layer_types=tuple(hf.get("layer_types") or ()),
         sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+        window_from_anchor=bool(lookup("window_from_anchor", False)),
         causal=None if is_causal is None else bool(is_causal),
         input_embedding_scale=lookup("input_embedding_scale"),
         output_multiplier=lookup("output_multiplier"),
@@ -101,6 +102,8 @@ def drafter_to_zlab(c: DrafterConfig) -> dict[str, Any]:
             dflash_config[name] = getattr(c, name)
     if c.draft_vocab_size:  # ours (Orbax) only: write_zlab refuses it
         dflash_config["draft_vocab_size"] = c.draft_vocab_size
+    if c.window_from_anchor:  # ours (Orbax) only: write_zlab refuses it
+        dflash_config["window_from_anchor"] = True
     arch = "DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"
     if c.is_dflash2:
         dflash_config |= {name: getattr(c, name) for name in DFLASH2_FIELDS}

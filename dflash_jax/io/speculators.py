@@ -19,6 +19,10 @@ What differs from z-lab, and how it maps:
     the reference reads hidden state id + 1).
   * Full-attention layers are always bidirectional in the block; sliding layers are causal
     unless `sliding_window_non_causal`. Ours: `causal` None (sliding layers causal) or False.
+  * A sliding layer's window W is measured from the block's anchor a (the block sees context
+    positions a - W .. a - 1 and its whole block), not from each query as z-lab's: ours
+    `window_from_anchor`. Sliding layer types without `use_sliding_window` (HF then drops the
+    window, and the reference runs them as full attention) are full-attention layers.
   * The embedding and lm_head are the verifier's (not stored, or stored and ignored, as the
     reference does on load); `verifier_norm` serves training only.
   * A draft vocabulary (`draft_vocab_size` < the target's): our params `lm_head` (kernel
@@ -30,9 +34,9 @@ What differs from z-lab, and how it maps:
     defaults: sample_from_anchor, rank 256, vanilla, a confidence head with the Markov input).
 
 Refused, each with what to do: `sample_from_anchor` on a DFlash or DFlash2 drafter (the anchor
-slot drafting too is DSpark's way, not our DFlash decode), sliding-window layers (the reference
-windows from the block's anchor, ours from each query), a DFlash2 drafter with a draft
-vocabulary (the reference refuses it too), and any other model type.
+slot drafting too is DSpark's way, not our DFlash decode), a DFlash2 drafter with a draft
+vocabulary (the reference refuses it too), and any other model type; on export, windows measured
+from each query (z-lab's) and block-causal full-attention layers.
 """
 
 from __future__ import annotations
@@ -117,12 +121,11 @@ def zlab_config(spec: dict, where: str) -> dict:
             "too), which our DFlash decoding does not do; use a drafter trained with "
             "sample_from_anchor=false"
         )
-    if "sliding_attention" in (layer.get("layer_types") or ()):
-        raise ConfigError(
-            f"{where}: sliding-window draft layers, whose window the reference measures from "
-            "the block's anchor and ours from each query; use a drafter with full-attention "
-            "layers only"
-        )
+    types = list(layer.get("layer_types") or ())
+    sliding = "sliding_attention" in types
+    if sliding and not (layer.get("use_sliding_window", True) and layer.get("sliding_window")):
+        # transformers' Qwen3Config drops the window: the reference's layers are full ones
+        types, sliding = ["full_attention"] * len(types), False
     rope = layer.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in rope.values()):
         raise ConfigError(
@@ -149,6 +152,8 @@ def zlab_config(spec: dict, where: str) -> dict:
     }
     if draft_vocab != vocab:
         dflash["draft_vocab_size"] = int(draft_vocab)
+    if sliding:
+        dflash["window_from_anchor"] = True
     if kind == "dflash2":
         defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
                     "selector_top_k": 16}  # fmt: skip
@@ -156,8 +161,12 @@ def zlab_config(spec: dict, where: str) -> dict:
     if kind == "dspark":
         dflash |= {name: spec.get(name, DSPARK_DEFAULTS[name]) for name in DSPARK_FIELDS}
     # full-attention layers are bidirectional whatever the layer config says
-    dropped = ("architectures", "auto_map", "is_causal", "causal")
+    dropped = ("architectures", "auto_map", "is_causal", "causal", "layer_types")
     out = {k: v for k, v in layer.items() if k not in dropped}
+    if types:
+        out["layer_types"] = types
+    if sliding and spec.get("sliding_window_non_causal", kind == "dflash2"):
+        out["is_causal"] = False  # sliding layers bidirectional in the block, as full ones are
     return out | {
         "architectures": [ARCHITECTURES[kind]],
         "dflash_config": dflash,
@@ -169,10 +178,12 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
     """The `speculators` config.json of our drafter; refuses what the format cannot say.
     verifier: the target's hub id or path (the reference loads its embedding and head from it)."""
     z = drafter_to_zlab(config)
-    if "sliding_attention" in config.layer_types:
+    sliding = "sliding_attention" in config.layer_types
+    if sliding and not config.window_from_anchor:
         raise ConfigError(
-            "this drafter has sliding-window layers, which the speculators format windows "
-            "differently; export it with --format=zlab"
+            "this drafter's sliding-window layers measure their window from each query (z-lab's "
+            "window), which the speculators format measures from the block's anchor; export "
+            "it with --format=zlab"
         )
     if config.causal:
         raise ConfigError(
@@ -188,9 +199,10 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
         )
     kind = "dflash2" if config.is_dflash2 else "dspark" if config.is_dspark else "dflash"
     # num_target_layers stays in the layer config (the reference ignores it), so it round-trips
-    not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "rope_theta",
-                 "rope_scaling", "torch_dtype")  # fmt: skip
+    not_layer = ("architectures", "auto_map", "dflash_config", "block_size", "torch_dtype")
     layer = {k: v for k, v in z.items() if k not in not_layer}
+    # rope_parameters for transformers 5 readers, rope_theta and rope_scaling (as z-lab writes
+    # them) for transformers 4 ones
     layer["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta} | (
         dict(z["rope_scaling"]) if "rope_scaling" in z else {}
     )
@@ -204,8 +216,8 @@ def speculators_config(config: DrafterConfig, verifier: str | None = None) -> di
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "mask_token_id": config.mask_token_id,
-        # DFlash2's default is true; it matters for sliding layers only, which are refused
-        "sliding_window_non_causal": config.is_dflash2,
+        # matters for sliding layers only: they are causal in the block unless it is true
+        "sliding_window_non_causal": config.causal is False if sliding else config.is_dflash2,
         "sample_from_anchor": config.sample_from_anchor,
         "torch_dtype": z["torch_dtype"],
         "speculators_config": {

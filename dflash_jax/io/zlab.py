@@ -280,6 +280,12 @@ def write_zlab(
             f"this drafter drafts over a vocabulary of its own ({config.draft_vocab_size} "
             "ids), which the z-lab format cannot hold; export it with --format=speculators"
         )
+    if config.window_from_anchor and "sliding_attention" in config.layer_types:
+        raise ConfigError(
+            "this drafter's sliding-window layers measure their window from the block's anchor "
+            "(the speculators format's window), which z-lab's measures from each query; export "
+            "it with --format=speculators"
+        )
     if config.is_dspark:
         raise ConfigError(
             "this is a DSpark drafter (a Markov head, a confidence head or drafts from the "

@@ -4,7 +4,8 @@ One draft call (dflash-spec §1):
   c = hidden_norm(fc(concat taps))                      context, shared by every layer
   per layer: q from the block only; k/v = proj([c ; h]) context first, k_norm on both, RoPE at
   absolute positions (context slot s at s, block slot j at anchor + j); attention non-causal
-  over visible context + own block (sliding layers: causal in the block and windowed)
+  over visible context + own block (sliding layers: causal in the block and windowed, from
+  each query or from the block's anchor: `DrafterConfig.window_from_anchor`)
   final `norm`, then the target's frozen lm_head on slots 1..bs-1.
 
 Context K/V are computed once per appended context row (`context_kv`) and cached by the caller;
@@ -94,6 +95,8 @@ class DrafterLayer(nn.Module):
             block_size=block_size,
             causal=causal,
             window=window,
+            window_from_anchor=self.config.window_from_anchor,
+            sinks_and_window=(self.config.draft_sinks, self.config.draft_window),
             impl=self.config.attention_impl,
         )
         attn_bqd = self.self_attn.output(attn_bqnh)

@@ -70,11 +70,13 @@ def context_mask(
     block_size: int,
     num_context: int,
     window: int | None = None,
+    from_anchor: bool = False,
 ) -> jax.Array:
     """The context part of the DFlash draft/training mask. context_lengths [B]: valid context
     slots per row (slot s holds position s); anchors [B,N]: block n's slot j sits at position
     anchors + j. A query of block n sees context slot s iff s < min(anchor_n, context_length)
-    (strictly before its anchor) and, with `window`, q_pos - s < window. -> [B, N*J, S] bool."""
+    (strictly before its anchor) and, with `window`, q_pos - s < window (`from_anchor`:
+    anchor - s <= window, the same W context rows for every slot). -> [B, N*J, S] bool."""
     b, n = anchors.shape
     q_pos_bt = (anchors[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(b, -1)
     q_anchor_bt = jnp.repeat(anchors, block_size, axis=1)
@@ -82,20 +84,31 @@ def context_mask(
     ctx_limit_bt = jnp.minimum(q_anchor_bt, context_lengths[:, None])
     visible_bts = ctx_pos_s[None, None, :] < ctx_limit_bt[:, :, None]
     if window is not None:
-        visible_bts &= (q_pos_bt[:, :, None] - ctx_pos_s[None, None, :]) < window
+        start_bt = q_anchor_bt if from_anchor else q_pos_bt + 1
+        visible_bts &= (start_bt[:, :, None] - ctx_pos_s[None, None, :]) <= window
     return visible_bts
 
 
 def context_bounds(
-    context_lengths: jax.Array, anchors: jax.Array, block_size: int, window: int | None = None
+    context_lengths: jax.Array,
+    anchors: jax.Array,
+    block_size: int,
+    window: int | None = None,
+    from_anchor: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`context_mask` as one slot range per query, the form the kernels take: query t of row b
     sees context slot s iff lo[b,t] <= s < hi[b,t] (nothing when lo >= hi).
     -> (lo, hi), each [B, N*J] int32."""
     b = anchors.shape[0]
+    anchor_bt = jnp.repeat(anchors, block_size, axis=1)
     q_pos_bt = (anchors[:, :, None] + jnp.arange(block_size)[None, None, :]).reshape(b, -1)
-    hi_bt = jnp.minimum(jnp.repeat(anchors, block_size, axis=1), context_lengths[:, None])
-    lo_bt = jnp.zeros_like(hi_bt) if window is None else jnp.maximum(q_pos_bt - window + 1, 0)
+    hi_bt = jnp.minimum(anchor_bt, context_lengths[:, None])
+    if window is None:
+        lo_bt = jnp.zeros_like(hi_bt)
+    elif from_anchor:
+        lo_bt = jnp.maximum(anchor_bt - window, 0)
+    else:
+        lo_bt = jnp.maximum(q_pos_bt - window + 1, 0)
     return lo_bt.astype(jnp.int32), hi_bt.astype(jnp.int32)
 
 
@@ -178,16 +191,18 @@ def drafter_mask(
     num_context: int,
     causal: bool = False,
     window: int | None = None,
+    from_anchor: bool = False,
 ) -> jax.Array:
     """The whole DFlash draft/training mask over keys [context (S slots) ; blocks (N*B slots)]:
     `context_mask`, then each block seeing its own block only (`block_mask`); blocks never see
     each other. The dense definition that `block_attention` computes without materialising
-    the block-to-block part. -> [B, N*B, S + N*B] bool."""
+    the block-to-block part. A window measured `from_anchor` bounds the context only.
+    -> [B, N*B, S + N*B] bool."""
     b, n = anchors.shape
-    ctx_bts = context_mask(context_lengths, anchors, block_size, num_context, window)
+    ctx_bts = context_mask(context_lengths, anchors, block_size, num_context, window, from_anchor)
     block_t = jnp.repeat(jnp.arange(n), block_size)
     same_block_tt = (block_t[:, None] == block_t[None, :]) & jnp.tile(
-        block_mask(block_size, causal, window), (n, n)
+        block_mask(block_size, causal, None if from_anchor else window), (n, n)
     )
     blk_btt = jnp.broadcast_to(same_block_tt, (b, n * block_size, n * block_size))
     return jnp.concatenate([ctx_bts, blk_btt], axis=-1)

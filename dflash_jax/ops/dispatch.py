@@ -242,6 +242,8 @@ def block_attention(
     block_size: int,
     causal: bool = False,
     window: int | None = None,
+    window_from_anchor: bool = False,
+    sinks_and_window: tuple[int, int] = (0, 0),
     impl: str = "auto",
 ) -> jax.Array:
     """The drafter's attention under `drafter_mask` (training: N anchor blocks over the whole
@@ -249,30 +251,52 @@ def block_attention(
 
     q [B,Q,N,H] (Q = blocks x block_size); ctx_k/ctx_v [B,K,S,H]; blk_k/blk_v [B,K,Q,H];
     context_lengths [B] (live context slots); anchors [B,N] (block n's slot j sits at position
-    anchors + j and sees context slots < min(anchor, context_length)). -> [B,Q,N,H].
+    anchors + j and sees context slots < min(anchor, context_length)); `window` (measured from
+    each query, or from the anchor: `window_from_anchor`, which leaves the block unwindowed).
+    Drafting one block with a window reads only the window's slots of the cache
+    (`window_slice`), so its cost does not grow with the context. `sinks_and_window` (sinks,
+    W), W > 0, for a full-attention layer drafting one block: it sees only the first `sinks`
+    context slots and the W before the anchor (`sink_window_slice`; not the drafter it was
+    trained as, but the target verifies every draft). -> [B,Q,N,H].
     """
+    single = anchors.shape[1] == 1
+    sinks, bound = sinks_and_window
+    if window is not None and single and ctx_k.shape[2] > window:
+        ctx_k, ctx_v, context_lengths, anchors = window_slice(
+            ctx_k, ctx_v, context_lengths, anchors, window
+        )
+    elif window is None and single and bound and ctx_k.shape[2] > sinks + bound:
+        ctx_k, ctx_v, context_lengths, anchors = sink_window_slice(
+            ctx_k, ctx_v, context_lengths, anchors, sinks, bound
+        )
+    blk_window = None if window_from_anchor else window
+    bounds = lambda: xla.context_bounds(
+        context_lengths, anchors, block_size, window, window_from_anchor
+    )
     kernel = _kernel(impl, "drafter attention", q, ctx_k, ctx_v)
     if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
         reason = _unsupported(pallas_tpu, "Pallas TPU training kernels", q, ctx_k, ctx_v)
         kernel = "tpu" if reason is None else _fall_back(impl, "drafter attention", reason)
     if kernel == "tpu" and q.shape[1] >= pallas_tpu.MIN_QUERIES:
-        lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
-        opts = dict(block_size=block_size, causal=causal, window=window)
+        lo, hi = bounds()
+        opts = dict(block_size=block_size, causal=causal, window=blk_window)
         fn = functools.partial(pallas_tpu.block_attention, **opts, interpret=TPU_INTERPRET)
         keys = map(_keys, (ctx_k, ctx_v, blk_k, blk_v))
         return _per_device(fn, _queries(q), *keys, _rows(lo), _rows(hi))
     if kernel == "tpu":
         kernel = _tpu_decode(impl, "drafter attention", q, ctx_k, ctx_v)
     if kernel != "xla":
-        lo, hi = xla.context_bounds(context_lengths, anchors, block_size, window)
-        opts = dict(block_size=block_size, causal=causal, window=window)
+        lo, hi = bounds()
+        opts = dict(block_size=block_size, causal=causal, window=blk_window)
         fn = _decode_kernel(kernel, "block_attention", **opts)
         keys = map(_keys, (ctx_k, ctx_v, blk_k, blk_v))
         return _per_device(fn, _queries(q), *keys, _rows(lo), _rows(hi))
-    blk_mask = xla.block_mask(block_size, causal, window)
+    blk_mask = xla.block_mask(block_size, causal, blk_window)
 
     def over(k, v):
-        ctx_mask = xla.context_mask(context_lengths, anchors, block_size, k.shape[2], window)
+        ctx_mask = xla.context_mask(
+            context_lengths, anchors, block_size, k.shape[2], window, window_from_anchor
+        )
         return xla.block_attention(q, k, v, blk_k, blk_v, ctx_mask, blk_mask)
 
     if anchors.shape[1] > 1:
@@ -280,6 +304,34 @@ def block_attention(
         # lax.switch would keep every width's temporaries (and their gradients) in the program.
         return over(ctx_k, ctx_v)
     return live_window(over, (ctx_k, ctx_v), jnp.max(context_lengths))
+
+
+def window_slice(ctx_k, ctx_v, context_lengths, anchors, window: int):
+    """One block per row drafted by a layer with a sliding window sees at most `window`
+    context slots (`xla.context_bounds`: from anchor - window, or later): each row's `window`
+    slots ending at its anchor, cut from the cache ([B,K,S,H] -> [B,K,window,H]), with the
+    lengths and anchors moved by the same offset (the mask depends on differences of slots
+    only; RoPE is already in the keys). -> (ctx_k, ctx_v, context_lengths, anchors)."""
+    s = ctx_k.shape[2]
+    start_b = jnp.clip(anchors[:, 0] - window, 0, s - window)
+    cut = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, window, axis=1))
+    lengths = jnp.clip(context_lengths - start_b, 0, window)
+    return cut(ctx_k, start_b), cut(ctx_v, start_b), lengths, anchors - start_b[:, None]
+
+
+def sink_window_slice(ctx_k, ctx_v, context_lengths, anchors, sinks: int, window: int):
+    """The keys a full-attention layer drafting one block per row sees under a bounded draft
+    context: context slots [0, sinks) and the `window` slots before the anchor, laid side by
+    side ([B,K,S,H] -> [B,K,sinks + window,H]), with lengths and anchors such that the visible
+    part is a prefix (the window starts at the anchor - window, or at `sinks` when that is
+    later, so no slot is taken twice). -> (ctx_k, ctx_v, context_lengths, anchors)."""
+    s = ctx_k.shape[2]
+    hi_b = jnp.minimum(anchors[:, 0], context_lengths)
+    start_b = jnp.clip(anchors[:, 0] - window, sinks, s - window)
+    cut = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, window, axis=1))
+    join = lambda x: jnp.concatenate([x[:, :, :sinks], cut(x, start_b)], axis=2)
+    live_b = jnp.minimum(hi_b, sinks) + jnp.clip(hi_b - start_b, 0, window)
+    return join(ctx_k), join(ctx_v), live_b, live_b[:, None]
 
 
 def causal_attention(
