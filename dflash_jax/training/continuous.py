@@ -79,6 +79,11 @@ def _advance(params, lengths_n, steps, state: LoopState, *, tcfg, cfg) -> LoopSt
     return jax.lax.while_loop(keep_going(cfg, steps), body, state.replace(step=jnp.int32(0)))
 
 
+# Module-level, so every decoder of the same shapes and configs reuses the compiled programs.
+_insert_jit = jax.jit(_insert, static_argnames=("tcfg", "cfg"), donate_argnames="state")
+_advance_jit = jax.jit(_advance, static_argnames=("tcfg", "cfg"), donate_argnames="state")
+
+
 @jax.jit
 def _peek(state: LoopState):
     return state.gen, state.n_gen, state.done
@@ -90,6 +95,13 @@ class ContinuousDecoder:
     answer (`max_new_tokens`); one device (no mesh)."""
 
     def __init__(self, target, cfg: DecodeConfig, slots: int, max_prompt: int):
+        context = target.config.max_position_embeddings
+        if max_prompt + cfg.max_new_tokens > context:
+            raise ValueError(
+                f"prompts of up to {max_prompt} tokens + answers of up to {cfg.max_new_tokens} "
+                f"exceed the target's context of {context} tokens; lower --max_prompt_tokens "
+                "or --max_new_tokens"
+            )
         self.cfg = autoregressive_config(cfg)
         self.tcfg = run_target_config(target.config, self.cfg)
         self.params = target.params
@@ -97,8 +109,7 @@ class ContinuousDecoder:
         self.buckets = prompt_buckets(max_prompt)
         self.max_prompt = max_prompt
         statics = dict(tcfg=self.tcfg, cfg=self.cfg)
-        self._insert = jax.jit(_insert, static_argnames=("tcfg", "cfg"), donate_argnames="state")
-        self._advance = jax.jit(_advance, static_argnames=("tcfg", "cfg"), donate_argnums=3)
+        self._insert, self._advance = _insert_jit, _advance_jit
         self._statics = statics
         self.lengths = np.ones((slots,), np.int32)
         shapes = jax.eval_shape(
@@ -134,6 +145,17 @@ class ContinuousDecoder:
             self.params, prompt, np.asarray([n], np.int32), self._rows([seed]), np.int32(slot),
             self.state, **self._statics,
         )  # fmt: skip
+
+    def warm_up(self, prompt_lengths: Sequence[int]) -> None:
+        """Compiles (and runs once) the insert of every bucket these prompt lengths fall in
+        and the advance, then frees every row: what `generate` then runs is compiled."""
+        widths = sorted({next(w for w in self.buckets if w >= n) for n in prompt_lengths})
+        for width in widths:
+            self.insert(0, [1] * width, seed=0)
+        self.state = self._advance(
+            self.params, self.lengths, np.int32(1), self.state, **self._statics
+        )
+        self.state = jax.block_until_ready(self.state.replace(done=jnp.ones((self.slots,), bool)))
 
     def generate(
         self,

@@ -154,6 +154,7 @@ def _decode_batch(
     decode_config: DecodeConfig,
     rng,
     mesh=None,
+    step_limit: int | None = None,
 ) -> list[list[int]]:
     """Pads `ids` to batch_size rows (repeating the last) and a width rounded up to `bucket`;
     -> the generated tokens of each real row (stop token included). On `mesh` when given."""
@@ -171,6 +172,7 @@ def _decode_batch(
         target_config=target.config,
         decode_config=decode_config,
         mesh=mesh,
+        step_limit=step_limit,
     )
     tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
     return [tokens[i, : n[i]].tolist() for i in range(len(ids))]
@@ -281,26 +283,6 @@ def _read_manifests(out_dir: epath.Path) -> tuple[set[str], int, set[str]]:
     return done, next_index, modes
 
 
-def data_thinking(shards: Sequence[str]) -> str | None:
-    """The thinking mode the manifests beside `shards` record (on, off or none), None when none
-    records one; ValueError when they disagree (data made in two modes)."""
-    modes = set()
-    for shard in shards:
-        path = paths.path(shard)
-        stem = path.name.split(".")[0]
-        manifest = path.parent / f"{stem}.json"
-        if manifest.exists():
-            mode = json.loads(manifest.read_text()).get("thinking")
-            if mode is not None:
-                modes.add(mode)
-    if len(modes) > 1:
-        raise ValueError(
-            f"the training shards were generated in different thinking modes {sorted(modes)}; "
-            "train on data of one mode (the mode the drafter will serve)"
-        )
-    return modes.pop() if modes else None
-
-
 class Answerer:
     """Answers lists of prompt token ids with the target: `engine="slots"` by continuous
     batching (`continuous.ContinuousDecoder`: rows leave when they stop, new prompts enter),
@@ -320,16 +302,31 @@ class Answerer:
         self.max_prompt_tokens = max_prompt_tokens
         self._slots = None
 
+    def _decoder(self) -> ContinuousDecoder:
+        if self._slots is None:
+            self._slots = ContinuousDecoder(
+                self.target, self.cfg, self.batch_size, self.max_prompt_tokens
+            )
+        return self._slots
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """Compiles (and runs a step of) every program answering `prompts` would run, so that
+        a timed call runs compiled programs only (`infer.bench.data_engines`)."""
+        if self.engine == "slots":
+            self._decoder().warm_up([len(x) for x in prompts])
+            return
+        for rows in _bucketed_batches([len(x) for x in prompts], self.batch_size):
+            _decode_batch(
+                self.target, [prompts[i] for i in rows], self.batch_size, self.bucket, self.cfg,
+                jax.random.key(0), self.mesh, step_limit=1,
+            )  # fmt: skip
+
     def __call__(self, prompts: list[list[int]], key, on_tokens=lambda n: None) -> list[list[int]]:
         if not prompts:
             return []
         if self.engine == "slots":
-            if self._slots is None:
-                self._slots = ContinuousDecoder(
-                    self.target, self.cfg, self.batch_size, self.max_prompt_tokens
-                )
             seeds = jax.random.randint(key, (len(prompts),), 0, 2**31 - 1)
-            return self._slots.generate(prompts, np.asarray(seeds).tolist(), on_tokens)
+            return self._decoder().generate(prompts, np.asarray(seeds).tolist(), on_tokens)
         out: list[list[int] | None] = [None] * len(prompts)
         batches = _bucketed_batches([len(x) for x in prompts], self.batch_size)
         for b, rows in enumerate(batches):
