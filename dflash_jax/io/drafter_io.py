@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
