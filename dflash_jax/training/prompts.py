@@ -101,10 +101,11 @@ def conversation(turns, where: str, source: str, style: str) -> Prompt:
 
 def parse_prompt_record(record: dict, where: str, source: str) -> Prompt:
     """One jsonl line or table row: `prompt`, `messages` or `conversations`, detected per
-    record; ValueError naming `where` for anything else."""
-    if "messages" in record:
+    record (a table's empty cell, None, counts as absent); ValueError naming `where` for
+    anything else."""
+    if record.get("messages") is not None:
         return conversation(record["messages"], where, source, "messages")
-    if "conversations" in record:
+    if record.get("conversations") is not None:
         return conversation(record["conversations"], where, source, "conversations")
     if isinstance(record.get("prompt"), str):
         return Prompt(record["prompt"].strip(), source)
