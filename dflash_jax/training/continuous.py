@@ -94,7 +94,9 @@ class ContinuousDecoder:
     free rows as answers end. `cfg` gives the sampling settings, stop tokens and the longest
     answer (`max_new_tokens`); one device (no mesh)."""
 
-    def __init__(self, target, cfg: DecodeConfig, slots: int, max_prompt: int):
+    def __init__(
+        self, target, cfg: DecodeConfig, slots: int, max_prompt: int, chunk_steps: int = CHUNK_STEPS
+    ):
         context = target.config.max_position_embeddings
         if max_prompt + cfg.max_new_tokens > context:
             raise ValueError(
@@ -105,7 +107,7 @@ class ContinuousDecoder:
         self.cfg = autoregressive_config(cfg)
         self.tcfg = run_target_config(target.config, self.cfg)
         self.params = target.params
-        self.slots = slots
+        self.slots, self.chunk_steps = slots, chunk_steps
         self.buckets = prompt_buckets(max_prompt)
         self.max_prompt = max_prompt
         statics = dict(tcfg=self.tcfg, cfg=self.cfg)
@@ -178,7 +180,7 @@ class ContinuousDecoder:
                     busy[slot] = i
                     counted[slot] = 0
             self.state = self._advance(
-                self.params, self.lengths, np.int32(CHUNK_STEPS), self.state, **self._statics
+                self.params, self.lengths, np.int32(self.chunk_steps), self.state, **self._statics
             )
             gen, n_gen, done = jax.device_get(_peek(self.state))
             fresh = 0

@@ -37,7 +37,7 @@ from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding import autoregressive_decode
 from dflash_jax.io import paths
 from dflash_jax.io.tokenizer import resolved_thinking, thinking_kwargs
-from dflash_jax.training.continuous import ContinuousDecoder
+from dflash_jax.training.continuous import CHUNK_STEPS, ContinuousDecoder
 from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, answer_points, dedupe
 
@@ -290,7 +290,8 @@ class Answerer:
     Answer i is sampled with its own seed (slots) or its batch's key (fixed)."""
 
     def __init__(self, target, decode_config: DecodeConfig, *, engine: str, batch_size: int,
-                 bucket: int, max_prompt_tokens: int, mesh=None):  # fmt: skip
+                 bucket: int, max_prompt_tokens: int, mesh=None,
+                 chunk_steps: int = CHUNK_STEPS):  # fmt: skip
         if engine not in ("slots", "fixed"):
             raise ValueError(f"engine {engine!r}: slots or fixed")
         if engine == "slots" and mesh is not None and mesh.size > 1:
@@ -299,13 +300,13 @@ class Answerer:
             )
         self.target, self.cfg, self.engine = target, decode_config, engine
         self.batch_size, self.bucket, self.mesh = batch_size, bucket, mesh
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.chunk_steps = max_prompt_tokens, chunk_steps
         self._slots = None
 
     def _decoder(self) -> ContinuousDecoder:
         if self._slots is None:
             self._slots = ContinuousDecoder(
-                self.target, self.cfg, self.batch_size, self.max_prompt_tokens
+                self.target, self.cfg, self.batch_size, self.max_prompt_tokens, self.chunk_steps
             )
         return self._slots
 
