@@ -15,6 +15,13 @@ CHATML = (
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Qwen3's switch, small: thinking on unless enable_thinking is false, which puts an empty think
+# block in the generation prompt.
+QWEN3_STYLE = CHATML.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is "
+    "false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}",
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

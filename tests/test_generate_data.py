@@ -2,15 +2,21 @@
 shard round trips and the offline prompt sources. A character-level ChatML tokenizer and a tiny
 random target keep it fast."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
+from _chat_tokenizer import CHATML, QWEN3_STYLE, char_tokenizer
 
 from dflash_jax.decoding import autoregressive_decode
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
+from dflash_jax.io.drafter_io import warn_thinking_mismatch
+from dflash_jax.io.loaded_target import LoadedTarget
+from dflash_jax.io.tokenizer import TRAINING_DATA_FILE
 from dflash_jax.training import data
-from dflash_jax.training.generate import generate_records, mixture
+from dflash_jax.training.generate import ChatFormat, generate_records, mixture
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
@@ -94,6 +100,7 @@ def test_short_responses_are_dropped(tmp_path, target, chat):
         batch_size=2,
         max_new_tokens=8,
         min_loss_tokens=9,
+        engine="slots",  # the programs of test_every_assistant_turn_is_regenerated_and_masked
     )
     assert counts["written"] == 0 and counts["short_response"] == 1
 
@@ -160,8 +167,8 @@ def test_templated_math_and_chat_prompts_and_the_mixture(tmp_path, target, chat)
 
     prompts = math[:3] + talk[:2] + [Prompt("def f(): pass", "stdlib:x.py")]
     generate_records(
-        target, chat, prompts, tmp_path, fmt="jsonl", batch_size=2, max_new_tokens=6,
-        min_loss_tokens=1,
+        target, chat, prompts, tmp_path, fmt="jsonl", batch_size=2, max_new_tokens=8,
+        min_loss_tokens=1, engine="slots",
     )  # fmt: skip
     mix = mixture(tmp_path)
     records = [r for path in data.expand_paths(str(tmp_path)) for r in data.read_shard(path)]
@@ -194,3 +201,146 @@ def test_self_prompts_are_sampled_once_even_when_fewer_than_asked(tmp_path):
     assert cached_self_prompts(path, 2, sample) == first[:2] and calls == [10]
     cached_self_prompts(path, 20, sample)
     assert calls == [10, 20]
+
+
+SHAREGPT = [
+    {"conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "old answer one"},
+        {"from": "human", "value": "more"}, {"from": "gpt", "value": "old answer two"},
+    ]},
+    {"conversations": [
+        {"from": "system", "value": "be brief"}, {"from": "human", "value": "why?"},
+        {"from": "gpt", "value": "old"},
+    ]},
+]  # fmt: skip
+MESSAGES = [
+    {"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "old b"},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "old d"},
+    ]},
+    {"messages": [{"role": "user", "content": "single"}]},
+]  # fmt: skip
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_conversation_files_are_detected_per_line_and_bad_lines_named(tmp_path):
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", SHAREGPT[1:] + MESSAGES + [{"prompt": "p"}])
+    system, two_turns, single, plain = read_prompt_file(mixed)
+    assert system.messages == (("system", "be brief"), ("user", "why?"), ("assistant", "old"))
+    assert two_turns.text == "a\n\nc" and len(two_turns.messages) == 4
+    assert single == plain.__class__("single", "file:mixed.jsonl") and not plain.messages
+    for row, problem in [
+        ({"text": "no known field"}, "no string 'prompt', no 'messages'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\] needs 'role'"),
+        ({"conversations": [{"from": "gpt", "value": "x"}]}, "assistant turn before any user"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "has no user turn"),
+    ]:
+        bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, row])
+        with pytest.raises(ValueError, match=rf"{bad}:2: .*{problem}"):
+            read_prompt_file(bad)
+    table = tmp_path / "t.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # not a requirement: the error says what to install
+        table.write_bytes(b"PAR1")
+        with pytest.raises(ValueError, match="needs the `pyarrow` package; install it"):
+            read_prompt_file(table)
+    else:
+        pq.write_table(pa.Table.from_pylist(SHAREGPT), str(table))
+        assert [p.text for p in read_prompt_file(table)] == ["hi\n\nmore", "why?"]
+
+
+def _spans(mask):
+    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+
+
+def test_every_assistant_turn_is_regenerated_and_masked(tmp_path, target, chat):
+    """The issue's done-when at tiny size, through the slot engine: 2 ShareGPT + 2 messages
+    conversations -> 4 records; each 2-turn one has two answer spans, each the target's own
+    (regenerated) answer followed by its end of turn, and no user or system token is in the
+    loss; the second turn was asked with the first regenerated answer in its context."""
+    prompts = read_prompt_file(_write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
+    prompts += read_prompt_file(_write_jsonl(tmp_path / "messages.jsonl", MESSAGES))
+    counts = generate_records(
+        target, chat, prompts, tmp_path / "out", fmt="jsonl", batch_size=2, max_new_tokens=8,
+        min_loss_tokens=1, engine="slots",
+    )  # fmt: skip
+    records = [r for p in data.expand_paths(str(tmp_path / "out")) for r in data.read_shard(p)]
+    assert counts["written"] == len(records) == 4
+    decode = chat.tokenizer.decode
+    for record in records:
+        tokens, mask = record["tokens"], record["loss_mask"]
+        turns = record.get("turns", 1)
+        assert len(_spans(mask)) == turns
+        assert sum(mask[len(tokens) - 8 :]) == 8  # the last answer (8 tokens, cut there) ends it
+        masked = decode([t for t, m in zip(tokens, mask, strict=True) if m])
+        for old in ("old", "be brief", "why?", "hi", "more", "single"):
+            assert old not in masked  # no input answer, no user or system text
+        if turns == 2:
+            first_end = mask.index(0, _spans(mask)[0])
+            assert tokens[first_end - 1] == 2  # the first answer's end of turn is in the loss
+            text = decode(tokens)
+            assert text.count("<|im_start|>assistant\n") == 2 and "old" not in text
+    assert sorted(r.get("turns", 1) for r in records) == [1, 1, 2, 2]
+
+
+def test_thinking_mode_reaches_the_template_manifest_and_export(tmp_path, target):
+    """--thinking: passed as enable_thinking (refused for a template without it), recorded in
+    each shard's manifest (a rerun in the other mode is refused), read back for the export, and
+    a drafter exported from data of one mode warns when loaded for a template serving the
+    other."""
+    tok = char_tokenizer(QWEN3_STYLE)
+    off, on = ChatFormat(tok, QWEN3_STYLE, "off"), ChatFormat(tok, QWEN3_STYLE, "on")
+    default = ChatFormat(tok, QWEN3_STYLE)
+    assert tok.decode(off.prompt_ids("q")).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert on.prompt_ids("q") == default.prompt_ids("q") != off.prompt_ids("q")
+    assert (off.thinking_mode(), on.thinking_mode(), default.thinking_mode()) == ("off", "on", "on")
+    with pytest.raises(ValueError, match="no such switch; use thinking=template"):
+        ChatFormat(tok, CHATML, "on")
+    assert ChatFormat(tok, CHATML).thinking_mode() == "none"
+
+    out = tmp_path / "data"
+    kw = dict(fmt="jsonl", max_prompt_tokens=1)  # every prompt too long: no decode to compile
+    counts = generate_records(target, off, [Prompt("q", "t")], out, **kw)
+    assert counts["too_long_prompt"] == 1
+    assert json.loads((out / "data-00000.json").read_text())["thinking"] == "off"
+    assert data.data_thinking(data.expand_paths(str(out))) == "off"
+    with pytest.raises(ValueError, match=r"thinking \['off'\], this run's is on"):
+        generate_records(target, on, [Prompt("r", "t")], out, **kw)
+
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    (drafter_dir / TRAINING_DATA_FILE).write_text(json.dumps({"thinking": "off"}))
+    serving_on = LoadedTarget(target.config, None, tok, QWEN3_STYLE, "qwen3-like")
+    assert "trained on data generated with thinking off" in warn_thinking_mismatch(
+        drafter_dir, serving_on
+    )
+    (drafter_dir / TRAINING_DATA_FILE).write_text(json.dumps({"thinking": "on"}))
+    assert warn_thinking_mismatch(drafter_dir, serving_on) is None
+    assert warn_thinking_mismatch(tmp_path / "nothing", serving_on) is None
+
+
+@pytest.mark.slow
+def test_slot_engine_answers_as_the_target_alone(tmp_path, target, chat):
+    """Guards the slot engine's answers (only this test): greedy, every conversation's records
+    equal the fixed batches' (whose rows are the target's own greedy decode, checked by
+    test_records_mask_only_the_response_and_resume); sampled, a request's answer depends on its
+    seed alone, not on the rows beside it (1 slot or 3)."""
+    prompts = read_prompt_file(_write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
+    prompts += read_prompt_file(_write_jsonl(tmp_path / "messages.jsonl", MESSAGES))
+    kw = dict(fmt="jsonl", max_new_tokens=8, min_loss_tokens=1)
+
+    def records(name, **more):
+        generate_records(target, chat, prompts, tmp_path / name, **kw, **more)
+        return [r for p in data.expand_paths(str(tmp_path / name)) for r in data.read_shard(p)]
+
+    assert records("slots", engine="slots", batch_size=2) == records("fixed", batch_size=2)
+    sampled = dict(engine="slots", temperature=1.0, top_p=0.9, seed=3)
+    one = records("one", batch_size=1, **sampled)
+    assert one == records("three", batch_size=3, **sampled)
+    assert one != records("slots", engine="slots", batch_size=2)  # it did sample

@@ -146,6 +146,7 @@ def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
 
 def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     corpus(tmp_path / "data.jsonl")
+    (tmp_path / "data.json").write_text('{"thinking": "off"}')  # the shard's manifest
     cfg = train_config(tmp_path / "data.jsonl", eval_every=40)
     last = trainer.train(cfg, tmp_path / "run")
     lines = [
@@ -171,6 +172,8 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     assert 1.0 <= heldout["heldout_tau_forced"] <= cfg.block_size, heldout
     exported = restore_drafter(tmp_path / "run" / "drafter")
     assert exported.config.block_size == 4 and exported.config.mask_token_id == 0
+    # The data's thinking mode travels into the export (`load_drafter` warns on a mismatch).
+    assert '"thinking": "off"' in (tmp_path / "run" / "drafter" / "training_data.json").read_text()
     # It is the exported drafter's, recomputed here, and it sees what training taught: a fresh
     # drafter on the same held-out batch scores lower.
     source = data.record_source([str(tmp_path / "data.jsonl")])

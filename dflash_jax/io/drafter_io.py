@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
@@ -28,6 +29,7 @@ from dflash_jax.io import paths
 from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.speculators import is_speculators, read_config_json, read_speculators
+from dflash_jax.io.tokenizer import TRAINING_DATA_FILE, resolved_thinking, takes_thinking
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
 from dflash_jax.models.drafter import check_fits, init_drafter_params
 
@@ -199,4 +201,31 @@ def load_drafter(
         mesh = getattr(target, "mesh", None)
     loaded = read_drafter(source, dtype or target.config.dtype, mesh)
     check_fits(loaded.config, target.config, loaded.params)
+    warn_thinking_mismatch(source, target)
     return loaded
+
+
+def warn_thinking_mismatch(source, target) -> str | None:
+    """Warns (and returns the warning) when the drafter in directory `source` was trained on
+    data of one thinking mode (`TRAINING_DATA_FILE`, written by train.train_drafter) and the
+    target's chat template serves the other by default: acceptance drops far (z-lab/dflash
+    issue 133: 25% against 60%). Cheap: one small file read, two renders only when it exists."""
+    try:
+        recorded = json.loads((paths.path(source) / TRAINING_DATA_FILE).read_text())["thinking"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    template = getattr(target, "chat_template", None)
+    tokenizer = getattr(target, "tokenizer", None)
+    if recorded not in ("on", "off") or tokenizer is None or not takes_thinking(template):
+        return None
+    serving = resolved_thinking(tokenizer, template)
+    if serving in (recorded, "none"):
+        return None
+    message = (
+        f"the drafter {source} was trained on data generated with thinking {recorded}, but the "
+        f"target's chat template serves thinking {serving} by default: expect far lower "
+        "acceptance; serve in the drafter's mode or train it on data of this one "
+        f"(train.generate_data --thinking={serving})"
+    )
+    logging.warning(message)
+    return message

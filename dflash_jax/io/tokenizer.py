@@ -96,3 +96,47 @@ def render_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> lis
     if not ids:
         raise ValueError("prompt is empty after tokenisation")
     return ids
+
+
+THINKING_MODES = ("off", "on", "template")
+TRAINING_DATA_FILE = "training_data.json"  # in an exported drafter: the data's thinking mode
+
+
+def takes_thinking(chat_template: str | None) -> bool:
+    """Whether a chat template reads `enable_thinking` (Qwen3 style)."""
+    return bool(chat_template) and "enable_thinking" in chat_template
+
+
+def thinking_kwargs(chat_template: str | None, mode: str) -> dict:
+    """The extra `apply_chat_template` arguments of thinking `mode` (off, on or template: the
+    template's own default); ValueError when on/off is asked of a template without the switch."""
+    if mode not in THINKING_MODES:
+        raise ValueError(f"thinking mode {mode!r}: one of {THINKING_MODES}")
+    if mode == "template":
+        return {}
+    if not takes_thinking(chat_template):
+        raise ValueError(
+            f"thinking={mode} asks the chat template for enable_thinking, but this target's "
+            "template has no such switch; use thinking=template"
+        )
+    return {"enable_thinking": mode == "on"}
+
+
+def resolved_thinking(tokenizer, chat_template: str | None, mode: str = "template") -> str:
+    """`mode` as the template applies it: on or off (template: its default, found by rendering
+    one turn both ways), or "none" for a template without the switch."""
+    if not takes_thinking(chat_template):
+        return "none"
+    if mode != "template":
+        return mode
+
+    def render(**kw) -> str:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template=chat_template, tokenize=False,
+            add_generation_prompt=True, **kw,
+        )  # fmt: skip
+
+    default = render()
+    if default == render(enable_thinking=True):
+        return "on"
+    return "off" if default == render(enable_thinking=False) else "none"

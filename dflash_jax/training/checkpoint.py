@@ -33,6 +33,7 @@ from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.io import paths
 from dflash_jax.io.drafter_io import ignore_closed_loop_callbacks, save_drafter
 from dflash_jax.io.hf import CheckpointError
+from dflash_jax.io.tokenizer import TRAINING_DATA_FILE
 from dflash_jax.models.drafter import init_drafter_params
 
 CHECKPOINT_DIR = "checkpoints"
@@ -336,10 +337,13 @@ def warm_state(source_workdir: str | os.PathLike, abstract: dict) -> dict:
     }
 
 
-def export_drafter(workdir: str | os.PathLike, config: DrafterConfig, params: dict) -> epath.Path:
+def export_drafter(
+    workdir: str | os.PathLike, config: DrafterConfig, params: dict, metadata: dict | None = None
+) -> epath.Path:
     """Writes `<workdir>/drafter` for `load_drafter`, replacing the previous export only once the
-    new one is complete. Every process must call it (the params are gathered from all of them);
-    process 0 alone writes."""
+    new one is complete; `metadata` (what the training data was, e.g. its thinking mode) goes
+    beside it as `io.tokenizer.TRAINING_DATA_FILE`. Every process must call it (the params are
+    gathered from all of them); process 0 alone writes."""
     final = paths.path(workdir) / DRAFTER_DIR
     if jax.process_count() > 1:
         host = multihost_utils.process_allgather(params, tiled=True)
@@ -352,5 +356,7 @@ def export_drafter(workdir: str | os.PathLike, config: DrafterConfig, params: di
         if old.exists():
             old.rmtree()
     save_drafter(tmp, config, host)
+    if metadata:
+        (tmp / TRAINING_DATA_FILE).write_text(json.dumps(metadata, indent=1, sort_keys=True))
     paths.move(tmp, final)
     return final

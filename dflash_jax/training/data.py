@@ -115,6 +115,26 @@ def expand_paths(patterns: str | Iterable[str]) -> list[str]:
     return shards
 
 
+def data_thinking(shards: Sequence[str]) -> str | None:
+    """The thinking mode the manifests beside `shards` record (on, off or none), None when none
+    records one; ValueError when they disagree (data made in two modes)."""
+    modes = set()
+    for shard in shards:
+        path = paths.path(shard)
+        stem = path.name.split(".")[0]
+        manifest = path.parent / f"{stem}.json"
+        if manifest.exists():
+            mode = json.loads(manifest.read_text()).get("thinking")
+            if mode is not None:
+                modes.add(mode)
+    if len(modes) > 1:
+        raise ValueError(
+            f"the training shards were generated in different thinking modes {sorted(modes)}; "
+            "train on data of one mode (the mode the drafter will serve)"
+        )
+    return modes.pop() if modes else None
+
+
 def _checked_jsonl(path) -> list[bytes]:
     """A jsonl shard's records, each checked once to be a record object (`file:line` named)."""
     expected = 'a record {"tokens": [...], "loss_mask": [...]} per line (train.generate_data)'

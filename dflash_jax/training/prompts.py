@@ -1,6 +1,8 @@
 """Prompt sources for drafter training data, and the guard that keeps evaluation prompts out.
 
-Sources: user files (jsonl `{"prompt": ...}` or txt, one prompt per line), prompts built from
+Sources: user files (jsonl lines with a `prompt`, OpenAI `messages` or ShareGPT `conversations`;
+parquet files and Hugging Face `datasets` directories with those columns; any other text file as
+one prompt a line: `read_prompt_file`), prompts built from
 Python standard-library functions with docstrings (offline, HumanEval-like), templated math and
 chat prompts (`prompt_templates.py`), and prompts the target writes itself from its own chat
 template (`self_prompts` in generate.py).
@@ -21,30 +23,149 @@ from pathlib import Path
 from dflash_jax.io import jsonl, paths
 from dflash_jax.io.assets import load_dev_prompts, load_humaneval_prompts, load_mtbench_questions
 
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+EXPECTED = (
+    'a {"prompt": "..."}, {"messages": [{"role": ..., "content": ...}, ...]} (OpenAI) or '
+    '{"conversations": [{"from": ..., "value": ...}, ...]} (ShareGPT) object'
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
+    """One prompt: a single user turn (`text`), or a conversation (`messages`: (role, content)
+    pairs, roles system/user/assistant) whose user turns joined are its `text` (what the
+    deduplication and the evaluation-overlap filter read)."""
+
     text: str
     source: str
+    messages: tuple[tuple[str, str], ...] = ()
+
+    def chat(self) -> list[dict]:
+        """The input conversation as chat-template messages."""
+        if not self.messages:
+            return [{"role": "user", "content": self.text}]
+        return [{"role": r, "content": c} for r, c in self.messages]
+
+
+def answer_points(messages: list[dict]) -> list[int]:
+    """Where the target answers in a conversation: the index of every assistant turn (its
+    context is the messages before it, earlier answers regenerated), and len(messages) when the
+    conversation ends with a user turn."""
+    points = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages and messages[-1]["role"] == "user":
+        points.append(len(messages))
+    return points
+
+
+def conversation(turns, where: str, source: str, style: str) -> Prompt:
+    """A Prompt from OpenAI `messages` (style "messages": role/content) or ShareGPT
+    `conversations` (style "conversations": from/value); ValueError naming `where` otherwise."""
+    role_key, text_key = ("role", "content") if style == "messages" else ("from", "value")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: '{style}' must be a non-empty list; expected {EXPECTED}")
+    pairs = []
+    for j, turn in enumerate(turns):
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        content = turn.get(text_key) if isinstance(turn, dict) else None
+        if str(role).lower() not in ROLES or not isinstance(content, str):
+            raise ValueError(
+                f"{where}: {style}[{j}] needs '{role_key}' (one of {sorted(ROLES)}) and a string "
+                f"'{text_key}'; expected {EXPECTED}"
+            )
+        pairs.append((ROLES[str(role).lower()], content.strip()))
+    seen_user = False
+    for j, (role, _) in enumerate(pairs):
+        if role == "assistant" and not seen_user:
+            raise ValueError(
+                f"{where}: {style}[{j}] is an assistant turn before any user turn; a conversation "
+                "needs a user turn for the target to answer"
+            )
+        seen_user |= role == "user"
+    if not seen_user:
+        raise ValueError(f"{where}: '{style}' has no user turn; expected {EXPECTED}")
+    text = "\n\n".join(c for r, c in pairs if r == "user")
+    if len(pairs) == 1:
+        return Prompt(text, source)  # one user turn: the same prompt as {"prompt": ...}
+    return Prompt(text, source, tuple(pairs))
+
+
+def parse_prompt_record(record: dict, where: str, source: str) -> Prompt:
+    """One jsonl line or table row: `prompt`, `messages` or `conversations`, detected per
+    record (a table's empty cell, None, counts as absent); ValueError naming `where` for
+    anything else."""
+    if record.get("messages") is not None:
+        return conversation(record["messages"], where, source, "messages")
+    if record.get("conversations") is not None:
+        return conversation(record["conversations"], where, source, "conversations")
+    if isinstance(record.get("prompt"), str):
+        return Prompt(record["prompt"].strip(), source)
+    raise ValueError(
+        f"{where}: no string 'prompt', no 'messages' and no 'conversations' field; "
+        f"expected {EXPECTED}"
+    )
+
+
+def _table_rows(path) -> list[dict]:
+    """Rows of a parquet file or a `datasets` directory (`save_to_disk`), as dicts."""
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError as e:
+            raise ValueError(
+                f"{path}: a Hugging Face datasets directory needs the `datasets` package; "
+                "install it (pip install datasets) or export the data to jsonl"
+            ) from e
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if len(loaded) != 1:
+                raise ValueError(
+                    f"{path}: a DatasetDict with splits {sorted(loaded)}; give one split's "
+                    f"directory (e.g. {path}/train)"
+                )
+            loaded = next(iter(loaded.values()))
+        return list(loaded)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(
+            f"{path}: reading parquet needs the `pyarrow` package; install it (pip install "
+            "pyarrow) or export the data to jsonl"
+        ) from e
+    return pq.read_table(str(path)).to_pylist()
 
 
 def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
-    """`.jsonl` lines with a "prompt" field, or any other file as one prompt per line; `path`
-    may be a URL."""
+    """Prompts and conversations from `path` (local or a URL): `.jsonl` lines (each a
+    `prompt`, `messages` or `conversations` object, detected per line), a `.parquet` file or a
+    `datasets` directory (`save_to_disk`) whose rows hold one of those columns, or any other
+    file as one prompt a line. A bad line or row raises ValueError naming `file:line`."""
     path = paths.path(path)
-    text = path.read_text(encoding="utf-8")
-    lines = [line for line in text.splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        texts = []
-        expected = 'a {"prompt": "..."} object per line'
-        for i, line in jsonl.numbered_lines(text.splitlines()):
-            record = jsonl.parse_line(line, f"{path}:{i}", expected)
-            if not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{path}:{i}: no string 'prompt' field; expected {expected}")
-            texts.append(record["prompt"])
+    source = f"file:{path.name}"
+    if path.is_dir() or path.suffix == ".parquet":
+        rows = _table_rows(path)
+        prompts = [parse_prompt_record(r, f"{path}:row {i}", source) for i, r in enumerate(rows)]
+    elif path.suffix == ".jsonl":
+        text = path.read_text(encoding="utf-8")
+        prompts = [
+            parse_prompt_record(
+                jsonl.parse_line(line, f"{path}:{i}", EXPECTED), f"{path}:{i}", source
+            )
+            for i, line in jsonl.numbered_lines(text.splitlines())
+        ]
     else:
-        texts = lines
-    return [Prompt(t.strip(), f"file:{path.name}") for t in texts if t.strip()]
+        text = path.read_text(encoding="utf-8")
+        prompts = [Prompt(t.strip(), source) for t in text.splitlines()]
+    return [p for p in prompts if p.text]
 
 
 def _first_paragraph(doc: str) -> str:

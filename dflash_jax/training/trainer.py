@@ -476,6 +476,7 @@ def train(
     check_config(cfg)
     workdir = paths.path(workdir)
     shards = data.expand_paths(cfg.data)  # missing data is named before anything loads
+    thinking = data.data_thinking(shards)  # data made in two modes is refused here too
     checkpoint.check_resumable(workdir, start_over)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = training_mesh(cfg)
@@ -625,7 +626,9 @@ def train(
             )
         if step % cfg.checkpoint_every == 0 or final:
             checkpoint.save_checkpoint(manager, step, state, data_iter)
-            checkpoint.export_drafter(workdir, drafter_config, state["params"])
+            checkpoint.export_drafter(
+                workdir, drafter_config, state["params"], thinking and {"thinking": thinking}
+            )
         if not window:
             # Throughput covers train steps only, not evaluation or checkpointing.
             timed_steps, t0 = 0, time.perf_counter()
