@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DecodeConfig
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.phases import next_token, prefill
 from dflash_jax.decoding.programs import run_target_config
 from dflash_jax.decoding.sampling import RowSettings
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.slots import prompt_buckets
 from dflash_jax.decoding.state import LoopState, commit, keep_going, step_key
 from dflash_jax.models.target import Transformer, decoding_head

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from dflash_jax.config import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training.generate import Answerer, ChatFormat
 from dflash_jax.training.prompt_templates import TOPICS
