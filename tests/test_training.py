@@ -4,7 +4,10 @@ loss against a dense one, a tiny end-to-end run, exact resume after a kill, misf
 import dataclasses
 import json
 import math
+import os
+import signal
 
+import _tiny_training as tiny_training
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,20 +30,7 @@ from dflash_jax.training.loss import (
     position_weights,
 )
 
-TINY_TARGET = TargetConfig(
-    arch="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    eos_token_ids=(1,),
-)
+TINY_TARGET = tiny_training.TINY_TARGET
 
 
 # --- anchors, labels, mask -----------------------------------------------------------------
@@ -161,57 +151,7 @@ def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
 # --- end to end ----------------------------------------------------------------------------
 
 
-def _corpus(path, num_records=48, seed=0):
-    """A small repeating corpus: every record walks one fixed cycle of 8 tokens from a random
-    start, so the token at p+k is a function of the anchor token alone."""
-    rng = np.random.default_rng(seed)
-    cycle = rng.permutation(np.arange(2, 64))[:8]
-    records = []
-    for i in range(num_records):
-        start, prompt_len, length = int(rng.integers(8)), 4, int(rng.integers(20, 33))
-        tokens = [int(cycle[(start + t) % 8]) for t in range(length)]
-        records.append(
-            {
-                "tokens": tokens,
-                "loss_mask": [0] * prompt_len + [1] * (length - prompt_len),
-                "source": "test",
-                "prompt": f"p{i}",
-            }
-        )
-    data.write_shard(path, records)
-
-
-def _config(data_path, **overrides):
-    cfg = trainer.default_config()
-    cfg.target = "tiny"
-    cfg.data = str(data_path)
-    cfg.compute_dtype = "float32"
-    cfg.drafter.hidden_size = 32
-    cfg.drafter.intermediate_size = 64
-    cfg.drafter.num_layers = 2
-    cfg.drafter.num_heads = 4
-    cfg.drafter.num_kv_heads = 2
-    cfg.drafter.head_dim = 8
-    cfg.drafter.mask_token_id = 0
-    cfg.drafter.target_layer_ids = (1, 2)
-    cfg.block_size = 4
-    cfg.loss_gamma = 4.0
-    cfg.seq_len = 32
-    cfg.num_anchors = 6
-    cfg.ce_chunk_rows = 16
-    cfg.batch_size = 4
-    cfg.num_steps = 40
-    cfg.learning_rate = 1e-2
-    cfg.warmup_fraction = 0.1
-    cfg.data_threads = 1
-    cfg.num_eval_prompts = 2
-    cfg.eval_every = 0
-    cfg.eval_max_new_tokens = 12
-    cfg.log_every = 1
-    cfg.checkpoint_every = 20
-    cfg.max_checkpoints = 10
-    cfg.update(overrides)
-    return cfg
+_corpus, _config, _losses = tiny_training.corpus, tiny_training.config, tiny_training.losses
 
 
 @pytest.fixture
@@ -223,14 +163,9 @@ def tiny_target(monkeypatch):
     return target
 
 
-def _losses(workdir):
-    lines = [json.loads(x) for x in (workdir / trainer.METRICS_FILE).read_text().splitlines()]
-    return {x["step"]: x["loss"] for x in lines if "loss" in x}
-
-
 def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     _corpus(tmp_path / "data.jsonl")
-    cfg = _config(tmp_path / "data.jsonl", eval_every=40)
+    cfg = _config(tmp_path / "data.jsonl", eval_every=40, peak_tflops=1.0)
     last = trainer.train(cfg, tmp_path / "run")
     lines = [
         json.loads(x) for x in (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
@@ -271,6 +206,22 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     assert fresh["heldout_tau_forced"] < trained["heldout_tau_forced"], (fresh, trained)
     checkpoints = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == [20, 40]
+    # The same figures as TensorBoard events, as tensorboard's own reader parses them, with
+    # throughput and the MFU estimate (against the config's peak: a CPU has none).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    scalars = lambda tag: [(e.step, e.value) for e in events.Scalars(tag)]
+    assert [s for s, _ in scalars("loss")] == list(range(1, 41))
+    assert [v for _, v in scalars("loss")] == pytest.approx([x["loss"] for x in logged])
+    assert [s for s, _ in scalars("tokens_per_s")] == list(range(2, 41))  # step 1 compiles
+    assert all(v > 0 for _, v in scalars("tokens_per_s") + scalars("mfu"))
+    assert logged[-1]["mfu"] == pytest.approx(logged[-1]["model_tflops_per_s"] / 1.0)
+    assert scalars("tau_eval") == [(40, pytest.approx(tau_eval[0]))]
+    assert {"accuracy/1", "learning_rate", "grad_norm", "heldout_loss"} <= set(
+        events.Tags()["scalars"]
+    )
 
 
 class _Killed(Exception):
@@ -279,6 +230,8 @@ class _Killed(Exception):
 
 @pytest.mark.slow
 def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
+    """A run killed after its step-4 checkpoint, and one stopped by SIGTERM, each rerun: the
+    losses of an uninterrupted run, bit for bit."""
     _corpus(tmp_path / "data.jsonl")
     cfg = _config(tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3)
     trainer.train(cfg, tmp_path / "straight")
@@ -300,6 +253,27 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "killed")
     assert list(resumed) == list(range(1, 13))
     assert resumed == straight  # bit-identical, steps 5..12 included
+
+    # SIGTERM during step 6 (no checkpoint due before 8): the step finishes, a checkpoint of it
+    # is written, train returns saying so (no export: that waits for the end); the rerun
+    # resumes there with the same losses. (Before: the default handler killed the process.)
+    calls = iter(range(1, 100))
+
+    def term_at_step_6(*args, **kwargs):
+        if next(calls) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", term_at_step_6)
+    before = signal.getsignal(signal.SIGTERM)
+    last = trainer.train(cfg, tmp_path / "stopped")
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
+    assert (last["stopped_at"], last["stopped_by"]) == (6, "SIGTERM")
+    assert sorted(int(p.name) for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == [4, 6]
+    assert not (tmp_path / "stopped" / "drafter").exists()
+    monkeypatch.setattr(trainer, "train_step", real)
+    assert "stopped_at" not in trainer.train(cfg, tmp_path / "stopped")
+    assert _losses(tmp_path / "stopped") == straight
 
 
 def test_wsd_schedule_warms_holds_and_decays():
