@@ -276,6 +276,36 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     assert _losses(tmp_path / "stopped") == straight
 
 
+def test_gradient_accumulation_steps_through_the_micro_batches(tmp_path, tiny_target):
+    """grad_accum_steps=2 on 4 rows: the step's loss is the mean of its two micro-batches'
+    (rows 0, 2 and rows 1, 3, each run alone as a step of 2 rows), its per-slot counts their
+    sum; one optimizer update (step counter 1)."""
+    from dflash_jax.training.step import OptimizerConfig, train_step
+
+    _corpus(tmp_path / "data.jsonl")
+    cfg = _config(tmp_path / "data.jsonl", grad_accum_steps=2)
+    dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
+    optimizer = OptimizerConfig.from_config(cfg, 10)
+    source = data.record_source([str(tmp_path / "data.jsonl")])
+    _, records = data.split_holdout(source, 4, cfg.seed)
+    batch = evaluation.heldout_batch(records, cfg.seq_len, cfg.num_anchors)
+    settings = trainer.step_settings(cfg, TINY_TARGET, dcfg, optimizer)
+    assert settings["grad_accum_steps"] == 2
+    fresh = lambda: trainer.initial_state(cfg, dcfg, tiny_target, optimizer, None)
+    state, got = train_step(fresh(), tiny_target.params, batch, **settings)
+    assert int(state["step"]) == 1
+    del settings["grad_accum_steps"]
+    parts = [
+        train_step(fresh(), tiny_target.params, {k: v[i::2] for k, v in batch.items()}, **settings)[
+            1
+        ]
+        for i in (0, 1)
+    ]
+    assert float(got["loss"]) == pytest.approx(np.mean([float(p["loss"]) for p in parts]), rel=1e-5)
+    for key in ("correct", "count"):
+        np.testing.assert_array_equal(got[key], parts[0][key] + parts[1][key])
+
+
 def test_wsd_schedule_warms_holds_and_decays():
     from dflash_jax.training.step import OptimizerConfig
 

@@ -139,7 +139,10 @@ def default_config() -> ml_collections.ConfigDict:
     # A step with a non-finite loss or gradient: "stop" the run naming the step (its checkpoints
     # stay intact) or "skip" it (params unchanged) and count it in the metrics.
     cfg.nonfinite = "stop"
-    cfg.batch_size = 8
+    cfg.batch_size = 8  # the global batch: rows per optimizer step
+    # k > 1: each step's batch in k micro-batches of batch_size / k rows, one after another,
+    # gradients averaged (step.py): a batch's activations at a k-th of the memory.
+    cfg.grad_accum_steps = 1
     cfg.num_epochs = 6
     cfg.num_steps = 0  # 0: num_epochs over the training records
     cfg.learning_rate = 6e-4
@@ -349,6 +352,12 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
     if cfg.get("mesh"):
         sharding.parse_mesh(cfg.mesh)
+    accum = cfg.get("grad_accum_steps", 1)
+    if accum < 1 or cfg.batch_size % accum:
+        raise ValueError(
+            f"config.grad_accum_steps={accum} must be >= 1 and divide config.batch_size="
+            f"{cfg.batch_size}"
+        )
     monitor.parse_profile_steps(cfg.get("profile_steps", ""))
     if cfg.taps == "cached" and jax.process_count() > 1:
         raise ValueError(
@@ -373,6 +382,13 @@ def training_mesh(cfg: ml_collections.ConfigDict):
         raise ValueError(
             f"config.batch_size={cfg.batch_size} does not split over data x fsdp = {ways} "
             f"devices of mesh {dict(mesh.shape)}; use a multiple of {ways}"
+        )
+    accum = cfg.get("grad_accum_steps", 1)
+    if (cfg.batch_size // accum) % ways:
+        raise ValueError(
+            f"config.batch_size={cfg.batch_size} / config.grad_accum_steps={accum} rows per "
+            f"micro-batch do not split over data x fsdp = {ways} devices of mesh "
+            f"{dict(mesh.shape)}; use fewer accumulation steps or a larger batch"
         )
     return mesh
 
@@ -410,6 +426,8 @@ def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
         settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
     if drafter_config.is_dspark:
         settings["confidence_loss_weight"] = float(cfg.get("confidence_loss_weight", 1.0))
+    if cfg.get("grad_accum_steps", 1) > 1:
+        settings["grad_accum_steps"] = int(cfg.grad_accum_steps)
     return settings
 
 
@@ -572,31 +590,32 @@ def train(
     )
     stop_request = preemption.StopRequest()
     stopped_at = None
+    unchecked: list[tuple[int, dict]] = []  # (step, metrics) the host has not looked at yet
     with stop_request:
         for step in range(start + 1, num_steps + 1):
             profiler.before(step)
             state, metrics = run_step(state, target.params, next(data_iter))
             profiler.after(step, metrics)
             window.append(metrics)
+            unchecked.append((step, metrics))
             bar.update(1)
-            if not bool(metrics["finite"]):
-                loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
-                if cfg.nonfinite == "stop":
-                    bar.close()
-                    manager.wait_until_finished()  # the checkpoints saved so far are complete
-                    raise NonFiniteError(
-                        f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
-                        f"stops without saving (checkpoints up to step "
-                        f"{manager.latest_step() or 0} are intact). Set config.nonfinite='skip' "
-                        "to skip such steps, or lower the learning rate, then rerun to resume."
-                    )
-                logging.warning(
-                    "step %d: non-finite loss %s / grad norm %s, skipped", step, loss, norm
-                )
             final = step == num_steps
             stopping = stop_request.stop(step)  # SIGTERM/SIGINT, or the hosts' preemption sync
+            # The host reads the steps' figures only where it must (a log line, a checkpoint,
+            # an evaluation, an export, the end), so that it never waits on every step.
+            if (
+                final
+                or stopping
+                or step % cfg.log_every == 0
+                or step % cfg.checkpoint_every == 0
+                or (prompts and step % cfg.eval_every == 0)
+                or (cfg.export_every and step % cfg.export_every == 0)
+            ):
+                _check_finite(unchecked, cfg.nonfinite, manager, bar)
+                unchecked = []
             if step == start + 1:
                 # The first step compiles: keep it out of the throughput.
+                jax.block_until_ready(metrics)
                 timed_steps, t0 = -1, time.perf_counter()
             timed_steps += 1
             if step % cfg.log_every == 0 or final or stopping:
@@ -642,6 +661,26 @@ def train(
         )
         last = {**last, "stopped_at": stopped_at, "stopped_by": stop_request.signal_name}
     return last
+
+
+def _check_finite(steps: list[tuple[int, dict]], mode: str, manager, bar) -> None:
+    """Looks at the `finite` flag of each (step, metrics): a non-finite step stops the run
+    naming it (`mode` "stop"; the checkpoints so far are complete and intact) or is warned
+    about (skipped: the step left params and Adam's state as they were)."""
+    for step, metrics in steps:
+        if bool(metrics["finite"]):
+            continue
+        loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if mode == "stop":
+            bar.close()
+            manager.wait_until_finished()
+            raise NonFiniteError(
+                f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
+                f"stops without saving (checkpoints up to step "
+                f"{manager.latest_step() or 0} are intact). Set config.nonfinite='skip' "
+                "to skip such steps, or lower the learning rate, then rerun to resume."
+            )
+        logging.warning("step %d: non-finite loss %s / grad norm %s, skipped", step, loss, norm)
 
 
 def _evaluate(cfg, target, drafter_config, params, prompts, heldout, mesh) -> dict:
