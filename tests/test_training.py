@@ -276,6 +276,7 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     assert _losses(tmp_path / "stopped") == straight
 
 
+@pytest.mark.slow  # two compiles of the step; only this guards grad_accum_steps
 def test_gradient_accumulation_steps_through_the_micro_batches(tmp_path, tiny_target):
     """grad_accum_steps=2 on 4 rows: the step's loss is the mean of its two micro-batches'
     (rows 0, 2 and rows 1, 3, each run alone as a step of 2 rows), its per-slot counts their
