@@ -243,7 +243,12 @@ def abstract_state(drafter_config: DrafterConfig, optimizer, mesh=None) -> dict:
 
     abstract = jax.eval_shape(init)
     if mesh is None:
-        return abstract
+        # One device, named: a checkpoint written on a mesh (of any process count) then
+        # restores onto it instead of asking for the writer's topology.
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract
+        )
     return sharding.with_shardings(abstract, sharding.state_shardings(abstract, mesh))
 
 
