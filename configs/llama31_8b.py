@@ -20,4 +20,7 @@ def get_config():
     cfg.drafter.mask_token_id = 128002
     cfg.drafter.target_layer_ids = (1, 8, 15, 22, 29)
     cfg.block_size = 10
+    # Global batch 32, as SpecForge's Qwen3-8B DFlash example (8 GPUs x --batch-size 4);
+    # grad_accum_steps where a device cannot hold its rows at once (docs/training.md).
+    cfg.batch_size = 32
     return cfg

@@ -18,4 +18,7 @@ def get_config():
     cfg.drafter.head_dim = 128
     cfg.drafter.mask_token_id = 151669
     cfg.drafter.target_layer_ids = (1, 9, 17, 25, 33)
+    # Global batch 32, as SpecForge's Qwen3-8B DFlash example (8 GPUs x --batch-size 4);
+    # grad_accum_steps where a device cannot hold its rows at once (docs/training.md).
+    cfg.batch_size = 32
     return cfg

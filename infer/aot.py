@@ -294,6 +294,78 @@ def train_program(cfg, mesh, attention_impl: str) -> Program:
     return Program("train_step", step, (state, target, batch))
 
 
+def train_programs(cfg, mesh, attention_impl: str, prompt_len: int) -> list[Program]:
+    """Every program a training run of config `cfg` compiles on `mesh`, as `trainer.train`
+    builds it: the step (`train_program`) and, with `cfg.eval_every`, the held-out metric
+    (`evaluation.heldout_on_mesh`, when `cfg.heldout_metrics`) and the evaluation decode
+    (greedy `speculative_decode` of the evaluation prompts, `evaluation.eval_decode_config`;
+    their buffer is `prompt_len` wide: a run's is its longest prompt's)."""
+    from dflash_jax.decoding import programs as decode_programs
+    from dflash_jax.decoding import runner, speculative
+    from dflash_jax.models.drafter import init_drafter_params
+    from dflash_jax.models.target import init_params
+    from dflash_jax.training import evaluation
+    from dflash_jax.training.loss import default_gamma
+
+    out = [train_program(cfg, mesh, attention_impl)]
+    if not cfg.eval_every:
+        return out
+    tcfg, dcfg = _configs(cfg, cfg.compute_dtype, attention_impl)
+    run_mesh = _run_mesh(mesh)
+    target = abstract_params(init_params, tcfg, cfg.compute_dtype, run_mesh)
+    drafter = abstract_params(init_drafter_params, dcfg, cfg.compute_dtype, run_mesh)
+    if cfg.heldout_metrics:
+        b, s, n = cfg.num_eval_prompts, cfg.seq_len, cfg.num_anchors
+        batch = {
+            "tokens": jax.ShapeDtypeStruct((b, s), jnp.int32),
+            "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.int32),
+            "length": jax.ShapeDtypeStruct((b,), jnp.int32),
+            "anchors": jax.ShapeDtypeStruct((b, n), jnp.int32),
+            "anchor_valid": jax.ShapeDtypeStruct((b, n), jnp.bool_),
+        }
+        settings = dict(
+            target_config=tcfg,
+            drafter_config=dcfg,
+            loss_gamma=float(cfg.loss_gamma or default_gamma(cfg.block_size)),
+            ce_chunk_rows=cfg.ce_chunk_rows,
+        )
+        if run_mesh is None:
+            out.append(Program("heldout_metrics", evaluation.heldout_jit, (drafter, target, batch),
+                               settings))  # fmt: skip
+        else:
+            batch = sharding.put(batch, sharding.batch_shardings(batch, run_mesh))
+            fn = evaluation.heldout_on_mesh(run_mesh, drafter, target, batch, **settings)
+            out.append(Program("heldout_metrics", fn, (drafter, target, batch)))
+    rows = cfg.num_eval_prompts if cfg.eval_prompts == "held_out" else len(_dev_prompts())
+    decode = evaluation.eval_decode_config(
+        tcfg, dcfg, cfg.eval_max_new_tokens, cfg.eval_block_size or None
+    )
+    args = (
+        target,
+        drafter,
+        jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+        jax.eval_shape(lambda: speculative.step_cost_array(decode)),
+        jax.ShapeDtypeStruct((), jnp.int32),  # forced kind
+        jax.ShapeDtypeStruct((), jnp.int32),  # step limit
+    )
+    statics = dict(
+        target_config=decode_programs.run_target_config(tcfg, decode),
+        drafter_config=dcfg,
+        decode_config=decode,
+    )
+    fn, args, statics = runner.place_half(speculative.speculative_jit, args, statics, run_mesh)
+    out.append(Program("eval_decode", fn, args, statics, decode_programs.executable_options(tcfg)))
+    return out
+
+
+def _dev_prompts() -> list:
+    from dflash_jax.io.assets import load_dev_prompts
+
+    return load_dev_prompts()
+
+
 def _run_mesh(mesh):
     """The mesh a run on `mesh` decodes on: None for one device (a run without --mesh calls
     the jitted functions as they are, `runner.place_half`)."""

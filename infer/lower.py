@@ -8,8 +8,11 @@ The programs are the ones the runs compile (`infer.aot`): for --what=decode the 
 and the autoregressive decodes' two halves (start: prefill -> loop state; advance: the loop),
 their decode config built by the runs' own builder (`api.generate_config`: the platform's
 default block size and adaptive mode, lookup kinds, the target's stop tokens, --tree_nodes,
-batch invariance by dtype and platform), for --what=train the training step with the training
-config's full settings (`trainer.step_settings`), all with shape-only params, caches and
+batch invariance by dtype and platform), for --what=train every program a training run
+compiles: the step (`train_step`) with the training config's full settings
+(`trainer.step_settings`) and, with the config's eval_every, the held-out metric
+(`heldout_metrics`) and the greedy evaluation decode (`eval_decode`, its prompt buffer
+--prompt_len wide, the config's eval_max_new_tokens), all with shape-only params, caches and
 batches placed on a mesh of fake CPU devices by the sharding table (one device: unplaced, as a
 run without --mesh). Each is traced for the platform (`ops.platform.TARGET`: the kernels
 `ops.dispatch` picks there, the CPU-only barriers left out elsewhere), lowered to StableHLO,
@@ -86,7 +89,9 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     "what", ["decode", "train"],
     "Programs to lower, comma-separated: 'decode' (the speculative and the autoregressive "
-    "decodes, start and advance halves), 'train' (the training step).",
+    "decodes, start and advance halves), 'train' (every program a training run compiles: the "
+    "step and, with the config's eval_every, the held-out metric and the evaluation decode, its "
+    "prompts --prompt_len wide).",
 )  # fmt: skip
 flags.DEFINE_enum(
     "attention_impl", "auto", list(ATTENTION_IMPLS),
@@ -237,9 +242,9 @@ def programs(what: str, mesh, platform: str) -> list[aot.Program]:
     """The programs --what=`what` names for the flags' config, shapes and attention, as a run
     on `platform` builds them (`aot.decode_setup`)."""
     cfg, impl = FLAGS.config, FLAGS.attention_impl
-    if what == "train":
-        return [aot.train_program(cfg, mesh, impl)]
     shape = aot.shape_from_flags(FLAGS)
+    if what == "train":
+        return aot.train_programs(cfg, mesh, impl, shape.prompt_len)
     return [
         *aot.speculative_programs(cfg, mesh, shape, impl, platform),
         *aot.autoregressive_programs(cfg, mesh, shape, impl, platform),

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # tensor=4 exceeds the tiny target's 2 KV heads: the kernels stay on, the KV heads replicated
 MESH = "fsdp=2,tensor=4"
 DECODE = ("start_speculative", "advance_speculative", "start_autoregressive", "advance_autoregressive")  # fmt: skip
+# every program a training run compiles (the tiny config evaluates: eval_every > 0)
+TRAIN = ("train_step", "heldout_metrics", "eval_decode")
 KERNEL_TARGET = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
@@ -41,7 +43,7 @@ def _lower(config: Path, *flags: str) -> tuple[int, dict]:
         env=_env(), cwd=ROOT, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(lines) == 2 * (len(DECODE) + 1), out.stdout + out.stderr[-3000:]
+    assert len(lines) == 2 * (len(DECODE) + len(TRAIN)), out.stdout + out.stderr[-3000:]
     return out.returncode, {(line["platform"], line["program"]): line for line in lines}
 
 
@@ -57,7 +59,7 @@ def one_device(tiny_config):
 
 
 def _programs(what: str) -> tuple[str, ...]:
-    return DECODE if what == "decode" else ("train_step",)
+    return DECODE if what == "decode" else TRAIN
 
 
 def _assert_names_its_kernels(lines: dict, platform: str, what: str) -> None:

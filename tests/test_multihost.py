@@ -8,7 +8,9 @@ every batch, and writes its part of the Orbax checkpoints; process 0 alone logs 
 """
 
 import json
+import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -44,7 +46,7 @@ def _decode(mesh=None) -> list[list[int]]:
     return np.asarray(out.tokens).tolist()
 
 
-def _train(workdir: Path, target_dir: Path, mesh: str) -> dict:
+def _train(workdir: Path, target_dir: Path, mesh: str, name: str = "") -> dict:
     import _training
 
     from dflash_jax.training import trainer
@@ -53,7 +55,7 @@ def _train(workdir: Path, target_dir: Path, mesh: str) -> dict:
         workdir / "data.jsonl", num_steps=6, checkpoint_every=3, batch_size=8,
         learning_rate=3e-3, mesh=mesh, target=str(target_dir),
     )  # fmt: skip
-    run = workdir / (mesh or "one")
+    run = workdir / (name or mesh or "one")
     trainer.train(cfg, run)
     return {str(step): loss for step, loss in _training.logged_losses(run).items()}
 
@@ -121,7 +123,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, caplog):
+    """Two processes decode and train as one does. Then their run, resumed from its step-3
+    checkpoint by one process on one device, goes on with the one-process run's losses: the train state restores onto the new mesh and
+    the data position (saved per process: none for a lone process) is rebuilt from the step;
+    nothing is set aside as unreadable."""
     target_dir = _setup(tmp_path)
     here = Path(__file__).resolve().parent
     env = {
@@ -174,6 +180,16 @@ def test_two_processes_match_one(tmp_path):
     run = tmp_path / TRAIN_MESH
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 6]
     assert (run / "drafter" / "drafter_config.json").is_file()  # exported by process 0
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    with caplog.at_level(logging.WARNING):
+        got = _train(tmp_path, target_dir, "", name="resumed")
+    assert "rebuilt from the step: batch 4 is next" in caplog.text
+    assert not (resumed / "checkpoints_unreadable").exists()
+    assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir()) == [3, 6]
+    assert list(got) == [str(s) for s in range(1, 7)]
+    np.testing.assert_allclose([got[s] for s in got], [expected_losses[s] for s in got], atol=1e-5)
 
 
 if __name__ == "__main__":

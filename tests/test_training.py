@@ -4,6 +4,8 @@ loss against a dense one, a tiny end-to-end run, exact resume after a kill, misf
 import dataclasses
 import json
 import math
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +149,7 @@ def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
 def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     corpus(tmp_path / "data.jsonl")
     (tmp_path / "data.json").write_text('{"thinking": "off"}')  # the shard's manifest
-    cfg = train_config(tmp_path / "data.jsonl", eval_every=40)
+    cfg = train_config(tmp_path / "data.jsonl", eval_every=40, peak_tflops=1.0)
     last = trainer.train(cfg, tmp_path / "run")
     lines = [
         json.loads(x) for x in (tmp_path / "run" / trainer.METRICS_FILE).read_text().splitlines()
@@ -190,10 +192,28 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
     assert fresh["heldout_tau_forced"] < trained["heldout_tau_forced"], (fresh, trained)
     checkpoints = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == [20, 40]
+    # The same figures as TensorBoard events, as tensorboard's own reader parses them, with
+    # throughput and the MFU estimate (against the config's peak: a CPU has none).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    scalars = lambda tag: [(e.step, e.value) for e in events.Scalars(tag)]
+    assert [s for s, _ in scalars("loss")] == list(range(1, 41))
+    assert [v for _, v in scalars("loss")] == pytest.approx([x["loss"] for x in logged])
+    assert [s for s, _ in scalars("tokens_per_s")] == list(range(2, 41))  # step 1 compiles
+    assert all(v > 0 for _, v in scalars("tokens_per_s") + scalars("mfu"))
+    assert logged[-1]["mfu"] == pytest.approx(logged[-1]["model_tflops_per_s"] / 1.0)
+    assert scalars("tau_eval") == [(40, pytest.approx(tau_eval[0]))]
+    assert {"accuracy/1", "learning_rate", "grad_norm", "heldout_loss"} <= set(
+        events.Tags()["scalars"]
+    )
 
 
 @pytest.mark.slow
-def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
+def test_resume_after_kill_reproduces_thelogged_losses(tmp_path, tiny_target, monkeypatch):
+    """A run killed after its step-4 checkpoint, and one stopped by SIGTERM, each rerun: the
+    losses of an uninterrupted run, bit for bit."""
     corpus(tmp_path / "data.jsonl")
     cfg = train_config(
         tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3
@@ -217,6 +237,58 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "killed")
     assert list(resumed) == list(range(1, 13))
     assert resumed == straight  # bit-identical, steps 5..12 included
+
+    # SIGTERM during step 6 (no checkpoint due before 8): the step finishes, a checkpoint of it
+    # is written, train returns saying so (no export: that waits for the end); the rerun
+    # resumes there with the same losses. (Before: the default handler killed the process.)
+    calls = iter(range(1, 100))
+
+    def term_at_step_6(*args, **kwargs):
+        if next(calls) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", term_at_step_6)
+    before = signal.getsignal(signal.SIGTERM)
+    last = trainer.train(cfg, tmp_path / "stopped")
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone again
+    assert (last["stopped_at"], last["stopped_by"]) == (6, "SIGTERM")
+    assert sorted(int(p.name) for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == [4, 6]
+    assert not (tmp_path / "stopped" / "drafter").exists()
+    monkeypatch.setattr(trainer, "train_step", real)
+    assert "stopped_at" not in trainer.train(cfg, tmp_path / "stopped")
+    assert logged_losses(tmp_path / "stopped") == straight
+
+
+@pytest.mark.slow  # two compiles of the step; only this guards grad_accum_steps
+def test_gradient_accumulation_steps_through_the_micro_batches(tmp_path, tiny_target):
+    """grad_accum_steps=2 on 4 rows: the step's loss is the mean of its two micro-batches'
+    (rows 0, 2 and rows 1, 3, each run alone as a step of 2 rows), its per-slot counts their
+    sum; one optimizer update (step counter 1)."""
+    from dflash_jax.training.step import OptimizerConfig, train_step
+
+    corpus(tmp_path / "data.jsonl")
+    cfg = train_config(tmp_path / "data.jsonl", grad_accum_steps=2)
+    dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
+    optimizer = OptimizerConfig.fromtrain_config(cfg, 10)
+    source = data.record_source([str(tmp_path / "data.jsonl")])
+    _, records = data.split_holdout(source, 4, cfg.seed)
+    batch = evaluation.heldout_batch(records, cfg.seq_len, cfg.num_anchors)
+    settings = trainer.step_settings(cfg, TINY_TARGET, dcfg, optimizer)
+    assert settings["grad_accum_steps"] == 2
+    fresh = lambda: trainer.initial_state(cfg, dcfg, tiny_target, optimizer, None)
+    state, got = train_step(fresh(), tiny_target.params, batch, **settings)
+    assert int(state["step"]) == 1
+    del settings["grad_accum_steps"]
+    parts = [
+        train_step(fresh(), tiny_target.params, {k: v[i::2] for k, v in batch.items()}, **settings)[
+            1
+        ]
+        for i in (0, 1)
+    ]
+    assert float(got["loss"]) == pytest.approx(np.mean([float(p["loss"]) for p in parts]), rel=1e-5)
+    for key in ("correct", "count"):
+        np.testing.assert_array_equal(got[key], parts[0][key] + parts[1][key])
 
 
 def test_wsd_schedule_warms_holds_and_decays():
@@ -284,16 +356,16 @@ def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
 def test_bad_warm_starts_are_refused(tmp_path):
     cfg = train_config(tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="init_from_checkpoint"):
-        trainer.check_config(cfg)
+        trainer.checktrain_config(cfg)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     cfg = train_config(
         tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "run"),
         init_from_target=True,
     )  # fmt: skip
     with pytest.raises(ValueError, match="exclude each other"):
-        trainer.check_config(cfg)
+        trainer.checktrain_config(cfg)
     with pytest.raises(ValueError, match="lr_schedule"):
-        trainer.check_config(train_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
+        trainer.checktrain_config(train_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
 
 
 def test_misfit_drafter_is_refused(tmp_path):
@@ -315,7 +387,7 @@ def test_misfit_drafter_is_refused(tmp_path):
 def test_named_configs_build_drafters_that_fit(name):
     import importlib
 
-    cfg = importlib.import_module(f"configs.{name}").get_config()
+    cfg = importlib.import_module(f"configs.{name}").gettrain_config()
     targets = {
         "smollm2_135m_b16": TargetConfig(
             "llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True

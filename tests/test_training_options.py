@@ -1,6 +1,7 @@
 """Training options: initialisation from the target, warm start from an exported drafter,
 non-finite steps (stop or skip), and resuming past an unreadable checkpoint."""
 
+import dataclasses
 import functools
 import json
 import logging
@@ -125,6 +126,13 @@ def test_warm_start_loads_an_exported_drafters_params(tmp_path, tiny_target):
     dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
     start = warm_start_params(str(tmp_path / "first" / "drafter"), dcfg)
     jax.tree.map(np.testing.assert_array_equal, start, exported.params)
+    # Under a bf16 compute dtype the master weights stay fp32, as a fresh init's (issue 56:
+    # they were cast to bf16, and Adam's moments with them).
+    bf16 = dataclasses.replace(dcfg, dtype="bfloat16")
+    dtypes = {
+        x.dtype for x in jax.tree.leaves(warm_start_params(str(tmp_path / "first/drafter"), bf16))
+    }
+    assert dtypes == {jnp.dtype("float32")}
     # A warm-started run begins where the export ended: its first loss is the exported
     # drafter's, below a fresh run's first loss.
     warm = train_config(

@@ -12,7 +12,7 @@ checkpoints are moved to `<workdir>/checkpoints_unreadable/`; when no readable o
 workdir is refused until `--start_over`. With `--taps_only` it only builds (or grows) the tap
 cache of a `taps="cached"` config and exits, e.g. while data generation is still writing
 shards. The drafter is exported to
-`<workdir>/drafter` at every checkpoint; load it with
+`<workdir>/drafter` at the end (and every `--config.export_every` steps); load it with
 `dflash_jax.load_drafter("<workdir>/drafter", target)`. Metrics: `<workdir>/metrics.jsonl`.
 
 On a mesh and several processes (every process runs the same command; process 0 logs and
@@ -22,9 +22,16 @@ exports, all write their part of each checkpoint):
         --mesh=fsdp=4,tensor=2 [--coordinator_address=HOST:PORT --num_processes=N --process_id=I]
 
 --mesh sets config.mesh; a run resumes on any mesh shape (checkpoints are resharded on load).
+
+SIGTERM (a preemption notice) or Ctrl-C finishes the current step, saves a checkpoint of it and
+exits 0 with the command that resumes (on several hosts jax's preemption sync picks one step
+that every host saves).
 """
 
 from __future__ import annotations
+
+import shlex
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -73,7 +80,16 @@ def main(argv):
         cache = build_taps(FLAGS.config, FLAGS.workdir)
         print(f"tap cache: {len(cache)} records, {int(cache.lengths.sum())} tokens")
         return
-    train(FLAGS.config, FLAGS.workdir, start_over=FLAGS.start_over)
+    last = train(FLAGS.config, FLAGS.workdir, start_over=FLAGS.start_over)
+    if "stopped_at" in last:
+        command = " ".join(
+            shlex.quote(a) for a in ["python", "-m", "train.train_drafter", *sys.argv[1:]]
+        )
+        print(
+            f"stopped by {last['stopped_by']} after step {last['stopped_at']}, checkpoint saved; "
+            f"resume with the same command: {command}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ Layout: `<workdir>/checkpoints/<step>/{state,data_iter}`, and beside them
 rerun whose drafter or data differs is refused, naming the fields, before anything is touched
 (`check_run_config`). A checkpoint that does not read as itself (truncated, corrupt) is moved to
 `<workdir>/checkpoints_unreadable/<step>` when a resume finds it; one that reads but does not fit
-this run's drafter is a config mismatch, never moved. A workdir whose checkpoints were all moved
-aside is refused until the caller says to start over (`check_resumable`). The exported drafter
-(what `load_drafter` reads) lives beside it in `<workdir>/drafter`. The workdir may be a URL
+this run's drafter is a config mismatch, never moved; one whose train state reads but whose
+data iterator position does not (each process saves its own: a run resumed on another process
+count finds none for itself) resumes with the position rebuilt from the step, with a warning
+(`data.seek`). The train state restores onto any mesh and process count. A workdir whose
+checkpoints were all moved aside is refused until the caller says to start over
+(`check_resumable`). The exported drafter (what `load_drafter` reads) lives beside it in
+`<workdir>/drafter`. The workdir may be a URL
 (`gs://bucket/run`, see `paths`); Orbax writes there directly.
 """
 
@@ -35,6 +39,7 @@ from dflash_jax.io.drafter_io import ignore_closed_loop_callbacks, save_drafter
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.tokenizer import TRAINING_DATA_FILE
 from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.training import data
 
 CHECKPOINT_DIR = "checkpoints"
 UNREADABLE_DIR = "checkpoints_unreadable"
@@ -239,7 +244,12 @@ def abstract_state(drafter_config: DrafterConfig, optimizer, mesh=None) -> dict:
 
     abstract = jax.eval_shape(init)
     if mesh is None:
-        return abstract
+        # One device, named: a checkpoint written on a mesh (of any process count) then
+        # restores onto it instead of asking for the writer's topology.
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract
+        )
     return sharding.with_shardings(abstract, sharding.state_shardings(abstract, mesh))
 
 
@@ -270,6 +280,23 @@ def restore_latest(
                 )
             return restored.state
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
+            state = _state_alone(manager, step, abstract)
+            if state is not None:
+                # The params and Adam's state read; the data iterator's position did not (each
+                # process saves its own, so another process count finds none for itself):
+                # every batch is a function of its step, so the position is rebuilt from it.
+                logging.warning(
+                    "checkpoint %s: the data iterator's saved position does not restore here "
+                    "(%s: %s; e.g. the checkpoint was written by another number of processes, "
+                    "this run has %d); it is rebuilt from the step: batch %d is next",
+                    directory / str(step),
+                    type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "",
+                    jax.process_count(),
+                    step + 1,
+                )
+                data.seek(data_iter, step)
+                return state
             mismatch = structure_mismatch(directory / str(step), abstract)
             if mismatch is not None:
                 raise ConfigError(
@@ -302,6 +329,17 @@ def restore_latest(
             "to train from step 0 in this workdir, or use a new --workdir."
         )
     return None
+
+
+def _state_alone(manager: ocp.CheckpointManager, step: int, abstract: dict) -> dict | None:
+    """The train state of checkpoint `step` without its data iterator, or None when that does
+    not read either (the checkpoint is damaged)."""
+    try:
+        return manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+    except Exception:  # noqa: BLE001 (orbax/tensorstore raise many types for damaged files)
+        return None
 
 
 def warm_state(source_workdir: str | os.PathLike, abstract: dict) -> dict:

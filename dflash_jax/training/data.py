@@ -273,6 +273,14 @@ def batched_dataset(
     return ds
 
 
+def seek(data_iter: grain.DatasetIterator, step: int) -> None:
+    """Moves an iterator of `batched_dataset(...).to_iter_dataset()` to where a run resumed at
+    `step` reads next, without reading what comes before: element k of the dataset is (this
+    process's part of) global batch k + 1 on any process count, and the iterator's state is
+    the next element's index."""
+    data_iter.set_state({"next_index": int(step)})
+
+
 def prompt_tokens(record: dict) -> list[int]:
     """The prompt part of a record: every token before the first loss-masked one."""
     mask = record["loss_mask"]

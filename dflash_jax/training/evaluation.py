@@ -18,6 +18,7 @@ import functools
 import jax
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding import speculative_decode
 from dflash_jax.decoding.settings import DecodeConfig
@@ -41,6 +42,18 @@ def eval_prompts(source: str, target, held_out_records) -> list[list[int]]:
     raise ValueError(f"config.eval_prompts must be one of {EVAL_SOURCES}, got {source!r}")
 
 
+def eval_decode_config(
+    target_config, drafter_config: DrafterConfig, max_new_tokens: int, block_size: int | None
+) -> DecodeConfig:
+    """The evaluation decode's settings (greedy, the trained or the given block size, the
+    target's stop tokens): what `evaluate_acceptance` runs and `infer.aot` lowers."""
+    return DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        block_size=block_size or drafter_config.block_size,
+        stop_token_ids=target_config.eos_token_ids,
+    )
+
+
 def evaluate_acceptance(
     target,
     drafter_config: DrafterConfig,
@@ -57,11 +70,7 @@ def evaluate_acceptance(
     for i, p in enumerate(prompts):
         prompt_bp[i, : len(p)] = p
     lengths_b = np.asarray([len(p) for p in prompts], np.int32)
-    decode_config = DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        block_size=block_size or drafter_config.block_size,
-        stop_token_ids=target.config.eos_token_ids,
-    )
+    decode_config = eval_decode_config(target.config, drafter_config, max_new_tokens, block_size)
     out = speculative_decode(
         target.params,
         params,
@@ -93,17 +102,43 @@ def heldout_batch(records: list[dict], seq_len: int, num_anchors: int) -> dict:
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
 
 
-@functools.partial(
-    jax.jit, static_argnames=("target_config", "drafter_config", "loss_gamma", "ce_chunk_rows")
-)
+HELDOUT_SETTINGS = ("target_config", "drafter_config", "loss_gamma", "ce_chunk_rows")
+
+
 def _heldout_stats(params, target_params, batch, *, target_config, drafter_config, loss_gamma,
-                   ce_chunk_rows):  # fmt: skip
+                   ce_chunk_rows, mesh=None):  # fmt: skip
     weights_j = jax.numpy.asarray(position_weights(drafter_config.block_size, loss_gamma))
     return drafter_loss(
         params, target_params, batch, target_config=target_config,
         drafter_config=drafter_config, weights_j=weights_j, ce_chunk_rows=ce_chunk_rows,
-        loss_gamma=loss_gamma,
+        loss_gamma=loss_gamma, mesh=mesh,
     )  # fmt: skip
+
+
+heldout_jit = jax.jit(_heldout_stats, static_argnames=HELDOUT_SETTINGS)
+_ON_MESH: dict = {}
+
+
+def heldout_on_mesh(mesh, params, target_params, batch, **settings):
+    """The held-out metric's program for a run on `mesh`, sharded like the training step
+    (`step.train_step_on_mesh`): drafter and target params as `sharding.param_shardings`
+    places them, the batch split over its rows, the figures replicated, traced under the mesh
+    so that the attention kernels run in `shard_map`. -> a function of (params, target_params,
+    batch) returning (loss, stats); compiled once per mesh, settings and input structure."""
+    in_shardings = (
+        sharding.param_shardings(params, mesh),
+        sharding.param_shardings(target_params, mesh),
+        sharding.batch_shardings(batch, mesh),
+    )
+    leaves, treedef = jax.tree.flatten(in_shardings)
+    key = (mesh, treedef, tuple(leaves), tuple(sorted(settings.items())))
+    if key not in _ON_MESH:
+        _ON_MESH[key] = jax.jit(
+            functools.partial(sharding.traced_under(mesh, _heldout_stats), **settings, mesh=mesh),
+            in_shardings=in_shardings,
+            out_shardings=sharding.replicated(mesh),
+        )
+    return _ON_MESH[key]
 
 
 def heldout_metrics(
@@ -113,19 +148,23 @@ def heldout_metrics(
     batch: dict,
     loss_gamma: float,
     ce_chunk_rows: int,
+    mesh=None,
 ) -> dict:
     """The held-out metric (module docstring) on `batch` (`heldout_batch`; taps computed online
-    from the target) -> {"heldout_loss", "heldout_accuracy" [J-1], "heldout_tau_implied",
-    "heldout_tau_forced"}."""
-    loss, stats = _heldout_stats(
-        params,
-        target.params,
-        batch,
+    from the target; on `mesh` when given, `heldout_on_mesh`) -> {"heldout_loss",
+    "heldout_accuracy" [J-1], "heldout_tau_implied", "heldout_tau_forced"}."""
+    settings = dict(
         target_config=target.config,
         drafter_config=drafter_config,
         loss_gamma=float(loss_gamma),
         ce_chunk_rows=ce_chunk_rows,
     )
+    if mesh is None:
+        loss, stats = heldout_jit(params, target.params, batch, **settings)
+    else:
+        batch = sharding.put(batch, sharding.batch_shardings(batch, mesh))
+        fn = heldout_on_mesh(mesh, params, target.params, batch, **settings)
+        loss, stats = fn(params, target.params, batch)
     stats = jax.device_get(stats)
     acc_k = stats["correct"] / np.maximum(stats["count"], 1.0)
     forced = 1.0 + stats["forced_accepted"] / max(float(stats["full_blocks"]), 1.0)

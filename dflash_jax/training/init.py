@@ -120,7 +120,8 @@ def params_from_target(
             layer_id,
             n - num,
         )
-    return out
+    # Master weights in the fresh init's dtypes (fp32 under a bf16 compute dtype).
+    return jax.tree.map(lambda x, fresh: x.astype(fresh.dtype), out, params)
 
 
 def _with_fresh_dflash2_parts(loaded: dict, drafter_config: DrafterConfig, seed: int) -> dict:
@@ -213,7 +214,9 @@ def warm_start_params(
             f"init_from={path}: its params do not have this run's shapes "
             f"(drafter {loaded.config} vs {drafter_config})"
         )
-    return jax.tree.map(lambda x: _copy(x, jnp.dtype(drafter_config.dtype)), params)
+    # Master weights in the fresh init's dtypes (fp32 under a bf16 compute dtype), as Adam's
+    # state is created from them.
+    return jax.tree.map(lambda x, e: _copy(x, e.dtype), params, expected)
 
 
 def initial_params(cfg, drafter_config: DrafterConfig, target) -> dict:

@@ -314,10 +314,14 @@ def _train_step(
     distill_top_k: int = 0,
     distill_weight: float = 0.5,
     confidence_loss_weight: float = 1.0,
+    grad_accum_steps: int = 1,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
     come from a key folded from the step, so a resumed run draws the same ones.
+    `grad_accum_steps` k > 1: the batch's rows in k micro-batches (rows i, i+k, ...: each
+    spread over every device of the batch axes), one after another (`lax.scan`, so that only
+    one micro-batch's activations are live), gradients averaged (`_accumulated`).
 
     A step whose loss or gradient is not finite leaves params and optimizer state as they
     were (the step counter still advances, with the data) and reports `finite = False`; the
@@ -326,7 +330,7 @@ def _train_step(
     weights_j = jnp.asarray(position_weights(drafter_config.block_size, loss_gamma))
     vocab_rng = jax.random.fold_in(jax.random.key(0x5EED), state["step"])
 
-    def loss_fn(params):
+    def loss_fn(params, batch, vocab_rng):
         return drafter_loss(
             params,
             target_params,
@@ -345,7 +349,12 @@ def _train_step(
             confidence_loss_weight=confidence_loss_weight,
         )
 
-    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if grad_accum_steps == 1:
+        (loss, stats), grads = grad_fn(state["params"], batch, vocab_rng)
+    else:
+        loss, stats, grads = _accumulated(grad_fn, state["params"], batch, vocab_rng,
+                                          grad_accum_steps, mesh)  # fmt: skip
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.build().update(grads, state["opt_state"], state["params"])
@@ -359,6 +368,42 @@ def _train_step(
     }, metrics
 
 
+# Per-slot counts add up over micro-batches; every other figure is averaged.
+SUMMED_STATS = ("correct", "count", "forced_accepted", "full_blocks")
+
+
+def _accumulated(grad_fn, params, batch: dict, vocab_rng, k: int, mesh):
+    """(loss, stats, grads) of `grad_fn` over `batch` in k micro-batches: rows i, i+k, ... form
+    micro-batch i; the loss and the gradients are the micro-batches' mean (each micro-batch's
+    loss is its own positions' weighted mean, as the whole batch's would be), the per-slot
+    counts their sum. Each micro-batch draws its sampled negatives from the step's key folded
+    with its index."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % k:
+        raise ValueError(f"grad_accum_steps={k} does not divide the batch's {rows} rows")
+
+    def split(x):
+        x = x.reshape(rows // k, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)  # [k, rows/k, ...]: micro-batch i = rows i, i+k, ...
+
+    micro = jax.tree.map(split, batch)
+
+    def one(grads, xs):
+        i, part = xs
+        part = jax.tree.map(lambda x: _split_batch(x, mesh), part)
+        (loss, stats), g = grad_fn(params, part, jax.random.fold_in(vocab_rng, i))
+        return jax.tree.map(jnp.add, grads, g), (loss, stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (losses, stats) = jax.lax.scan(one, zeros, (jnp.arange(k), micro))
+    grads = jax.tree.map(lambda g: g / k, grads)
+    stats = {
+        key: jnp.sum(v, axis=0) if key in SUMMED_STATS else jnp.mean(v, axis=0)
+        for key, v in stats.items()
+    }
+    return jnp.mean(losses), stats, grads
+
+
 STEP_SETTINGS = (
     "target_config",
     "drafter_config",
@@ -370,6 +415,7 @@ STEP_SETTINGS = (
     "distill_top_k",
     "distill_weight",
     "confidence_loss_weight",
+    "grad_accum_steps",
 )
 train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
 _ON_MESH: dict = {}

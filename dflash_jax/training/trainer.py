@@ -37,7 +37,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_
 from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.models.drafter import check_fits
-from dflash_jax.training import checkpoint, data, dspark_loss, tap_cache
+from dflash_jax.training import checkpoint, data, dspark_loss, monitor, preemption, tap_cache
 from dflash_jax.training.evaluation import (
     EVAL_SOURCES,
     eval_prompts,
@@ -139,7 +139,10 @@ def default_config() -> ml_collections.ConfigDict:
     # A step with a non-finite loss or gradient: "stop" the run naming the step (its checkpoints
     # stay intact) or "skip" it (params unchanged) and count it in the metrics.
     cfg.nonfinite = "stop"
-    cfg.batch_size = 8
+    cfg.batch_size = 8  # the global batch: rows per optimizer step
+    # k > 1: each step's batch in k micro-batches of batch_size / k rows, one after another,
+    # gradients averaged (step.py): a batch's activations at a k-th of the memory.
+    cfg.grad_accum_steps = 1
     cfg.num_epochs = 6
     cfg.num_steps = 0  # 0: num_epochs over the training records
     cfg.learning_rate = 6e-4
@@ -165,6 +168,14 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.heldout_metrics = True
     cfg.log_every = 50
     cfg.checkpoint_every = 1000  # keep a multiple of log_every (throughput excludes saving)
+    # The drafter export (<workdir>/drafter, gathered from every device) at the end and every
+    # export_every steps (0: at the end only); a SIGTERM/SIGINT stop writes a checkpoint only.
+    cfg.export_every = 0
+    # The MFU estimate's peak, TFLOP/s per chip (0: the device's dense bf16 peak from
+    # monitor.PEAK_TFLOPS; none on CPU, so no MFU there unless set).
+    cfg.peak_tflops = 0.0
+    # "a,b": a jax.profiler trace of steps a..b into <workdir>/profile ("": none).
+    cfg.profile_steps = ""
     cfg.max_checkpoints = 3
     # Attention: "xla" (the reference), "pallas" (kernels; interpret mode on CPU) or "auto"
     # (pallas on GPU/TPU, xla on CPU); see ops/dispatch.py.
@@ -218,8 +229,9 @@ class MetricsLog:
     the restored step (logged by the killed run after its last checkpoint) are dropped first.
     Object stores cannot append: under a URL every write rewrites the (small) file."""
 
-    def __init__(self, path: epath.Path, resume_step: int):
+    def __init__(self, path: epath.Path, resume_step: int, board=None):
         self.path = path
+        self.board = board  # a monitor.TensorBoard that gets every record too
         self.enabled = jax.process_index() == 0  # one process writes the run's files
         self.lines: list[str] = []
         if self.enabled and path.exists():
@@ -233,6 +245,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.board is not None:
+            self.board.write(record)
         line = json.dumps(record)
         if paths.is_url(self.path):
             self.lines.append(line)
@@ -338,6 +352,13 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.init_from={cfg.init_from!r}: no such drafter directory")
     if cfg.get("mesh"):
         sharding.parse_mesh(cfg.mesh)
+    accum = cfg.get("grad_accum_steps", 1)
+    if accum < 1 or cfg.batch_size % accum:
+        raise ValueError(
+            f"config.grad_accum_steps={accum} must be >= 1 and divide config.batch_size="
+            f"{cfg.batch_size}"
+        )
+    monitor.parse_profile_steps(cfg.get("profile_steps", ""))
     if cfg.taps == "cached" and jax.process_count() > 1:
         raise ValueError(
             "config.taps='cached' runs on one process (the cache is one local file); use "
@@ -361,6 +382,13 @@ def training_mesh(cfg: ml_collections.ConfigDict):
         raise ValueError(
             f"config.batch_size={cfg.batch_size} does not split over data x fsdp = {ways} "
             f"devices of mesh {dict(mesh.shape)}; use a multiple of {ways}"
+        )
+    accum = cfg.get("grad_accum_steps", 1)
+    if (cfg.batch_size // accum) % ways:
+        raise ValueError(
+            f"config.batch_size={cfg.batch_size} / config.grad_accum_steps={accum} rows per "
+            f"micro-batch do not split over data x fsdp = {ways} devices of mesh "
+            f"{dict(mesh.shape)}; use fewer accumulation steps or a larger batch"
         )
     return mesh
 
@@ -409,6 +437,8 @@ def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
         settings["selector_loss_weight"] = float(cfg.selector_loss_weight)
     if drafter_config.is_dspark:
         settings["confidence_loss_weight"] = float(cfg.get("confidence_loss_weight", 1.0))
+    if cfg.get("grad_accum_steps", 1) > 1:
+        settings["grad_accum_steps"] = int(cfg.grad_accum_steps)
     return settings
 
 
@@ -491,7 +521,6 @@ def train(
     checkpoint.check_run_config(workdir, signature, cfg)
     if cfg.init_from_target:  # refused before a tap cache is built, not after
         check_init_from_target(target.config)
-    loss_gamma = loss_gamma_for(cfg, drafter_config)
 
     source = data.record_source(shards)
     train_records, held_out = data.split_holdout(source, cfg.num_eval_prompts, cfg.seed)
@@ -543,7 +572,15 @@ def train(
         state = initial_state(cfg, drafter_config, target, optimizer, mesh)
     checkpoint.save_run_config(workdir, signature, cfg)
     start = int(state["step"])
-    metrics_log = MetricsLog(workdir / METRICS_FILE, start)
+    board = monitor.TensorBoard(workdir, start)
+    metrics_log = MetricsLog(workdir / METRICS_FILE, start, board)
+    flops = monitor.step_flops(
+        target.config, drafter_config, cfg.batch_size, cfg.seq_len, cfg.num_anchors,
+        whole_target=bool(cfg.distill_top_k) or drafter_config.is_dspark,
+        cached_taps=cfg.taps == "cached",
+    )  # fmt: skip
+    throughput = monitor.Throughput(flops, cfg.batch_size * cfg.seq_len, cfg.get("peak_tflops", 0))
+    profiler = monitor.Profiler(workdir, cfg.get("profile_steps", ""))
     settings = step_settings(cfg, target.config, drafter_config, optimizer)
     run_step = _stepper(mesh, cfg.batch_size, settings)
     prompts = eval_prompts(cfg.eval_prompts, target, held_out) if cfg.eval_every else []
@@ -563,75 +600,127 @@ def train(
         dynamic_ncols=True,
         disable=jax.process_index() != 0,
     )
-    for step in range(start + 1, num_steps + 1):
-        state, metrics = run_step(state, target.params, next(data_iter))
-        window.append(metrics)
-        bar.update(1)
-        if not bool(metrics["finite"]):
-            loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
-            if cfg.nonfinite == "stop":
-                bar.close()
-                manager.wait_until_finished()  # the checkpoints saved so far are complete
-                raise NonFiniteError(
-                    f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
-                    f"stops without saving (checkpoints up to step "
-                    f"{manager.latest_step() or 0} are intact). Set config.nonfinite='skip' "
-                    "to skip such steps, or lower the learning rate, then rerun to resume."
+    stop_request = preemption.StopRequest()
+    stopped_at = None
+    unchecked: list[tuple[int, dict]] = []  # (step, metrics) the host has not looked at yet
+    with stop_request:
+        for step in range(start + 1, num_steps + 1):
+            profiler.before(step)
+            state, metrics = run_step(state, target.params, next(data_iter))
+            profiler.after(step, metrics)
+            window.append(metrics)
+            unchecked.append((step, metrics))
+            bar.update(1)
+            final = step == num_steps
+            stopping = stop_request.stop(step)  # SIGTERM/SIGINT, or the hosts' preemption sync
+            # The host reads the steps' figures only where it must (a log line, a checkpoint,
+            # an evaluation, an export, the end), so that it never waits on every step.
+            if (
+                final
+                or stopping
+                or step % cfg.log_every == 0
+                or step % cfg.checkpoint_every == 0
+                or (prompts and step % cfg.eval_every == 0)
+                or (cfg.export_every and step % cfg.export_every == 0)
+            ):
+                _check_finite(unchecked, cfg.nonfinite, manager, bar)
+                unchecked = []
+            if step == start + 1:
+                # The first step compiles: keep it out of the throughput.
+                jax.block_until_ready(metrics)
+                timed_steps, t0 = -1, time.perf_counter()
+            timed_steps += 1
+            if step % cfg.log_every == 0 or final or stopping:
+                jax.block_until_ready(metrics)
+                seconds = time.perf_counter() - t0
+                last = summarize(
+                    window, step, seconds, timed_steps, blocks_per_step, float(schedule(step - 1))
                 )
-            logging.warning("step %d: non-finite loss %s / grad norm %s, skipped", step, loss, norm)
-        final = step == num_steps
-        if step == start + 1:
-            # The first step compiles: keep it out of the throughput.
-            timed_steps, t0 = -1, time.perf_counter()
-        timed_steps += 1
-        if step % cfg.log_every == 0 or final:
-            jax.block_until_ready(metrics)
-            seconds = time.perf_counter() - t0
-            last = summarize(
-                window, step, seconds, timed_steps, blocks_per_step, float(schedule(step - 1))
-            )
-            metrics_log.write(last)
-            logging.info("step %d: %s", step, last)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_implied']:.2f}")
-            window = []
-        if prompts and (step % cfg.eval_every == 0 or final):
-            tau = evaluate_acceptance(
-                target,
-                drafter_config,
-                state["params"],
-                prompts,
-                cfg.eval_max_new_tokens,
-                cfg.eval_block_size or None,
-                mesh,
-            )
-            record = {"step": step, "blocks": step * blocks_per_step, "tau_eval": tau}
-            if heldout is not None:
+                last.update(throughput.figures(timed_steps, seconds))
+                metrics_log.write(last)
+                logging.info("step %d: %s", step, last)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_implied']:.2f}")
+                window = []
+            # The checkpoint first: an evaluation that fails loses no training.
+            if step % cfg.checkpoint_every == 0 or final or stopping:
+                checkpoint.save_checkpoint(manager, step, state, data_iter)
+            if final or (cfg.export_every and step % cfg.export_every == 0):
+                checkpoint.export_drafter(
+                    workdir, drafter_config, state["params"], thinking and {"thinking": thinking}
+                )
+            if stopping:
+                stopped_at = step
+                break
+            if prompts and (step % cfg.eval_every == 0 or final):
+                record = {"step": step, "blocks": step * blocks_per_step}
                 record.update(
-                    heldout_metrics(
-                        target,
-                        drafter_config,
-                        state["params"],
-                        heldout,
-                        float(loss_gamma),
-                        cfg.ce_chunk_rows,
-                    )
+                    _evaluate(cfg, target, drafter_config, state["params"], prompts, heldout, mesh)
                 )
-            metrics_log.write(record)
-            logging.info(
-                "step %d: speculative decoding tau on %s prompts %.3f; held-out records: %s",
-                step,
-                cfg.eval_prompts,
-                tau,
-                {k: v for k, v in record.items() if k.startswith("heldout_tau")},
-            )
-        if step % cfg.checkpoint_every == 0 or final:
-            checkpoint.save_checkpoint(manager, step, state, data_iter)
-            checkpoint.export_drafter(
-                workdir, drafter_config, state["params"], thinking and {"thinking": thinking}
-            )
-        if not window:
-            # Throughput covers train steps only, not evaluation or checkpointing.
-            timed_steps, t0 = 0, time.perf_counter()
+                metrics_log.write(record)
+            if not window:
+                # Throughput covers train steps only, not evaluation or checkpointing.
+                timed_steps, t0 = 0, time.perf_counter()
     bar.close()
+    board.close()
     manager.wait_until_finished()
+    if stopped_at is not None:
+        logging.warning(
+            "stopped by %s after step %d of %d: checkpoint saved in %s; rerun the same command "
+            "to resume from step %d",
+            stop_request.signal_name,
+            stopped_at,
+            num_steps,
+            workdir / checkpoint.CHECKPOINT_DIR,
+            stopped_at,
+        )
+        last = {**last, "stopped_at": stopped_at, "stopped_by": stop_request.signal_name}
     return last
+
+
+def _check_finite(steps: list[tuple[int, dict]], mode: str, manager, bar) -> None:
+    """Looks at the `finite` flag of each (step, metrics): a non-finite step stops the run
+    naming it (`mode` "stop"; the checkpoints so far are complete and intact) or is warned
+    about (skipped: the step left params and Adam's state as they were)."""
+    for step, metrics in steps:
+        if bool(metrics["finite"]):
+            continue
+        loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if mode == "stop":
+            bar.close()
+            manager.wait_until_finished()
+            raise NonFiniteError(
+                f"step {step}: non-finite loss {loss} or gradient norm {norm}; the run "
+                f"stops without saving (checkpoints up to step "
+                f"{manager.latest_step() or 0} are intact). Set config.nonfinite='skip' "
+                "to skip such steps, or lower the learning rate, then rerun to resume."
+            )
+        logging.warning("step %d: non-finite loss %s / grad norm %s, skipped", step, loss, norm)
+
+
+def _evaluate(cfg, target, drafter_config, params, prompts, heldout, mesh) -> dict:
+    """One evaluation on the run's mesh: tau of greedy speculative decoding on the evaluation
+    prompts and, when `heldout` is a batch, the held-out metric (evaluation.py)."""
+    tau = evaluate_acceptance(
+        target,
+        drafter_config,
+        params,
+        prompts,
+        cfg.eval_max_new_tokens,
+        cfg.eval_block_size or None,
+        mesh,
+    )
+    record = {"tau_eval": tau}
+    if heldout is not None:
+        loss_gamma = loss_gamma_for(cfg, drafter_config)
+        record.update(
+            heldout_metrics(
+                target, drafter_config, params, heldout, loss_gamma, cfg.ce_chunk_rows, mesh
+            )
+        )
+    logging.info(
+        "speculative decoding tau on %s prompts %.3f; held-out records: %s",
+        cfg.eval_prompts,
+        tau,
+        {k: v for k, v in record.items() if k.startswith("heldout_tau")},
+    )
+    return record
