@@ -226,5 +226,5 @@ def test_misfits_are_refused(pair):
     with pytest.raises(ConfigError, match="fc takes 192 inputs"):
         check_fits(d, t, wide)
     target_like = type("T", (), {"config": dataclasses.replace(t, num_layers=3)})()
-    with pytest.raises(ConfigError, match="outside \\[0, 2\\]"):
+    with pytest.raises(ConfigError, match=r"outside \[-1 \(the embedding\), 2\]"):
         load_drafter(pair.drafter_dir, target_like)

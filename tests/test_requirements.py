@@ -38,6 +38,14 @@ OPTIONAL_IMPORTS = {
         "times transformers' own PyTorch generate beside ours; torch (and accelerate) come "
         "with requirements-dev.txt"
     ),
+    ("dflash_jax/training/prompts.py", "datasets"): (
+        "train.generate_data reads a Hugging Face `datasets` directory only when asked to, and "
+        "says what to install when the package is missing"
+    ),
+    ("dflash_jax/training/prompts.py", "pyarrow"): (
+        "train.generate_data reads parquet files only when asked to, and says what to install "
+        "when the package is missing"
+    ),
 }
 
 

@@ -240,9 +240,6 @@ REFUSED = {
     "anchor drafts": ({"sample_from_anchor": True}, "sample_from_anchor=true"),
     "eagle3": ({"speculators_model_type": "eagle3"}, "a speculators 'eagle3' model"),
     "negative tap": ({"aux_hidden_state_layer_ids": [-1, 4]}, "from 0 \\(the embedding\\)"),
-    "sliding": ({"transformer_layer_config": {"layer_types": ["sliding_attention"] * 2}},
-                "sliding-window draft layers"),
-    "embedding tap": ({"aux_hidden_state_layer_ids": [0, 4]}, "0 is the embedding"),
     "no vocab": ({"transformer_layer_config": {"vocab_size": None}}, "lacks \\['vocab_size'\\]"),
     "rope per layer type": ({"transformer_layer_config": {"rope_parameters": {
         "full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}},
