@@ -259,8 +259,32 @@ def _kernel_memory() -> str:
     )
 
 
+DEFAULT_VS_FASTEST_AR = (
+    "benchmark_dev24_epyc_tile_auto_2026-12-06.json",
+    "benchmark_humaneval24_epyc_tile_auto_2026-12-06.json",
+    "benchmark_mtbench12_epyc_tile_auto_2026-12-06.json",
+)
+
+
+def _default_vs_fastest_ar() -> str:
+    names = ("dev 24", "HumanEval 24", "MT-Bench 12")
+    aggs = [load(f)["aggregate"] for f in DEFAULT_VS_FASTEST_AR]
+    figures = ", ".join(
+        f"{n} **{a['speedup_vs_fastest_ar']:.2f}×** (τ {a['tau_mean']:.2f})"
+        for n, a in zip(names, aggs, strict=True)
+    )
+    same = all(a["outputs_identical"] for a in aggs)
+    return f"{figures} against plain bf16 AR in the same run; {identical(same)}"
+
+
 # README.md's results table, in order. Adding a row: one entry here (see the module docstring).
 RESULTS_ROWS = (
+    Row(
+        "the default decode (`--dtype=auto`: bf16 at row tile 4 chosen) against the fastest AR, "
+        "128 tokens (`infer.benchmark`)",
+        _default_vs_fastest_ar, "epyc-bf16", "other jobs paused", "2026-12-06",
+        DEFAULT_VS_FASTEST_AR, link="the-default-decode-against-the-fastest-ar-issue-55",
+    ),
     Row(
         "the main command (256 tokens, fp32, default decode)",
         _main_command, "epyc", "other jobs paused", "2026-12-02", ("main_command_run1.json",),
