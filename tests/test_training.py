@@ -211,7 +211,7 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
 
 
 @pytest.mark.slow
-def test_resume_after_kill_reproduces_thelogged_losses(tmp_path, tiny_target, monkeypatch):
+def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
     """A run killed after its step-4 checkpoint, and one stopped by SIGTERM, each rerun: the
     losses of an uninterrupted run, bit for bit."""
     corpus(tmp_path / "data.jsonl")
@@ -270,7 +270,7 @@ def test_gradient_accumulation_steps_through_the_micro_batches(tmp_path, tiny_ta
     corpus(tmp_path / "data.jsonl")
     cfg = train_config(tmp_path / "data.jsonl", grad_accum_steps=2)
     dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
-    optimizer = OptimizerConfig.fromtrain_config(cfg, 10)
+    optimizer = OptimizerConfig.from_config(cfg, 10)
     source = data.record_source([str(tmp_path / "data.jsonl")])
     _, records = data.split_holdout(source, 4, cfg.seed)
     batch = evaluation.heldout_batch(records, cfg.seq_len, cfg.num_anchors)
@@ -356,16 +356,16 @@ def test_a_run_warm_starts_from_another_runs_checkpoint_with_adams_state(
 def test_bad_warm_starts_are_refused(tmp_path):
     cfg = train_config(tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="init_from_checkpoint"):
-        trainer.checktrain_config(cfg)
+        trainer.check_config(cfg)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     cfg = train_config(
         tmp_path / "unused.jsonl", init_from_checkpoint=str(tmp_path / "run"),
         init_from_target=True,
     )  # fmt: skip
     with pytest.raises(ValueError, match="exclude each other"):
-        trainer.checktrain_config(cfg)
+        trainer.check_config(cfg)
     with pytest.raises(ValueError, match="lr_schedule"):
-        trainer.checktrain_config(train_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
+        trainer.check_config(train_config(tmp_path / "unused.jsonl", lr_schedule="linear"))
 
 
 def test_misfit_drafter_is_refused(tmp_path):
@@ -387,7 +387,7 @@ def test_misfit_drafter_is_refused(tmp_path):
 def test_named_configs_build_drafters_that_fit(name):
     import importlib
 
-    cfg = importlib.import_module(f"configs.{name}").gettrain_config()
+    cfg = importlib.import_module(f"configs.{name}").get_config()
     targets = {
         "smollm2_135m_b16": TargetConfig(
             "llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True
