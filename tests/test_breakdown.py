@@ -232,23 +232,24 @@ def test_dtype_auto_picks_the_fastest_predicted_decode_and_remembers_it(tmp_path
     monkeypatch.setattr(floors, "gemm_floors", stand_in)
     assert api.remembered_dtype("smol|default") is None
     choice = api.choose_decode(*pair, remember="smol|default")
-    tau = lambda rows, a=0.3: sum(a**j for j in range(rows))
+    tau = lambda rows, a=0.4: sum(a**j for j in range(rows))  # api.DRAFT_ACCEPTANCE
     expected = {  # each the best of its kinds: plain, a drafted block, a copy (a rule's tile)
         "AR float32": 1e3 / 23.5, "AR bfloat16": 1e3 / 19.3,
         "float32 plain": max(1e3 / 23.5, 1e3 * tau(4) / 37.2),
-        "bfloat16 tile 4": max(1e3 * tau(4) / 26.7, 1e3 * tau(4, 0.15) / 21.8),
-        "bfloat16 tile 8": max(1e3 * tau(8) / 31.9, 1e3 * tau(8, 0.15) / 29.6),
-        "bfloat16 tile 16": max(1e3 * tau(16) / 37.0, 1e3 * tau(16, 0.15) / 30.3),
+        "bfloat16 tile 4": max(1e3 * tau(4) / 26.7, 1e3 * tau(4, 0.28) / 21.8),
+        "bfloat16 tile 8": max(1e3 * tau(8) / 31.9, 1e3 * tau(8, 0.28) / 29.6),
+        "bfloat16 tile 16": max(1e3 * tau(16) / 37.0, 1e3 * tau(16, 0.28) / 30.3),
     }  # fmt: skip
     assert choice.speeds == pytest.approx(expected)
     assert (choice.dtype, choice.row_tile, choice.drafter) == ("bfloat16", 4, True)
-    assert choice.why().startswith("bfloat16 tile 4: 53.") and "AR bfloat16) 51.8" in choice.why()
+    assert choice.why().startswith("bfloat16 tile 4: 63.") and "AR bfloat16) 51.8" in choice.why()
     assert api.remembered_dtype("smol|default") == "bfloat16"
-    timings[("bfloat16", 4)] = (25.0, 40.0)  # not measured again: the first measurement stands
+    timings[("bfloat16", 4)] = (30.0, 45.0)  # not measured again: the first measurement stands
     assert api.choose_decode(*pair, remember="smol|default").row_tile == 4
     assert api.remembered_dtype("other|request") is None
 
     # Where no DFlash setting beats the fastest AR, the choice is that AR, without a drafter.
+    timings[("bfloat16", 8)] = (35.0, 40.0)
     (tmp_path / "dtype_floors.json").unlink()
     choice = api.choose_decode(*pair, remember="smol|default")
     assert (choice.dtype, choice.row_tile, choice.drafter) == ("bfloat16", 0, False)
