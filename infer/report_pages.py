@@ -374,8 +374,8 @@ def quickstart() -> str:
         f"[`results/{QUICKSTART_FILE}`](results/{QUICKSTART_FILE})):\n\n"
         f"```text\n{summary}\n```\n\n"
         f"On this prompt {copied} of the {steps} steps were copy steps (a block proposed from the "
-        f"text so far, verified like a draft), and the speedup is against the target alone in the same setting (bf16 at the chosen "
-        f"row tile). Over prompt sets the default decode's speed against the fastest AR of "
+        f"text so far, verified like a draft), and the speedup is against the target alone in "
+        f"the same setting (bf16 at the chosen row tile). Over prompt sets the default decode's speed against the fastest AR of "
         f"either dtype is in the [results](#results) table's first row."
     )
 
