@@ -375,8 +375,9 @@ def quickstart() -> str:
         f"```text\n{summary}\n```\n\n"
         f"On this prompt {copied} of the {steps} steps were copy steps (a block proposed from the "
         f"text so far, verified like a draft), and the speedup is against the target alone in "
-        f"the same setting (bf16 at the chosen row tile). Over prompt sets the default decode's speed against the fastest AR of "
-        f"either dtype is in the [results](#results) table's first row."
+        f"the same setting (bf16 at the chosen row tile). Over prompt sets the default decode's "
+        f"speed against the fastest AR of either dtype is in the [results](#results) table's "
+        f"first row."
     )
 
 
