@@ -459,42 +459,6 @@ def test_the_reference_module_drafts_our_exports_logits(pair, tmp_path):
         np.testing.assert_allclose(np.asarray(ours), reference[1:], atol=2e-4, rtol=1e-4)
 
 
-@dataclasses.dataclass
-class _ReferenceRun:
-    """The inputs the reference drafted from (16 tokens, their taps, the block's anchor)."""
-
-    tokens: np.ndarray
-    taps: np.ndarray
-    anchor: int
-
-    def context(self, config, params):
-        """Our drafter's context K/V of the 16 rows (the block sees those before the anchor)."""
-        taps, positions = jnp.asarray(self.taps[None]), jnp.arange(len(self.tokens))[None]
-        return Drafter(config).apply({"params": params}, taps, positions, method="context_kv")
-
-
-def _run_reference(target_dir, target, exports: dict, tmp_path) -> _ReferenceRun:
-    """Writes each (config, params) of `exports` with --format=speculators and has the
-    reference draft one teacher-forced block at anchor 9 of 16 random tokens from each, in the
-    separate venv: `tmp_path/ref{i}.npy` (and DSpark's `ref{i}_confidence.npy`)."""
-    for name, (config, params) in exports.items():
-        write_speculators(tmp_path / name, config, params, "float32", verifier=str(target_dir))
-    tokens = np.random.default_rng(0).integers(0, 500, size=16).astype(np.int64)
-    tap_ids = next(iter(exports.values()))[0].target_layer_ids
-    _, taps_btf, _ = Transformer(target.config).apply(
-        {"params": target.params}, jnp.asarray(tokens[None], jnp.int32),
-        jnp.arange(16, dtype=jnp.int32)[None], None, None, tap_ids,
-    )  # fmt: skip
-    run = _ReferenceRun(tokens=tokens, taps=np.asarray(taps_btf[0], np.float32), anchor=9)
-    np.savez(tmp_path / "inputs.npz", taps=run.taps, tokens=tokens, anchor=run.anchor)
-    subprocess.run(
-        [SPECULATORS_PYTHON, str(REPO / "tests" / "_speculators_reference.py"),
-         str(tmp_path / "inputs.npz"), str(tmp_path / "ref"), *(str(tmp_path / n) for n in exports)],
-        check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    return run
-
-
 # Written by speculators itself (`_speculators_reference.py --write`): DFlash with a sliding first
 # layer, causal and non-causal in the block, and DFlash2 in its released layout (block 8, its
 # sliding layers before a full one, non-causal by DFlash2's default), windows of 4 context rows.
