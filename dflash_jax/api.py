@@ -270,12 +270,13 @@ def candidate_settings(
     batch_invariant: bool | None, row_tile: int, block_size: int
 ) -> list[tuple[str, int]]:
     """The (dtype, row tile; 0 = no rule) DFlash settings `choose_decode` compares: each dtype
-    with the row rule where `batch_invariant` (None: in bf16, not in fp32, as
-    `programs.default_invariant` on a CPU) asks for it, at `row_tile` or else each of
+    with the row rule where `batch_invariant` (None: in bf16 on a CPU, not in fp32 nor on a GPU
+    or TPU, as `programs.default_invariant`) asks for it, at `row_tile` or else each of
     `CANDIDATE_TILES` up to `block_size` (the drafter's), else without."""
     out = []
+    on_cpu = jax.default_backend() == "cpu"  # a GPU or TPU runs without the rule by default
     for dtype in ("float32", "bfloat16"):
-        invariant = dtype != "float32" if batch_invariant is None else batch_invariant
+        invariant = (on_cpu and dtype != "float32") if batch_invariant is None else batch_invariant
         if not invariant:
             out.append((dtype, 0))
             continue
