@@ -310,6 +310,24 @@ def traced_under(mesh: Mesh, fn):
     return under
 
 
+def jit_on_mesh(cache: dict, mesh: Mesh, fn, in_shardings, out_shardings, settings: dict, **kw):
+    """`fn` (taking `mesh=` and the static `settings` as keywords) jitted for `mesh` with these
+    in/out shardings and traced under the mesh (`traced_under`), kept in `cache` per mesh,
+    shardings and settings: the one program a run on a mesh compiles for each input structure
+    (the training step's, the held-out metric's). `kw`: jax.jit's other arguments."""
+    leaves, treedef = jax.tree.flatten(in_shardings)
+    key = (mesh, treedef, tuple(leaves), tuple(sorted(settings.items())))
+    if key not in cache:
+        # jit takes no keyword arguments beside in_shardings: the settings are bound here.
+        cache[key] = jax.jit(
+            functools.partial(traced_under(mesh, fn), **settings, mesh=mesh),
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            **kw,
+        )
+    return cache[key]
+
+
 def program_mesh() -> jax.sharding.AbstractMesh | None:
     """The (abstract) mesh of the program being traced (`traced_under`, `jax.set_mesh`), or
     None: one device, inside `shard_map`, or a mesh without our axes."""

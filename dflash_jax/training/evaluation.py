@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
@@ -130,15 +128,9 @@ def heldout_on_mesh(mesh, params, target_params, batch, **settings):
         sharding.param_shardings(target_params, mesh),
         sharding.batch_shardings(batch, mesh),
     )
-    leaves, treedef = jax.tree.flatten(in_shardings)
-    key = (mesh, treedef, tuple(leaves), tuple(sorted(settings.items())))
-    if key not in _ON_MESH:
-        _ON_MESH[key] = jax.jit(
-            functools.partial(sharding.traced_under(mesh, _heldout_stats), **settings, mesh=mesh),
-            in_shardings=in_shardings,
-            out_shardings=sharding.replicated(mesh),
-        )
-    return _ON_MESH[key]
+    return sharding.jit_on_mesh(
+        _ON_MESH, mesh, _heldout_stats, in_shardings, sharding.replicated(mesh), settings
+    )
 
 
 def heldout_metrics(

@@ -9,7 +9,6 @@ adds its candidate selector's CE (`selector_loss.py`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -432,14 +431,7 @@ def train_step_on_mesh(mesh, state, target_params, batch, **settings):
         sharding.param_shardings(target_params, mesh),
         sharding.batch_shardings(batch, mesh),
     )
-    leaves, treedef = jax.tree.flatten(in_shardings)
-    key = (mesh, treedef, tuple(leaves), tuple(sorted(settings.items())))
-    if key not in _ON_MESH:
-        # jit takes no keyword arguments beside in_shardings: the settings are bound here.
-        _ON_MESH[key] = jax.jit(
-            functools.partial(sharding.traced_under(mesh, _train_step), **settings, mesh=mesh),
-            in_shardings=in_shardings,
-            out_shardings=(in_shardings[0], sharding.replicated(mesh)),
-            donate_argnums=0,
-        )
-    return _ON_MESH[key]
+    out_shardings = (in_shardings[0], sharding.replicated(mesh))
+    return sharding.jit_on_mesh(
+        _ON_MESH, mesh, _train_step, in_shardings, out_shardings, settings, donate_argnums=0
+    )
