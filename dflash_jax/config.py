@@ -8,12 +8,6 @@ writing them as HF / z-lab `config.json` dicts: io/hf_config.py, io/drafter_conf
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,49 +62,9 @@ class ConfigError(ValueError):
     """A configuration that cannot be used, with the reason in the message."""
 
 
-CACHE_DIR_ENV = "DFLASH_JAX_CACHE"
-
-
-def cache_root() -> Path:
-    """Where this machine's converted targets, step costs and row rules are kept:
-    $DFLASH_JAX_CACHE, else $XDG_CACHE_HOME/dflash_jax, else ~/.cache/dflash_jax."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dflash_jax"
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Writes `obj` as JSON to `path` through a temporary file and a rename, so a reader never
-    sees half a file; an unwritable cache (read-only, full) is left as it is: what it keeps is
-    measured or computed again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def check_attention_impl(impl: str) -> None:
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl={impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-
-
-def thaw(value: Any) -> Any:
-    """The inverse of `io.hf_config.freeze`: tuples of (str, value) pairs back into dicts,
-    other tuples into lists, recursively (a config's frozen `rope_scaling` -> its HF JSON
-    form)."""
-    if (
-        isinstance(value, tuple)
-        and value
-        and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value)
-    ):
-        return {k: thaw(v) for k, v in value}
-    if isinstance(value, tuple):
-        return [thaw(v) for v in value]
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,18 +261,6 @@ class TargetConfig:
             layer_types=self.layer_types[:num_layers],
             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < num_layers),
         )
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The reference tap rule: one tap at N//2 for a 1-layer drafter, else L taps spread over
-    [1, N-3] with banker's rounding (np.round), exactly as z-lab's `build_target_layer_ids`."""
-    if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return tuple(
-        int(np.round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
-    )
 
 
 # DFlash2's `dflash_config` keys, named as the reference `dflash.DFlash2DraftModel` reads them.

@@ -2,7 +2,7 @@
 
 Floors, lowest first; a module imports only from a lower floor or from its own part:
 
-  0 ground     dflash_jax/config.py, dflash_jax/sharding.py
+  0 ground     dflash_jax/config.py, dflash_jax/sharding.py, dflash_jax/files.py
   1 ops        dflash_jax/ops/
   2 models     dflash_jax/models/
   3 io         dflash_jax/io/          (io and decoding never import each other)
@@ -36,6 +36,7 @@ MAX_DECODING_LINES = 400
 PARTS = (
     ("dflash_jax.config", "ground", 0),
     ("dflash_jax.sharding", "ground", 0),
+    ("dflash_jax.files", "ground", 0),
     ("dflash_jax.ops", "ops", 1),
     ("dflash_jax.models", "models", 2),
     ("dflash_jax.io", "io", 3),

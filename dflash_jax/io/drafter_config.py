@@ -12,9 +12,9 @@ from dflash_jax.config import (
     DSPARK_FIELDS,
     ConfigError,
     DrafterConfig,
-    default_target_layer_ids,
 )
 from dflash_jax.io.hf_config import as_int_tuple, rope_from_hf, rope_to_hf
+from dflash_jax.models.drafter import default_target_layer_ids
 
 
 def drafter_from_zlab(hf: Mapping[str, Any], dtype: str = "float32") -> DrafterConfig:

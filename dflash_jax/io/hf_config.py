@@ -16,8 +16,8 @@ from dflash_jax.config import (
     TARGET_ROPE_TYPES,
     ConfigError,
     TargetConfig,
-    thaw,
 )
+from dflash_jax.models.layers import thaw
 
 
 def freeze(value: Any) -> Any:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from etils import epath
 
-from dflash_jax.config import cache_root
+from dflash_jax.files import cache_root
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 MIRRORS_DIR = "remote"  # under the cache root: local copies of URLs (see `local_mirror`)

@@ -52,7 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dflash_jax.config import TargetConfig, cache_root, write_json_atomic
+from dflash_jax.config import TargetConfig
+from dflash_jax.files import cache_root, write_json_atomic
 from dflash_jax.io.hf import read_safetensors_header, write_safetensors
 
 # Bump whenever the conversion or this layout changes what an entry holds: old entries then miss.

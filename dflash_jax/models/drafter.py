@@ -39,6 +39,18 @@ from dflash_jax.ops.dispatch import block_attention
 from dflash_jax.ops.reductions import argmax_last
 
 
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference tap rule: one tap at N//2 for a 1-layer drafter, else L taps spread over
+    [1, N-3] with banker's rounding (np.round), exactly as z-lab's `build_target_layer_ids`."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(
+        int(np.round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
+    )
+
+
 class DrafterLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer whose attention keys are [context ; block]."""
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import thaw
 from dflash_jax.ops import dots, quant
 from dflash_jax.ops.invariance import fixed_rows
 
@@ -47,6 +47,21 @@ class RMSNorm(nn.Module):
         else:
             normed = normalise(x)
         return scale.astype(self.dtype) * normed
+
+
+def thaw(value: Any) -> Any:
+    """The inverse of `io.hf_config.freeze`: tuples of (str, value) pairs back into dicts,
+    other tuples into lists, recursively (a config's frozen `rope_scaling` -> its HF JSON
+    form)."""
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in value)
+    ):
+        return {k: thaw(v) for k, v in value}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:

@@ -33,10 +33,10 @@ from absl import logging
 from etils import epath
 
 from dflash_jax import sharding
-from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.io import paths
 from dflash_jax.io.target_loader import load_target
-from dflash_jax.models.drafter import check_fits
+from dflash_jax.models.drafter import check_fits, default_target_layer_ids
 from dflash_jax.training import checkpoint, data, dspark_loss, monitor, preemption, tap_cache
 from dflash_jax.training.evaluation import (
     EVAL_SOURCES,
