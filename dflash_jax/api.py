@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.files import cache_root, write_json_atomic
+from dflash_jax.config import ConfigError
 from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
@@ -21,6 +21,7 @@ from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.files import cache_root, write_json_atomic
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32
@@ -31,6 +32,18 @@ def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
     Only a buffer width: the target's context limits each row's real length plus its new
     tokens (`programs.check_prompt`), never the bucket."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+# The smallest token buffer `generate` compiles: budgets up to it share one program.
+MIN_BUDGET_BUCKET = 32
+
+
+def budget_bucket(max_new_tokens: int, room: int | None = None) -> int:
+    """The token buffer `generate` compiles for a budget: the next power of two, at least
+    MIN_BUDGET_BUCKET, so budgets within a bucket share one program (the budget itself is an
+    input); at most `room` (the context left after the longest prompt), then the budget."""
+    bucket = bucket_length(max_new_tokens, MIN_BUDGET_BUCKET)
+    return bucket if room is None or bucket <= room else max_new_tokens
 
 
 def pad_prompts(token_lists: list[list[int]], bucket: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -672,18 +685,28 @@ def generate(
     DSpark drafter's drafts are offered while the product of their predicted acceptance stays
     at or above it (`DecodeConfig.confidence_cut`); 0: all of them. row_tile: the rows every
     GEMM of a batch-invariant decode runs at (`DecodeConfig.row_tile`; 0: 32); a large batch
-    runs faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits."""
+    runs faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits.
+    max_new_tokens is an input of the compiled decode, its buffers a power of two
+    (`budget_bucket`): a new budget within a bucket runs the programs already compiled."""
     prompts = check_text_prompts(prompts)
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    tokens = [render_prompt(target.tokenizer, p, chat) for p in prompts]
+    room = target.config.max_position_embeddings - max(len(t) for t in tokens)
     cfg = generate_config(
-        target, drafter, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, block_size=block_size, adaptive=adaptive, lookup_kinds=lookup_kinds,
-        tree_nodes=tree_nodes, confidence_cut=confidence_cut, row_tile=row_tile,
+        target, drafter, max_new_tokens=budget_bucket(max_new_tokens, room),
+        temperature=temperature, top_k=top_k, top_p=top_p, block_size=block_size,
+        adaptive=adaptive, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
+        confidence_cut=confidence_cut, row_tile=row_tile,
     )  # fmt: skip
-    prompt, lengths = pad_prompts([render_prompt(target.tokenizer, p, chat) for p in prompts])
+    prompt, lengths = pad_prompts(tokens)
     kw = {}
     if cfg.adaptive:
-        kw["step_costs"] = calibration.calibrate_step_costs(target, drafter, prompt, lengths, cfg)
-    out = timed_decode(target, drafter, prompt, lengths, seed, cfg, **kw).output
+        kw["step_costs"] = calibration.calibrate_step_costs(
+            target, drafter, prompt, lengths, cfg, traced_budget=True
+        )
+    run = timed_decode(target, drafter, prompt, lengths, seed, cfg, max_new=max_new_tokens, **kw)
+    out = run.output
     return [
         target.tokenizer.decode(toks[:n], skip_special_tokens=True)
         for toks, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True)

@@ -57,13 +57,23 @@ def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
 
 
 def _start_autoregressive(
-    target_params, prompt, prompt_lengths, rng, *, target_config, decode_config, mesh=None
+    target_params,
+    prompt,
+    prompt_lengths,
+    rng,
+    max_new=None,
+    *,
+    target_config,
+    decode_config,
+    mesh=None,
 ) -> LoopState:
-    """The AR decode's prefill: its loop state, the first token committed."""
+    """The AR decode's prefill: its loop state, the first token committed. max_new: a traced
+    token budget up to max_new_tokens (`phases.prefill`; None: that)."""
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
     head = decoding_head(target_params, tcfg)
-    state, _ = prefill(target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
+    args = (target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
+    state, _ = prefill(*args, max_new=max_new)
     return constrain(state, mesh)
 
 

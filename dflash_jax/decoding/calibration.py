@@ -16,10 +16,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.config import cache_root
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.runner import timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.files import cache_root
 from dflash_jax.ops.invariance import machine_name, software_name
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
@@ -73,6 +73,7 @@ def calibrate_step_costs(
     use_cache: bool = True,
     repeats: int = 2,
     steps: int = CALIBRATION_STEPS,
+    traced_budget: bool = False,
 ) -> np.ndarray:
     """Measures each step kind's cost in AR steps on `prompt`, and caches the result under
     $DFLASH_JAX_CACHE or ~/.cache/dflash_jax.
@@ -83,7 +84,10 @@ def calibrate_step_costs(
     step); the AR loop likewise. The first run of each executable warms it up and is not
     counted. A row that stops early ends its run early: the cost is per step taken.
     -> costs [num_kinds] float32 (each loop's fastest of `repeats` rounds). A prompt buffer
-    wider than `CALIBRATION_MAX_PROMPT` is calibrated on its first that many tokens."""
+    wider than `CALIBRATION_MAX_PROMPT` is calibrated on its first that many tokens.
+    traced_budget: the start half takes the token budget as an input (`cfg.max_new_tokens`),
+    as a decode given one does (`timed_decode(max_new=...)`, `api.generate`), so that the
+    calibration runs that decode's own programs."""
     if np.shape(prompt)[1] > CALIBRATION_MAX_PROMPT:
         prompt = np.asarray(prompt)[:, :CALIBRATION_MAX_PROMPT]
         prompt_lengths = np.minimum(np.asarray(prompt_lengths), CALIBRATION_MAX_PROMPT)
@@ -99,9 +103,11 @@ def calibrate_step_costs(
             return np.asarray(table[key], np.float32)
 
     def per_step(drafter_or_none, **kw) -> float:
+        budget = cfg.max_new_tokens if traced_budget else None
         run = timed_decode(
-            target, drafter_or_none, prompt, prompt_lengths, 0, cfg, step_limit=steps, **kw
-        )
+            target, drafter_or_none, prompt, prompt_lengths, 0, cfg, step_limit=steps,
+            max_new=budget, **kw,
+        )  # fmt: skip
         taken = max(int(np.max(np.asarray(run.output.num_steps))), 1)
         return max(run.run_s - run.start_s, 1e-9) / taken
 

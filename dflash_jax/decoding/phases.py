@@ -51,10 +51,14 @@ def prefill(
     cache_len,
     tap_layers,
     rows: RowSettings | None = None,
+    max_new=None,
 ) -> tuple[LoopState, jax.Array | None]:
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
-    replace `rng`). -> (state without drafter fields, prompt taps [B,P,F] or None)."""
+    replace `rng`). max_new: a traced token budget (at most `cfg.max_new_tokens`, which sizes
+    the buffers) kept in the state as every row's limit, so one program serves every budget
+    up to the buffer's; None: `cfg.max_new_tokens`.
+    -> (state without drafter fields, prompt taps [B,P,F] or None)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
@@ -66,9 +70,10 @@ def prefill(
     hidden_b1d, taps_bpf, cache = prompt_pass(
         target_params, ptcfg, prompt_bp, cache, tap_layers, prompt_lengths_b - 1, cfg.prefill_chunk
     )
+    budget_b = None if max_new is None or rows is not None else jnp.full((b,), max_new, jnp.int32)
     if rows is None:
         first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
-        limit_b = jnp.full((b,), cfg.max_new_tokens, jnp.int32)
+        limit_b = jnp.full((b,), cfg.max_new_tokens, jnp.int32) if budget_b is None else budget_b
     else:
         first_b = next_token(head, hidden_b1d[:, 0], step_key(rows.keys(), max_steps(cfg)), rows)
         limit_b = rows.max_new
@@ -97,6 +102,7 @@ def prefill(
         kinds=jnp.zeros((b, max_steps(cfg)), jnp.int32),
         cache=cache,
         rows=rows,
+        limit=budget_b,
         **kept,
     )
     return state, taps_bpf
@@ -303,11 +309,13 @@ def init_speculative(
     rng,
     rows: RowSettings | None = None,
     cache_len: int | None = None,
+    max_new=None,
 ) -> LoopState:
     """Prefill, then the prompt's drafter context K/V (block-independent: all appended now).
     -> the speculative loop's state before any step (the adaptive controller at its prior).
     rows: each row's own settings (`DecodeConfig.row_settings`; None there: `cfg`'s for every
-    row). cache_len: the caches' length (None: room for the prompt, the new tokens and a step)."""
+    row). cache_len: the caches' length (None: room for the prompt, the new tokens and a step).
+    max_new: a traced token budget (`prefill`)."""
     bs = cfg.block_size
     b, p = prompt.shape
     if cache_len is None:
@@ -325,6 +333,7 @@ def init_speculative(
         cache_len,
         dcfg.target_layer_ids,
         rows,
+        max_new,
     )
     ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
     dtype = jnp.dtype(dcfg.dtype)

@@ -159,16 +159,18 @@ def timed_run(
     mesh=None,
     on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
     chunk_steps: int = STREAM_CHUNK_STEPS,
+    start_inputs: tuple = (),
 ) -> TimedRun:
     """Runs `start` then `advance` (the halves in `decoding.autoregressive` or
     `decoding.speculative`) on (*lead params, prompt, lengths, rng[, *inputs, step_limit,
     state]) with `statics`, for at most `step_limit` loop steps. on_tokens(tokens [B,T],
     counts [B]): called with the prefill's tokens and then after every `chunk_steps` steps with
     what each row committed since (row b's new tokens are tokens[b, :counts[b]]); without it
-    the loop runs in one call."""
+    the loop runs in one call. start_inputs: `start`'s arguments after the rng (a token
+    budget: `timed_decode`'s max_new)."""
     cfg: DecodeConfig = statics["decode_config"]
     head = (*lead, prompt, lengths, programs.typed_key(rng))
-    start_x, start_args, start_compile = compile_half(start, head, statics, mesh)
+    start_x, start_args, start_compile = compile_half(start, (*head, *start_inputs), statics, mesh)
     state_info = start_x.out_info
     adv_head = (*head, *inputs, np.int32(0))
     advance_x, adv_args, adv_compile = compile_half(advance, (*adv_head, state_info), statics, mesh)
@@ -227,6 +229,7 @@ def timed_decode(
     step_limit: int | None = None,
     on_tokens=None,
     chunk_steps: int = STREAM_CHUNK_STEPS,
+    max_new: int | None = None,
 ) -> TimedRun:
     """Runs the speculative decode (or the autoregressive one when drafter is None) as the
     jitted halves `decoding.runner` times, compilation apart from execution; executables are
@@ -235,10 +238,18 @@ def timed_decode(
     that step kind at every step (calibration). step_limit: at most this many loop steps (None:
     all). on_tokens(tokens [B,T], counts [B]): streams the committed tokens a few steps at a
     time (`chunk_steps` of them, `timed_run`). `mesh`: where to run; by default the target's
-    (loaded with one), else the one set by `jax.set_mesh`, else one device."""
+    (loaded with one), else the one set by `jax.set_mesh`, else one device. max_new: each
+    row's token budget, 1 to `cfg.max_new_tokens` (which sizes the buffers), as an input of
+    the start half: every budget up to the buffer's runs one compiled pair of halves (the
+    output's buffers keep `cfg`'s length); None: `cfg.max_new_tokens`, as a constant."""
     start, advance, head, inputs, statics, mesh = decode_halves(
         target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh
     )
+    start_inputs = ()
+    if max_new is not None:
+        if not 1 <= max_new <= cfg.max_new_tokens:
+            raise ValueError(f"max_new={max_new}: between 1 and {cfg.max_new_tokens}")
+        start_inputs = (np.int32(max_new),)
     limit = max_steps(cfg) if step_limit is None else step_limit
     return timed_run(
         start,
@@ -251,6 +262,7 @@ def timed_decode(
         mesh=mesh,
         on_tokens=on_tokens,
         chunk_steps=chunk_steps,
+        start_inputs=start_inputs,
     )
 
 

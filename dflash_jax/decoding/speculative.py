@@ -151,13 +151,15 @@ def _start_speculative(
     prompt,
     prompt_lengths,
     rng,
+    max_new=None,
     *,
     target_config,
     drafter_config,
     decode_config,
     mesh=None,
 ) -> LoopState:
-    """The speculative decode's prefill and prompt context: its loop state before any step."""
+    """The speculative decode's prefill and prompt context: its loop state before any step.
+    max_new: a traced token budget up to max_new_tokens (`phases.prefill`; None: that)."""
     head = decoding_head(target_params, target_config)
     state = init_speculative(
         target_params,
@@ -169,6 +171,7 @@ def _start_speculative(
         prompt,
         prompt_lengths,
         rng,
+        max_new=max_new,
     )
     return constrain(state, mesh)
 

@@ -59,6 +59,9 @@ class LoopState:
     lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
     tree_alpha: jax.Array | None = None  # [B, T-1] adaptive with a tree kind: per tree depth
     rows: object | None = None  # `sampling.RowSettings` [B] with `DecodeConfig.row_settings`
+    # [B] each row's token limit when the start half was given one (a traced budget up to
+    # max_new_tokens, the buffer's length: `phases.prefill`); None: max_new_tokens itself.
+    limit: jax.Array | None = None
     # With `DecodeConfig.logprobs` (K): each committed token's log-probability [B, W] and its
     # step's K likeliest tokens [B, W, K] with theirs, beside `gen` (`sampling.token_logprobs`).
     logp: jax.Array | None = None
@@ -86,6 +89,7 @@ _CARRY_AXES = {
     "lookup_alpha": ("batch", None),
     "tree_alpha": ("batch", None),
     "rows": ("batch",),  # each field [B] or [B, 2] (a key's data)
+    "limit": ("batch",),
     "logp": ("batch", "length"),
     "top_logp": ("batch", "length"),
     "top_ids": ("batch", "length"),
@@ -142,6 +146,14 @@ def step_sampling(s: LoopState, cfg: DecodeConfig, rng):
     return draw, k_draft, k_accept
 
 
+def token_limit(state: LoopState, cfg: DecodeConfig):
+    """Each row's token limit: its request's (`state.rows`), the decode's traced budget
+    (`state.limit`), else `cfg.max_new_tokens`."""
+    if state.rows is not None:
+        return state.rows.max_new
+    return cfg.max_new_tokens if state.limit is None else state.limit
+
+
 def commit(
     state: LoopState, new_bt, produced_b, cfg: DecodeConfig, block_size: int = 1, logprobs=None
 ) -> tuple[LoopState, jax.Array]:
@@ -152,7 +164,7 @@ def commit(
     tokens. Returns (state, produced)."""
     b, t = new_bt.shape
     active_b = ~state.done
-    limit_b = cfg.max_new_tokens if state.rows is None else state.rows.max_new
+    limit_b = token_limit(state, cfg)
     produced_b = jnp.minimum(produced_b, limit_b - state.n_gen)
     idx_t = jnp.arange(t)
     in_span_bt = idx_t[None, :] < produced_b[:, None]
