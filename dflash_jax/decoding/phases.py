@@ -57,7 +57,7 @@ def prefill(
     prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
     replace `rng`). max_new: a traced token budget (at most `cfg.max_new_tokens`, which sizes
     the buffers) kept in the state as every row's limit, so one program serves every budget
-    up to the buffer's; None: `cfg.max_new_tokens`.
+    up to the buffer's; None: `cfg.max_new_tokens`; with `rows`, each row's own limit instead.
     -> (state without drafter fields, prompt taps [B,P,F] or None)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
