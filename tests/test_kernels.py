@@ -541,6 +541,24 @@ def test_unsupported_head_dim_refused_under_pallas_and_logged_under_auto(monkeyp
     assert _max_err(want, got) == 0.0
 
 
+def test_fp32_at_head_dim_256_refused_on_a_gpu_with_the_fix(monkeypatch):
+    """fp32 at head dim 256 overflows an sm_90 program's shared memory (q, k and v tiles: 320
+    KiB of 227): refused under pallas with the fix (bf16 or xla), xla under auto; bf16 at 256
+    and fp32 at 128 fit (160 KiB); interpret mode (a CPU) has no shared memory and takes it."""
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    q, k = jnp.zeros((1, 4, 2, 256)), jnp.zeros((1, 1, 64, 256))
+    offsets = jnp.array([2], jnp.int32)
+    assert dispatch._kernel("pallas", "target attention", q, k, k) == "interpret"  # a CPU
+    monkeypatch.setattr(dispatch, "_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="320 KiB.*227 KiB; use --dtype=bfloat16 or --attention"):
+        dispatch.causal_attention(q, k, k, offsets, impl="pallas")
+    assert dispatch._kernel("auto", "target attention", q, k, k) == "xla"
+    assert pallas_gpu.shared_memory_bytes(256, jnp.bfloat16) == 160 << 10
+    assert pallas_gpu.unfit(256, jnp.bfloat16) is None and pallas_gpu.unfit(128, "float32") is None
+    bf16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    assert dispatch._kernel("pallas", "target attention", *bf16, bf16[1]) == "gpu"
+
+
 # --- models ----------------------------------------------------------------------------------
 
 
