@@ -8,6 +8,7 @@ in fp32. At the model level: greedy speculative decoding with
 attention_impl="pallas" gives the autoregressive tokens, and training steps give the XLA losses.
 """
 
+import itertools
 import logging
 
 import jax
@@ -179,6 +180,15 @@ def test_tile_choices_for_h200():
     cache = sd(1, 8, 4096, 128)
     assert spec(sd(1, 16, 32, 128), cache, 16).splits == 8  # drafting: 16 programs
     assert spec(sd(8, 8192, 32, 128), sd(8, 8, 4096, 128), 16).splits == 1  # training
+    # A prefill's fp32 partial outputs (one [rows, H] per split and program) stay within twice
+    # the grid's cap at Qwen3-8B's heads, whole prompts and chunks over a long cache alike (an
+    # 8k prompt split by its keys alone would write ~2 GB per layer).
+    cap = 2 * pallas_gpu.MIN_PROGRAMS * 64 * 128 * 4  # 16.5 MiB
+    for b, t, s in itertools.product((1, 8), (16, 128, 512, 2048, 8192), (4096, 32768, 131072)):
+        s = max(s, t)
+        got = spec(sd(b, t, 32, 128), sd(b, 8, s, 128), 0)
+        partial = b * 8 * got.splits * -(-t * 4 // 64) * 64 * 128 * 4 if got.splits > 1 else 0
+        assert partial <= cap, (b, t, s, got.splits)
 
 
 @pytest.mark.slow
