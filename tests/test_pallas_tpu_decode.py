@@ -11,6 +11,7 @@ return NaN. Values match to 1e-5
 in fp32; bf16 is compared with the fp32 reference on the same bf16 inputs.
 """
 
+import functools
 import logging
 
 import jax
@@ -191,10 +192,11 @@ def test_kernels_lower_to_mosaic_for_tpu():
     assert pallas_tpu_decode.BLOCK >= 512
     assert pallas_tpu_decode.heads_per_step(8, 128, jnp.bfloat16) == 4
     assert pallas_tpu_decode.heads_per_step(8, 128, jnp.float32) == 2
-    for t in (1, 16):
+    # AR step and verify; the verify also with the device check's timing variants' steps.
+    for t, steps in ((1, None), (16, None), (16, (128, 1)), (16, (1024, 4))):
         q, cache = sd((1, t, 32, 128), jnp.bfloat16), sd((1, 8, 4096, 128), jnp.bfloat16)
         new, vec = sd((1, 8, t, 128), jnp.bfloat16), sd((1,), jnp.int32)
-        fn = jax.jit(pallas_tpu_decode.appended_attention)
+        fn = jax.jit(functools.partial(pallas_tpu_decode.appended_attention, steps=steps))
         text = fn.trace(q, cache, cache, new, new, vec).lower(lowering_platforms=("tpu",))
         assert text.as_text().count("tpu_custom_call") == 1
     b, t, groups = 2, 16, 4

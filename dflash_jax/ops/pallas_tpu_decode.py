@@ -142,10 +142,13 @@ def appended_attention(
     tree_mask: jax.Array | None = None,
     *,
     interpret: bool | pltpu.InterpretParams = False,
+    steps: tuple[int, int] | None = None,
 ) -> jax.Array:
     """`causal_attention` over the cache with the T new rows written at cache_lengths[b] + t,
     bitwise, without writing it. q [B,T,N,H]; k/v [B,K,S,H] (the cache before the write);
-    new_k/new_v [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H] in q's dtype.
+    new_k/new_v [B,K,T,H]; cache_lengths [B]. -> [B,T,N,H] in q's dtype. steps: (cache slots,
+    KV heads) per grid step, for timing variants (`infer.bench.device_check`; slots a multiple
+    of TILE, heads dividing K); None: BLOCK and `heads_per_step`, what every decode runs.
 
     tree_mask [B,T,T] bool (a token tree's verify, `attention.tree_attention_mask`; T <=
     MAX_TREE): query t sees new row t' iff tree_mask[b,t,t'] (its ancestors and itself)
@@ -154,15 +157,16 @@ def appended_attention(
     t = q_btnh.shape[1]
     if t >= MAX_QUERIES:
         raise ValueError(f"appended attention takes < {MAX_QUERIES} queries, got {q_btnh.shape}")
-    patch_k, first_b = patched_tiles(k_bksh, new_k.astype(k_bksh.dtype), cache_lengths, BLOCK)
-    patch_v, _ = patched_tiles(v_bksh, new_v.astype(v_bksh.dtype), cache_lengths, BLOCK)
+    keys = steps[0] if steps else BLOCK
+    patch_k, first_b = patched_tiles(k_bksh, new_k.astype(k_bksh.dtype), cache_lengths, keys)
+    patch_v, _ = patched_tiles(v_bksh, new_v.astype(v_bksh.dtype), cache_lengths, keys)
     hi_bt = causal_cache_bounds(cache_lengths, t)
     patch = (patch_k, patch_v, first_b)
     tree = None
     if tree_mask is not None:
         hi_bt, *tree = tree_cache_bounds(cache_lengths, tree_mask)
     lo_bt = jnp.zeros_like(hi_bt)
-    return _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, None, interpret, patch, tree)
+    return _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, None, interpret, patch, tree, steps)
 
 
 def heads_per_step(kv_heads: int, head_dim: int, dtype) -> int:
@@ -175,18 +179,23 @@ def heads_per_step(kv_heads: int, head_dim: int, dtype) -> int:
     return max(fits, default=1)
 
 
-def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, tree=None):
+def _attend(
+    q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, tree=None, steps=None
+):
     """block: None, or (blk_k, blk_v [B,K,TILE,H], visible [T,T] bool: query vs block key).
     patch: None, or (k, v [B,K,P*BLOCK,H], first [B]): cache blocks first[b] .. first[b]+P-1
     are read from the patch instead of the cache. tree: None, or (base [B,T], bits [B,T]
-    int32): slot base + j (j < 32) is seen by query t only if bit j of bits[b,t] is set."""
+    int32): slot base + j (j < 32) is seen by query t only if bit j of bits[b,t] is set.
+    steps: None, or (cache slots, KV heads) per grid step (`appended_attention`)."""
     b, t, n, h = q_btnh.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     g = n // kh
     m = t * g
     m_pad = _round_up(m, 32 // jnp.dtype(q_btnh.dtype).itemsize)  # sublane tile: 8 fp32, 16 bf16
-    num_blocks = pl.cdiv(s, BLOCK)
-    heads = heads_per_step(kh, h, k_bksh.dtype)
+    keys, heads = steps or (BLOCK, heads_per_step(kh, h, k_bksh.dtype))
+    if keys % TILE or kh % heads:
+        raise ValueError(f"steps={steps}: slots a multiple of {TILE}, heads dividing {kh}")
+    num_blocks = pl.cdiv(s, keys)
 
     q_bkmh = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, m, h)
     q_bkmh = jnp.pad(q_bkmh, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
@@ -197,7 +206,7 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, 
         x_bm = jnp.pad(jnp.repeat(x_bt.astype(jnp.int32), g, axis=1), ((0, 0), (0, m_pad - m)))
         return jnp.broadcast_to(x_bm[:, :, None], (b, m_pad, TILE))
 
-    tile_first, tile_last = _live_tiles(lo_bt, hi_bt, s)  # scalar prefetch, in blocks
+    tile_first, tile_last = _live_tiles(lo_bt, hi_bt, s, keys)  # scalar prefetch, in blocks
     prefetch = [tile_first, tile_last]
     cache_block = lambda b_, k_, c, first, last, *_: (
         b_, k_, _tile_index(c, first[b_], last[b_]), 0
@@ -208,8 +217,8 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, 
     per_b = pl.BlockSpec((None, m_pad, TILE), lambda b_, k_, c, *_: (b_, 0, 0))
     in_specs = [
         per_bk(m_pad),
-        pl.BlockSpec((None, heads, BLOCK, h), cache_block),
-        pl.BlockSpec((None, heads, BLOCK, h), cache_block),
+        pl.BlockSpec((None, heads, keys, h), cache_block),
+        pl.BlockSpec((None, heads, keys, h), cache_block),
         per_b,
         per_b,
     ]
@@ -217,12 +226,12 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, 
     patch_blocks = 0
     if patch is not None:
         patch_k, patch_v, patch_first = patch
-        patch_blocks = patch_k.shape[2] // BLOCK
+        patch_blocks = patch_k.shape[2] // keys
         # Steps outside the patch repeat its first or last block's index: no DMA for them.
         patch_block = lambda b_, k_, c, first, last, p_first: (
             b_, k_, jnp.clip(c - p_first[b_], 0, patch_blocks - 1), 0
         )  # fmt: skip
-        in_specs += [pl.BlockSpec((None, heads, BLOCK, h), patch_block)] * 2
+        in_specs += [pl.BlockSpec((None, heads, keys, h), patch_block)] * 2
         args += [patch_k, patch_v]
         prefetch.append(patch_first)
     if tree is not None:
@@ -241,6 +250,7 @@ def _attend(q_btnh, k_bksh, v_bksh, lo_bt, hi_bt, block, interpret, patch=None, 
             scale=h**-0.5,
             num_keys=s,
             num_blocks=num_blocks,
+            block_keys=keys,
             heads=heads,
             with_block=block is not None,
             patch_blocks=patch_blocks,
@@ -291,14 +301,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _live_tiles(lo_bt, hi_bt, num_keys: int):
-    """The cache blocks (BLOCK slots) each row reads: [first, last] over its queries' slot
+def _live_tiles(lo_bt, hi_bt, num_keys: int, size: int = BLOCK):
+    """The cache blocks (`size` slots) each row reads: [first, last] over its queries' slot
     ranges, clipped to the cache; a row that sees no slot gets last = first - 1 (nothing is
     live; `_tile_index` stays on `first`). -> two [B] int32."""
     slot_lo = jnp.min(lo_bt, axis=1).astype(jnp.int32)
     slot_hi = jnp.minimum(jnp.max(hi_bt, axis=1), num_keys).astype(jnp.int32)
-    first = jnp.minimum(slot_lo // BLOCK, pl.cdiv(num_keys, BLOCK) - 1)
-    last = jnp.where(slot_hi > slot_lo, (slot_hi - 1) // BLOCK, first - 1)
+    first = jnp.minimum(slot_lo // size, pl.cdiv(num_keys, size) - 1)
+    last = jnp.where(slot_hi > slot_lo, (slot_hi - 1) // size, first - 1)
     return first, last
 
 
@@ -311,8 +321,8 @@ def _tile_index(c, first, last):
 
 
 def _kernel(
-    first_ref, last_ref, *refs, scale, num_keys, num_blocks, heads, with_block, patch_blocks,
-    with_tree,
+    first_ref, last_ref, *refs, scale, num_keys, num_blocks, block_keys, heads, with_block,
+    patch_blocks, with_tree,
 ):  # fmt: skip
     if patch_blocks:
         patch_first_ref, *refs = refs
@@ -341,13 +351,13 @@ def _kernel(
 
     @pl.when((c >= first_ref[b]) & (c <= last_ref[b]))
     def _cache_block():
-        # The rows' bounds (lane-replicated [M,TILE]) against the block's BLOCK slots.
-        shape = (lo_ref.shape[0], BLOCK)
-        slots = c * BLOCK + lax.broadcasted_iota(jnp.int32, shape, 1)
+        # The rows' bounds (lane-replicated [M,TILE]) against the block's slots.
+        shape = (lo_ref.shape[0], block_keys)
+        slots = c * block_keys + lax.broadcasted_iota(jnp.int32, shape, 1)
         visible = (slots >= lo_ref[...][:, :1]) & (slots < hi_ref[...][:, :1])
         if with_tree:  # a new row only where the query's ancestor bits say
             visible &= tree_visible(slots, base_ref[...][:, :1], bits_ref[...][:, :1])
-        if num_keys % BLOCK:  # the last block runs past the cache: unspecified values there
+        if num_keys % block_keys:  # the last block runs past the cache: unspecified values
             visible &= slots < num_keys
         if patch_blocks:  # a block the new rows fall in: the patch's copy of it
             patched = (c >= patch_first_ref[b]) & (c < patch_first_ref[b] + patch_blocks)
@@ -357,8 +367,8 @@ def _kernel(
                 k, v = lax.cond(
                     patched, lambda i=i: (pk_ref[i], pv_ref[i]), lambda k=k, v=v: (k, v)
                 )
-            if num_keys % BLOCK:
-                v_slots = c * BLOCK + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            if num_keys % block_keys:
+                v_slots = c * block_keys + lax.broadcasted_iota(jnp.int32, v.shape, 0)
                 v = jnp.where(v_slots < num_keys, v, jnp.zeros_like(v))
             attend(i, k, v, visible)
 
