@@ -37,6 +37,8 @@ from ml_collections import config_flags
 from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
 
 CPU_ONLY = "of which float weight copies (CPU only)"
+# The row rule's dequantized kernels: held by every platform's program (`held_copies_row`).
+EVERYWHERE = "of which float weight copies (every platform)"
 ACTIVATIONS = "activations (temporaries)"
 
 FLAGS = flags.FLAGS
@@ -74,12 +76,13 @@ def shard_shape(sharding, shape: tuple) -> tuple:
 
 
 def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard), each
+    array at its dtype's bits per value: int4 packs two values a byte, as XLA holds it (its
+    memory_analysis, tests/test_memory_plan.py), where numpy's itemsize says one byte."""
     import jax
-    import numpy as np
 
     return sum(
-        math.prod(shard_shape(x.sharding, x.shape)) * np.dtype(x.dtype).itemsize
+        -(-math.prod(shard_shape(x.sharding, x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)
         for x in jax.tree.leaves(tree)
     )
 
@@ -107,6 +110,22 @@ def dequantized_bytes(tree, dtype: str) -> int:
         math.prod(shard_shape(w.q.qvalue.sharding, w.shape)) * itemsize
         for w in _quantized_leaves(tree)
     )
+
+
+def held_copies_row(invariant_rows) -> str:
+    """Where a quantized target's float kernel copies go in a decode's plan: a program under a
+    row rule (`invariant_rows` not None) holds them on every platform: `ops.invariance` puts
+    an optimization barrier on each dequantized kernel (every GEMM tile meets one materialised
+    [K, N] float array, so no program fuses the dequantization into its GEMM and another not),
+    and a barrier is a buffer on every backend. XLA:CPU also hoists each one out of the decode
+    loop, so the plan books them all (what its temporaries hold: tests/test_memory_plan.py); an
+    accelerator holds at least the largest at a time, and all if its compiler hoists them too.
+    Without a rule the dot takes the dequantization as an operand: XLA:CPU still hoists a copy
+    of every kernel out of the loop (Qwen3-8B int8, bf16, 8K: 12.9 GiB more temporaries than
+    the bf16 target's, its kernels' bf16 size; SmolLM2 int8, fp32: +0.40 GiB); an accelerator
+    that fuses the dequantization into the dot (as Qwix relies on) holds none: not verified on
+    one yet, so they are the CPU-only line."""
+    return CPU_ONLY if invariant_rows is None else EVERYWHERE
 
 
 def _analyses(programs: list[aot.Program]) -> dict | None:
@@ -175,12 +194,9 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         f"tokens, block {shape.block_size or cfg.block_size}, {shape.dtype}",
     }
     if FLAGS.compile and shape.quantize:
-        # XLA:CPU hoists each quantized kernel's dequantization out of the decode loop: a copy
-        # of every kernel in the compute dtype sits in the temporaries (Qwen3-8B int8, bf16,
-        # 8K: 12.9 GiB more temporaries than the bf16 target's, its kernels' bf16 size;
-        # SmolLM2 int8, fp32: +0.40 GiB, their fp32 size). An accelerator that fuses the
-        # dequantization into the dot (as Qwix relies on) holds none: not verified on one yet.
-        plan[CPU_ONLY] = dequantized_bytes(target, shape.dtype)
+        plan[held_copies_row(advance.settings["invariant_rows"])] = dequantized_bytes(
+            target, shape.dtype
+        )
     if FLAGS.compile and shape.dtype == "bfloat16":
         # XLA:CPU gathers bf16 rows in f32: the embedding is converted whole, once, out of the
         # loop (Qwen3-8B: an f32[151936,4096] copy, 2.32 GiB, in the decode's buffer
@@ -208,6 +224,7 @@ def main(argv):
         raise app.UsageError(f"{type(e).__name__}: {e}") from e
     shape = plan.pop("shape")
     cpu_only = plan.pop(CPU_ONLY, 0)
+    everywhere = plan.pop(EVERYWHERE, 0)
     total = sum(v for v in plan.values() if v is not None)
     totals = {"total per device": total}
     if cpu_only:
@@ -218,13 +235,16 @@ def main(argv):
     print(f"{FLAGS.mode} {cfg.target} on mesh {dict(mesh.shape)} ({count} devices): {shape}")
     for name, value in plan.items():
         print(f"  {name:38s}{gib(value):>12s}")
+    if everywhere:
+        print(f"    {EVERYWHERE:36s}{gib(everywhere):>12s}")
     if cpu_only:
         print(f"    {CPU_ONLY:36s}{gib(cpu_only):>12s}")
     for name, value in totals.items():
         verdict = "fits" if fits(value) else "does NOT fit"
         print(f"  {name:38s}{gib(value):>12s}  ({verdict} in {FLAGS.device_gb:g} GB)")
     if FLAGS.output:
-        rows = {**plan, **({CPU_ONLY: cpu_only} if cpu_only else {}), **totals}
+        of = {EVERYWHERE: everywhere, CPU_ONLY: cpu_only}
+        rows = {**plan, **{k: v for k, v in of.items() if v}, **totals}
         out = {
             "command": " ".join(
                 ["python -m infer.memory_plan"]

@@ -8,6 +8,7 @@ in fp32. At the model level: greedy speculative decoding with
 attention_impl="pallas" gives the autoregressive tokens, and training steps give the XLA losses.
 """
 
+import itertools
 import logging
 
 import jax
@@ -179,6 +180,15 @@ def test_tile_choices_for_h200():
     cache = sd(1, 8, 4096, 128)
     assert spec(sd(1, 16, 32, 128), cache, 16).splits == 8  # drafting: 16 programs
     assert spec(sd(8, 8192, 32, 128), sd(8, 8, 4096, 128), 16).splits == 1  # training
+    # A prefill's fp32 partial outputs (one [rows, H] per split and program) stay within twice
+    # the grid's cap at Qwen3-8B's heads, whole prompts and chunks over a long cache alike (an
+    # 8k prompt split by its keys alone would write ~2 GB per layer).
+    cap = 2 * pallas_gpu.MIN_PROGRAMS * 64 * 128 * 4  # 16.5 MiB
+    for b, t, s in itertools.product((1, 8), (16, 128, 512, 2048, 8192), (4096, 32768, 131072)):
+        s = max(s, t)
+        got = spec(sd(b, t, 32, 128), sd(b, 8, s, 128), 0)
+        partial = b * 8 * got.splits * -(-t * 4 // 64) * 64 * 128 * 4 if got.splits > 1 else 0
+        assert partial <= cap, (b, t, s, got.splits)
 
 
 @pytest.mark.slow
@@ -539,6 +549,24 @@ def test_unsupported_head_dim_refused_under_pallas_and_logged_under_auto(monkeyp
     ]
     want = xla.attention(q, k, v, xla.causal_cache_mask(offsets, 4, 6))
     assert _max_err(want, got) == 0.0
+
+
+def test_fp32_at_head_dim_256_refused_on_a_gpu_with_the_fix(monkeypatch):
+    """fp32 at head dim 256 overflows an sm_90 program's shared memory (q, k and v tiles: 320
+    KiB of 227): refused under pallas with the fix (bf16 or xla), xla under auto; bf16 at 256
+    and fp32 at 128 fit (160 KiB); interpret mode (a CPU) has no shared memory and takes it."""
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    q, k = jnp.zeros((1, 4, 2, 256)), jnp.zeros((1, 1, 64, 256))
+    offsets = jnp.array([2], jnp.int32)
+    assert dispatch._kernel("pallas", "target attention", q, k, k) == "interpret"  # a CPU
+    monkeypatch.setattr(dispatch, "_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="320 KiB.*227 KiB; use --dtype=bfloat16 or --attention"):
+        dispatch.causal_attention(q, k, k, offsets, impl="pallas")
+    assert dispatch._kernel("auto", "target attention", q, k, k) == "xla"
+    assert pallas_gpu.shared_memory_bytes(256, jnp.bfloat16) == 160 << 10
+    assert pallas_gpu.unfit(256, jnp.bfloat16) is None and pallas_gpu.unfit(128, "float32") is None
+    bf16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    assert dispatch._kernel("pallas", "target attention", *bf16, bf16[1]) == "gpu"
 
 
 # --- models ----------------------------------------------------------------------------------

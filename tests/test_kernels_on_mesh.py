@@ -331,7 +331,8 @@ KERNELS = {
         16,
         dict(tiles=pallas_gpu.Tiles(rows=16, keys=16, splits=3)),
     ),
-    "tpu": (pallas_tpu_decode, pallas_tpu_decode.INTERPRET, 300, 64, {}),
+    # Two whole 512-slot blocks (a grid step's keys) and a partial one.
+    "tpu": (pallas_tpu_decode, pallas_tpu_decode.INTERPRET, 1100, 64, {}),
 }
 
 
@@ -357,7 +358,7 @@ def test_appended_attention_is_bitwise_the_attention_over_the_written_cache(kern
     tiles), a few tiles, and a full buffer. On the GPU kernels a position's result in a 16-row
     verify then equals the AR step's over the same keys, bit for bit."""
     module, interpret, s, h, opts = KERNELS[kernels]
-    tile = opts["tiles"].keys if "tiles" in opts else getattr(module, "TILE", 64)
+    tile = opts["tiles"].keys if "tiles" in opts else module.BLOCK  # the TPU kernel's step
     rng = np.random.default_rng(11)
     b, t, kv_heads, groups = 4, 16, 2, 4
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)

@@ -45,3 +45,66 @@ def test_decode_plan_counts_the_caches_once(tmp_path):
     # never by the caches.
     total = rows["total per device"]
     assert peak - 1024 <= total <= peak + params, (total, peak, rows, analyses)
+
+
+def _tiny_quantized(scheme: str):
+    """(config, abstract params) of a two-layer qwen3 target, its layer kernels in `scheme`."""
+    import jax
+    import jax.numpy as jnp
+    from _shapes import QWEN3_8B
+
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.models.quantized import quantize_params
+    from dflash_jax.models.target import init_params
+
+    small = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4)
+    cfg = TargetConfig(**{**QWEN3_8B, **small, "num_kv_heads": 2, "head_dim": 64})
+    floats = jax.eval_shape(
+        lambda: jax.tree.map(lambda w: w.astype(jnp.bfloat16), init_params(cfg, jax.random.key(0)))
+    )
+    return cfg, jax.eval_shape(lambda p: quantize_params(p, cfg, scheme), floats)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_plan_counts_quantized_params_as_xla_holds_them(scheme):
+    """The plan's bytes of a quantized target's params are XLA's own (its memory_analysis of a
+    program taking them): int4 at half a byte per value (XLA packs it; numpy's itemsize of 1
+    counted the int4 kernels twice), int8 at one, their scales and offsets as stored."""
+    import jax
+
+    from infer.memory_plan import per_device_bytes
+
+    _, params = _tiny_quantized(scheme)
+    compiled = jax.jit(lambda p: 0, keep_unused=True).lower(params).compile()
+    held = compiled.memory_analysis().argument_size_in_bytes
+    assert per_device_bytes(params) == held
+    qvalues = [x for x in jax.tree.leaves(params) if x.dtype == scheme]
+    values = sum(x.size for x in qvalues)
+    assert values and per_device_bytes(qvalues) == values // (2 if scheme == "int4" else 1)
+
+
+@pytest.mark.slow
+def test_quantized_plan_books_the_copies_the_program_holds(tmp_path):
+    """Guards only the quantized-copy line of a decode plan: under the row rule (bf16 on a CPU,
+    and --batch_invariant anywhere) the compiled int4 advance program holds the float copies
+    of its layer kernels that the plan books as held on every platform (the barrier on each
+    dequantized kernel, ops/invariance.py), within 10%: its temporaries exceed the float
+    target's by the kernels' bf16 size."""
+    import importlib.util
+
+    from infer import aot
+    from infer.memory_plan import EVERYWHERE, dequantized_bytes, held_copies_row
+
+    spec = importlib.util.spec_from_file_location("tiny_config", write_tiny_config(tmp_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg, mesh, temps = module.get_config(), aot.fake_mesh(""), {}
+    for scheme in (None, "int4"):
+        shape = aot.DecodeShape(batch=1, prompt_len=16, max_new_tokens=32, quantize=scheme,
+                                adaptive=False, batch_invariant=True)  # fmt: skip
+        _, advance = aot.speculative_programs(cfg, mesh, shape, "xla", "cpu")
+        compiled = advance.lower().compile(compiler_options=advance.options)
+        temps[scheme] = compiled.memory_analysis().temp_size_in_bytes
+    assert held_copies_row(advance.settings["invariant_rows"]) == EVERYWHERE
+    booked = dequantized_bytes(advance.args[0], "bfloat16")
+    assert 0.9 * booked <= temps["int4"] - temps[None] <= booked, (temps, booked)

@@ -2,14 +2,16 @@
 in Pallas' TPU interpret mode on CPU, and the dispatch routing the decode shapes to them on a
 faked "tpu" backend.
 
-Caches hold S = 300 slots: three 128-slot tiles, the last one partial (the interpreter fills its
-tail past the array with NaN). The rows of one batch have different live lengths: 1 (or the
-T queries), exactly one tile, the full buffer, one in between, and none (drafting only). Every
-whole tile a row's mask leaves empty is filled with NaN in the kernel's inputs (the reference
-gets the clean arrays): a kernel that used such a tile would return NaN. Values match to 1e-5
+Caches hold S = 1100 slots: three 512-slot blocks (a grid step's keys), the last one partial
+(the interpreter fills its tail past the array with NaN). The rows of one batch have different
+live lengths: 1 (or the T queries), exactly one block, the full buffer, one in between, and
+none (drafting only). Every whole block a row's mask leaves empty is filled with NaN in the
+kernel's inputs (the reference gets the clean arrays): a kernel that used such a block would
+return NaN. Values match to 1e-5
 in fp32; bf16 is compared with the fp32 reference on the same bf16 inputs.
 """
 
+import functools
 import logging
 
 import jax
@@ -23,8 +25,8 @@ from dflash_jax.models.target import write_rows
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import dispatch, pallas_tpu_decode
 
-S = 300
-TILE = pallas_tpu_decode.TILE
+S = 1100
+BLOCK = pallas_tpu_decode.BLOCK
 KV_HEADS = 2
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -34,15 +36,15 @@ def _normal(rng, shape, dtype):
 
 
 def _poison_unseen_tiles(x_bksh, seen_bs):
-    """NaN in every tile outside [tile of the first seen slot, tile of the last] of each row
+    """NaN in every block outside [block of the first seen slot, block of the last] of each row
     (all of them when the row sees nothing)."""
     x = np.array(x_bksh.astype(jnp.float32))
     for b, seen_s in enumerate(np.asarray(seen_bs)):
         slots = np.flatnonzero(seen_s)
-        tile_s = np.arange(x.shape[2]) // TILE
+        tile_s = np.arange(x.shape[2]) // BLOCK
         dead = np.ones_like(tile_s, bool)
         if slots.size:
-            dead = (tile_s < slots[0] // TILE) | (tile_s > slots[-1] // TILE)
+            dead = (tile_s < slots[0] // BLOCK) | (tile_s > slots[-1] // BLOCK)
         x[b, :, dead] = np.nan
     return jnp.asarray(x, x_bksh.dtype)
 
@@ -54,20 +56,25 @@ def _check(got, want, dtype):
 
 
 @pytest.mark.parametrize(
-    "t,groups,h,dtype",
+    "t,groups,h,dtype,heads",
     [  # one by default (suite budget), the other shapes slow: CI runs them
-        pytest.param(1, 1, 64, jnp.float32, marks=pytest.mark.slow),
-        pytest.param(16, 3, 128, jnp.float32, marks=pytest.mark.slow),
-        (16, 4, 64, jnp.bfloat16),
+        pytest.param(1, 1, 64, jnp.float32, 2, marks=pytest.mark.slow),
+        # One KV head per grid step (a budget of one fp32 block): guards only the head groups.
+        pytest.param(16, 3, 128, jnp.float32, 1, marks=pytest.mark.slow),
+        (16, 4, 64, jnp.bfloat16, 2),
     ],
 )
-def test_verify_kernel_matches_xla(t, groups, h, dtype):
+def test_verify_kernel_matches_xla(t, groups, h, dtype, heads, monkeypatch):
+    """Both KV heads in one grid step (the default budget at these shapes), or one per step."""
+    budget = heads * pallas_tpu_decode.BLOCK * h * jnp.dtype(dtype).itemsize
+    monkeypatch.setattr(pallas_tpu_decode, "BLOCK_BYTES", budget)
+    assert pallas_tpu_decode.heads_per_step(KV_HEADS, h, dtype) == heads
     rng = np.random.default_rng(t * 10 + groups)
     b = 4
     q = _normal(rng, (b, t, KV_HEADS * groups, h), dtype)
     k, v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
-    # Live lengths offsets + t: t (1 when t = 1), one tile, the whole buffer, in between.
-    offsets = jnp.array([0, TILE - t, S - t, 77], jnp.int32)
+    # Live lengths offsets + t: t (1 when t = 1), one block, the whole buffer, in between.
+    offsets = jnp.array([0, BLOCK - t, S - t, 600], jnp.int32)
     mask = xla.causal_cache_mask(offsets, t, S)
     f32 = lambda x: x.astype(jnp.float32)
     want = xla.attention(f32(q), f32(k), f32(v), mask)
@@ -97,9 +104,9 @@ def test_draft_kernel_matches_xla(blocks, j, groups, h, dtype, causal, window):
     q = _normal(rng, (b, q_len, KV_HEADS * groups, h), dtype)
     ctx_k, ctx_v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
     blk_k, blk_v = (_normal(rng, (b, KV_HEADS, q_len, h), dtype) for _ in range(2))
-    # Context lengths: 1, one tile, the whole buffer, an anchor inside the context, none.
-    lengths = jnp.array([1, TILE, S, 200, 0], jnp.int32)
-    last = jnp.array([1, TILE, S, 150, 0], jnp.int32)
+    # Context lengths: 1, one block, the whole buffer, an anchor inside the context, none.
+    lengths = jnp.array([1, BLOCK, S, 700, 0], jnp.int32)
+    last = jnp.array([1, BLOCK, S, 650, 0], jnp.int32)
     anchors = jnp.stack([last // 2, last], axis=1)[:, -blocks:]
     ctx_mask = xla.context_mask(lengths, anchors, j, S, window)
     blk_mask = xla.block_mask(j, causal, window)
@@ -128,19 +135,19 @@ def test_each_row_fetches_and_computes_only_its_live_tiles():
     index changes), and the steps that compute are those tiles. A row that sees nothing repeats
     one index (the pipeline always fetches a block) and computes nothing."""
     t = 16
-    lengths = jnp.array([1, TILE, S, 200, 0], jnp.int32)
-    anchors = jnp.array([[1], [TILE], [S], [150], [0]], jnp.int32)
-    offsets = jnp.array([0, TILE - t, S - t, 77, 0], jnp.int32)
+    lengths = jnp.array([1, BLOCK, S, 700, 0], jnp.int32)
+    anchors = jnp.array([[1], [BLOCK], [S], [650], [0]], jnp.int32)
+    offsets = jnp.array([0, BLOCK - t, S - t, 600, 0], jnp.int32)
     cases = [
         (*xla.context_bounds(lengths, anchors, t, None), xla.context_mask(lengths, anchors, t, S)),
         (*xla.context_bounds(lengths, anchors, t, 40), xla.context_mask(lengths, anchors, t, S, 40)),
         (jnp.zeros((5, t), jnp.int32), xla.causal_cache_bounds(offsets, t), xla.causal_cache_mask(offsets, t, S)),
     ]  # fmt: skip
-    steps = np.arange(-(-S // TILE) + 1)  # the draft grid's last step is the block keys'
+    steps = np.arange(-(-S // BLOCK) + 1)  # the draft grid's last step is the block keys'
     for lo, hi, mask in cases:
         first, last = map(np.asarray, pallas_tpu_decode._live_tiles(lo, hi, S))
         for b, seen_s in enumerate(np.asarray(mask.any(axis=1))):
-            live = sorted({int(x) for x in np.flatnonzero(seen_s) // TILE})
+            live = sorted({int(x) for x in np.flatnonzero(seen_s) // BLOCK})
             tiles = [int(pallas_tpu_decode._tile_index(c, first[b], last[b])) for c in steps]
             assert tiles == sorted(tiles), (b, tiles)
             assert sorted(set(tiles)) == (live or [first[b]]), (b, tiles, live)
@@ -163,7 +170,7 @@ def test_tree_verify_kernel_matches_xla():
     q = _normal(rng, (b, t, KV_HEADS * groups, h), dtype)
     k, v = (_normal(rng, (b, KV_HEADS, S, h), dtype) for _ in range(2))
     new_k, new_v = (_normal(rng, (b, KV_HEADS, t, h), dtype) for _ in range(2))
-    lengths = jnp.array([0, TILE - 3, S - t, 77], jnp.int32)
+    lengths = jnp.array([0, BLOCK - 3, S - t, 600], jnp.int32)
     tree_mask = _random_tree(rng, b, t)
     assert not np.asarray(tree_mask == jnp.tril(jnp.ones((t, t), bool))).all()  # not a chain
     want = xla.append_attention(q, k, v, new_k, new_v, lengths, tree_mask)
@@ -178,8 +185,20 @@ def test_tree_verify_kernel_matches_xla():
 
 def test_kernels_lower_to_mosaic_for_tpu():
     """The Pallas TPU lowering (block shapes, scalar prefetch, the body's ops) accepts the
-    kernels for both head dims and dtypes; Mosaic's own compilation needs a TPU."""
+    kernels for both head dims and dtypes, and Qwen3-8B's AR step and verify (8 KV heads, 4 per
+    grid step in bf16, 512 keys a step: 16 steps a layer at 4k context where 128-key steps per
+    head took 256); Mosaic's own compilation needs a TPU."""
     sd = jax.ShapeDtypeStruct
+    assert pallas_tpu_decode.BLOCK >= 512
+    assert pallas_tpu_decode.heads_per_step(8, 128, jnp.bfloat16) == 4
+    assert pallas_tpu_decode.heads_per_step(8, 128, jnp.float32) == 2
+    # AR step and verify; the verify also with the device check's timing variants' steps.
+    for t, steps in ((1, None), (16, None), (16, (128, 1)), (16, (1024, 4))):
+        q, cache = sd((1, t, 32, 128), jnp.bfloat16), sd((1, 8, 4096, 128), jnp.bfloat16)
+        new, vec = sd((1, 8, t, 128), jnp.bfloat16), sd((1,), jnp.int32)
+        fn = jax.jit(functools.partial(pallas_tpu_decode.appended_attention, steps=steps))
+        text = fn.trace(q, cache, cache, new, new, vec).lower(lowering_platforms=("tpu",))
+        assert text.as_text().count("tpu_custom_call") == 1
     b, t, groups = 2, 16, 4
 
     def verify(q, k, v, offsets):

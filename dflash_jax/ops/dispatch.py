@@ -13,8 +13,9 @@ of its config (config.ATTENTION_IMPLS) and never names a kernel.
             CPU: ops.pallas_gpu in interpret mode (slow; it is how the tests run the kernels).
   "auto"    pallas on GPU and TPU, xla on CPU.
 
-A case the kernels lack (a head dim, a dtype) refuses with ConfigError under "pallas" and falls
-back to xla with one log line under "auto". Never silently.
+A case the kernels lack (a head dim, a dtype; on a GPU fp32 at head dim 256, whose tiles
+overflow a program's shared memory: `pallas_gpu.unfit`) refuses with ConfigError under "pallas"
+and falls back to xla with one log line under "auto". Never silently.
 
 Under a mesh (jax's abstract mesh while tracing: `sharding.traced_under`, or `jax.set_mesh`) every
 kernel runs in `shard_map`, since GSPMD cannot partition a Mosaic or Triton call: batch over
@@ -77,9 +78,12 @@ def _kernel(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> s
     if backend not in ("gpu", "cuda", "rocm"):
         _log_once(f"attention_impl=pallas on {backend}: Pallas GPU kernels in interpret mode")
     reason = _unsupported(pallas_gpu, "Pallas GPU kernels", q, k, v)
+    on_gpu = backend in ("gpu", "cuda", "rocm")
+    if reason is None and on_gpu:  # interpret mode has no shared memory to run out of
+        reason = pallas_gpu.unfit(q.shape[-1], q.dtype)
     if reason is not None:
         return _fall_back(impl, what, reason)
-    return "gpu" if backend in ("gpu", "cuda", "rocm") else "interpret"
+    return "gpu" if on_gpu else "interpret"
 
 
 def _tpu_decode(impl: str, what: str, q: jax.Array, k: jax.Array, v: jax.Array) -> str:

@@ -86,6 +86,8 @@ SPLIT_TILES = 8  # a split's share of the key buffer, in key tiles, at least
 MIN_PROGRAMS = 264
 # Backward tiles: the dk/dv program's two fp32 [keys, H] accumulators at most this many bytes.
 BACKWARD_ACCUMULATOR_BYTES = 32 << 10
+# Shared memory one program (a thread block) may take on sm_90 (H100, H200): 227 KiB.
+SHARED_MEMORY_BYTES = 227 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +256,31 @@ def backward_tiles(head_dim: int) -> tuple[int, int]:
     while keys > 16 and 2 * keys * head_dim * 4 > BACKWARD_ACCUMULATOR_BYTES:
         keys //= 2
     return keys, keys
+
+
+def shared_memory_bytes(head_dim: int, dtype, tiles: Tiles | None = None) -> int:
+    """The forward program's tiles in shared memory: q [rows, H] and, in each of the context
+    loop's `num_stages` pipeline buffers, k and v [keys, H] (Triton double-buffers the loop's
+    loads), in `dtype`. With the default tiles: 160 KiB for bf16 at head dim 256, 160 KiB for
+    fp32 at 128, 320 KiB for fp32 at 256."""
+    tiles = tiles or Tiles()
+    rows = tiles.rows + 2 * tiles.keys * tiles.num_stages
+    return rows * head_dim * jnp.dtype(dtype).itemsize
+
+
+def unfit(head_dim: int, dtype, tiles: Tiles | None = None) -> str | None:
+    """Why the forward's tiles do not fit one sm_90 program's shared memory
+    (`shared_memory_bytes` over SHARED_MEMORY_BYTES), with the fix; None when they fit. Only
+    fp32 at head dim 256 does not: Triton would fail to compile (out of resources) on the
+    device, so dispatch refuses it before (`ops.dispatch`) as it refuses a missing case."""
+    need = shared_memory_bytes(head_dim, dtype, tiles)
+    if need <= SHARED_MEMORY_BYTES:
+        return None
+    return (
+        f"dtype {jnp.dtype(dtype).name} at head_dim={head_dim}: the forward's q, k and v tiles "
+        f"need {need >> 10} KiB of shared memory, an sm_90 program has "
+        f"{SHARED_MEMORY_BYTES >> 10} KiB; use --dtype=bfloat16 or --attention_impl=xla"
+    )
 
 
 def _splits(tiles: Tiles, programs: int, key_tiles: int, kind: str) -> int:

@@ -38,6 +38,7 @@ mode off an accelerator) in about 3 minutes on a CPU; CI runs it (.ci/run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -346,11 +347,25 @@ def _time_chained(fn, args, calls: int, repeats: int = 3) -> tuple[float, float]
     return compile_s, best / calls
 
 
+def _tpu_steps(keys: int, heads: int, q, k, *rest):
+    """The TPU decode kernel with `keys` cache slots and `heads` KV heads per grid step (0: as
+    many as `heads_per_step` gives)."""
+    heads = heads or pallas_tpu_decode.heads_per_step(k.shape[1], k.shape[3], k.dtype)
+    return pallas_tpu_decode.appended_attention(q, k, *rest, steps=(keys, heads))
+
+
 def _timing_variants(plat: str) -> dict:
     """variant name -> appended_attention with its options (None: XLA's attention)."""
     if plat == "tpu":
-        fn = lambda *a: pallas_tpu_decode.appended_attention(*a)
-        return {"kernel": fn, "xla": None}
+        variants = {"kernel": lambda *a: pallas_tpu_decode.appended_attention(*a)}
+        # The grid step as it was (128 keys of one KV head), 512 keys of one, 1024 of the
+        # default's group: (cache slots, KV heads) per step, 0 heads the default's.
+        for keys, heads in ((128, 1), (512, 1), (1024, 0)):
+            variants[f"keys{keys}_heads{heads or 'auto'}"] = functools.partial(
+                _tpu_steps, keys, heads
+            )
+        variants["xla"] = None
+        return variants
     interpret = plat != "gpu"
     variants = {"kernel": lambda *a: pallas_gpu.appended_attention(*a, interpret=interpret)}
     if plat == "gpu":
