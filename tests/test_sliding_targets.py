@@ -21,6 +21,7 @@ from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sli
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.phases import prefill
 from dflash_jax.decoding.programs import check_tree_target
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
@@ -30,7 +31,7 @@ from dflash_jax.io.hf_layered import dequantize_mxfp4
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
 from dflash_jax.models.drafter import init_drafter_params
-from dflash_jax.models.target import Transformer
+from dflash_jax.models.target import Transformer, decoding_head, init_cache
 
 PROMPTS = [
     [5, 17, 33, 3, 42, 7],
@@ -77,6 +78,61 @@ def test_logits_and_taps_match_transformers(family):
     np.testing.assert_allclose(np.asarray(logits), ref.logits.numpy(), atol=2e-5, rtol=1e-4)
     want = np.concatenate([ref.hidden_states[i + 1].numpy() for i in taps], -1)
     np.testing.assert_allclose(np.asarray(taps_btf), want, atol=2e-5, rtol=1e-4)
+
+
+def test_decodes_keep_a_ring_per_sliding_layer(family):
+    """The decode's cache (its prefill's, traced only): a sliding layer keeps its window + the
+    verify width (a ring), a full layer every position; the greedy tests decode through it
+    (prompts of up to 40 tokens, window 8) and `test_sliding_layers_cache_a_ring` checks it
+    step by step."""
+    _, _, _, target = family
+    c = target.config
+    prompt, lengths = _batch()
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
+
+    def start(params):
+        head = decoding_head(params, c)
+        return prefill(params, head, c, cfg, prompt, lengths, jax.random.key(0), 64, ())[0]
+
+    slots = [k.shape[2] for k in jax.eval_shape(start, target.params).cache.k]
+    assert slots == [WINDOW + 4 if c.window(i) else 64 for i in range(c.num_layers)]
+
+
+@pytest.mark.slow
+def test_sliding_layers_cache_a_ring(family):
+    """A sliding layer's cache is a ring of window + verify slots, lossless on prompts longer
+    than the ring: a ragged prefill (17 and 40 tokens, padded), a deferred verify of 4 rows of
+    which 1 is committed (3 rejected rows written), then a 4-token pass give the hidden states
+    of one pass over the committed tokens. Slow: it alone guards the ring outside the decode
+    loop (a prefill longer than the ring, rejected rows at known slots), for each family; in
+    the default suite the greedy tests decode gemma3 through its ring."""
+    name, _, _, target = family
+    c, verify, max_len = target.config, 4, 64
+    cache = init_cache(c, 2, max_len, verify=verify)
+    slots = [k.shape[2] for k in cache.k]
+    assert slots == [WINDOW + verify if c.window(i) else max_len for i in range(c.num_layers)]
+    prompt, lengths = _batch(PROMPTS[1:])
+    rng = np.random.default_rng(0)
+    rows = np.zeros((2, 45), np.int32)  # each row's committed tokens: its prompt, then 5
+    for b, p in enumerate(PROMPTS[1:]):
+        rows[b, : len(p) + 5] = p + rng.integers(1, 90, 5).tolist()
+    at = lambda x, start: np.take_along_axis(x, np.asarray(start)[:, None] + np.arange(4), 1)
+    model = Transformer(c)
+    pos = lambda start, t: jnp.asarray(start)[:, None] + jnp.arange(t)[None]
+
+    @jax.jit
+    def run(params, cache):
+        hidden = functools.partial(model.apply, {"params": params}, method="hidden")
+        _, _, cache = hidden(prompt, pos([0, 0], 40), cache, None, (), lengths[:, None] - 1)
+        verify_bt = at(rows, lengths) * (np.arange(4) == 0)  # its first token, 3 rejected
+        _, _, new = hidden(verify_bt, pos(lengths, 4), cache, lengths, defer_cache_write=True)
+        cache = cache.written(new.k, new.v, jnp.asarray(lengths))  # 4 rows, 1 committed
+        got, _, _ = hidden(at(rows, lengths + 1), pos(lengths + 1, 4), cache, lengths + 1)
+        want, _, _ = hidden(rows, pos([0, 0], 45))  # one pass, no cache
+        return got, jnp.take_along_axis(want, pos(lengths + 1, 4)[..., None], 1)
+
+    got, want = run(target.params, cache)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
