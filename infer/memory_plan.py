@@ -74,12 +74,13 @@ def shard_shape(sharding, shape: tuple) -> tuple:
 
 
 def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard).
+    Sub-byte types (int4, float4_e2m1fn) count their bits, two values a byte, as TPU and GPU
+    builds of XLA store them packed (numpy's itemsize, 1, doubled an int4 or MXFP4 kernel)."""
     import jax
-    import numpy as np
 
     return sum(
-        math.prod(shard_shape(x.sharding, x.shape)) * np.dtype(x.dtype).itemsize
+        -(-math.prod(shard_shape(x.sharding, x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)
         for x in jax.tree.leaves(tree)
     )
 

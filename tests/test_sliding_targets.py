@@ -32,6 +32,7 @@ from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, decoding_head, init_cache
+from dflash_jax.ops import quant
 
 PROMPTS = [
     [5, 17, 33, 3, 42, 7],
@@ -231,9 +232,9 @@ def test_mxfp4_dequantization_matches_transformers():
     np.testing.assert_array_equal(got, want)
 
 
-def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
-    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
-    ones are) loads with them dequantized and the fused gate_up split into gate / up."""
+def _mxfp4_checkpoint(tmp_path):
+    """A tiny gpt-oss saved by transformers, its experts then stored as MXFP4 blocks and scales
+    (random codes) as the released checkpoints store them. -> (path, {name: dequantized})."""
     from dflash_jax.io.hf import read_safetensors_dir, write_safetensors
 
     path = make_tiny_sliding(tmp_path, "gpt_oss", intermediate_size=32)
@@ -247,6 +248,14 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
         want[name] = dequantize_mxfp4(blocks, scales)
     write_safetensors(path / "model.safetensors", tensors)
+    return path, want
+
+
+def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
+    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
+    ones are) loads with them dequantized and the fused gate_up split into gate / up, or with
+    them kept as stored (quantize="mxfp4"), the same target."""
+    path, want = _mxfp4_checkpoint(tmp_path)
     target = load_target(str(path), cache=False)
     experts = target.params["layers_1"]["mlp"]["experts"]
     gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]
@@ -254,6 +263,47 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
     np.testing.assert_array_equal(np.asarray(experts["up_proj"]), gate_up[..., 1::2])
     down = want["model.layers.1.mlp.experts.down_proj"]
     np.testing.assert_array_equal(np.asarray(experts["down_proj"]), down)
+    # Kept as stored (quantize="mxfp4"): 4-bit values and block scales whose product is the
+    # dequantized kernel.
+    kept = load_target(str(path), cache=False, quantize="mxfp4")
+    assert kept.config.quantize == "mxfp4"
+    q = kept.params["layers_1"]["mlp"]["experts"]
+    assert q["gate_proj"].q.qvalue.dtype == jnp.float4_e2m1fn
+    assert q["gate_proj"].q.scale.shape == (6, 1, 32)  # [E, D / 32, F]
+    for k in ("gate_proj", "up_proj", "down_proj"):
+        np.testing.assert_array_equal(q[k].dequantize(jnp.float32), experts[k])
+
+
+@pytest.mark.slow
+def test_mxfp4_target_gives_the_dequantized_logits(tmp_path):
+    """Slow (two compiles of the MoE target): alone guards that the experts' products take
+    MXFP4 kernels (`quant.weight` in `sliding.expert_rows`) and give the dequantized target's
+    logits bitwise."""
+    path, _ = _mxfp4_checkpoint(tmp_path)
+    target = load_target(str(path), cache=False)
+    kept = load_target(str(path), cache=False, quantize="mxfp4")
+    tokens, positions = np.array([PROMPTS[1]]), np.arange(17)[None]
+    logits = [
+        Transformer(t.config).apply({"params": t.params}, tokens, positions)[0]
+        for t in (target, kept)
+    ]
+    np.testing.assert_array_equal(*logits)
+
+
+def test_mxfp4_quantization_rounds_to_the_block_grid():
+    """Post-training MXFP4 (`quantize="mxfp4"` on float experts): a kernel already on an MXFP4
+    grid (each block's largest value 6 x 2^k) comes back exactly; others within half an e2m1
+    step of their block's scale."""
+    rng = np.random.default_rng(0)
+    values = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -6.0], (2, 64, 3)).astype(np.float32)
+    values[:, ::32] = 6.0  # each block of 32 along dim 1 reaches 6
+    exps = rng.integers(-4, 4, (2, 2, 3))
+    w = values * np.exp2(np.repeat(exps, 32, axis=1)).astype(np.float32)
+    np.testing.assert_array_equal(quant.quantize_mxfp4(w, 1).dequantize(jnp.float32), w)
+    noisy = w * (1 + rng.uniform(-0.05, 0.05, w.shape)).astype(np.float32)
+    back = np.asarray(quant.quantize_mxfp4(noisy, 1).dequantize(jnp.float32))
+    scale = np.exp2(np.repeat(exps, 32, axis=1) + 1)  # the largest e2m1 step (4 -> 6)
+    assert (np.abs(back - noisy) <= scale / 2 + 1e-6).all()
 
 
 def test_unsupported_gemma4_features_are_refused():

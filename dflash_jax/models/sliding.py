@@ -46,7 +46,7 @@ from dflash_jax.models.hybrid import ZeroCenteredRMSNorm
 from dflash_jax.models.layers import RMSNorm, apply_rope, rope_attention_factor, rope_inv_freq
 from dflash_jax.models.layers import rope_tables as _rope_tables
 from dflash_jax.models.moe import combine
-from dflash_jax.ops import dots
+from dflash_jax.ops import dots, quant
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention, target_mods
 
@@ -200,7 +200,7 @@ def expert_rows(x_rd, ids_r, w: dict, alpha: float, limit: float) -> jax.Array:
     order = jnp.argsort(ids_r, stable=True)
     group_sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)
     xs_rd, ids_s = x_rd[order], ids_r[order]
-    cast = lambda name: w[name].astype(x_rd.dtype)
+    cast = lambda name: quant.weight(w[name], x_rd.dtype).astype(x_rd.dtype)  # MXFP4 or float
     gate_rf = dots.ragged_dot(xs_rd, cast("gate_proj"), group_sizes) + cast("gate_bias")[ids_s]
     up_rf = dots.ragged_dot(xs_rd, cast("up_proj"), group_sizes) + cast("up_bias")[ids_s]
     h_rf = clamped_swiglu(gate_rf, up_rf, alpha, limit).astype(x_rd.dtype)
