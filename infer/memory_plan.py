@@ -175,12 +175,15 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         "shape": f"batch {shape.batch}, prompt {shape.prompt_len} + {shape.max_new_tokens} new "
         f"tokens, block {shape.block_size or cfg.block_size}, {shape.dtype}",
     }
-    if FLAGS.compile and shape.quantize:
+    if FLAGS.compile and shape.quantize and shape.quantize != "mxfp4":
         # XLA:CPU hoists each quantized kernel's dequantization out of the decode loop: a copy
         # of every kernel in the compute dtype sits in the temporaries (Qwen3-8B int8, bf16,
         # 8K: 12.9 GiB more temporaries than the bf16 target's, its kernels' bf16 size;
         # SmolLM2 int8, fp32: +0.40 GiB, their fp32 size). An accelerator that fuses the
         # dequantization into the dot (as Qwix relies on) holds none: not verified on one yet.
+        # gpt-oss's MXFP4 experts (dequantized inside each expert product) left the
+        # temporaries as the bf16 target's, to the byte (gpt-oss-20b, batch 8, 1024 + 1024:
+        # 54.01 GiB both): no copy to count.
         plan[CPU_ONLY] = dequantized_bytes(target, shape.dtype)
     if FLAGS.compile and shape.dtype == "bfloat16":
         # XLA:CPU gathers bf16 rows in f32: the embedding is converted whole, once, out of the

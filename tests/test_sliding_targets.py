@@ -19,6 +19,7 @@ import pytest
 import torch
 from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
 
+from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
 from dflash_jax.decoding.phases import prefill
@@ -272,6 +273,8 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
     assert q["gate_proj"].q.scale.shape == (6, 1, 32)  # [E, D / 32, F]
     for k in ("gate_proj", "up_proj", "down_proj"):
         np.testing.assert_array_equal(q[k].dequantize(jnp.float32), experts[k])
+    axes = sharding.param_logical_axes(kept.params)["layers_1"]["mlp"]["experts"]["gate_proj"]
+    assert axes.q.qvalue == axes.q.scale == ("expert", "embed", None)  # as the float kernel
 
 
 @pytest.mark.slow
@@ -299,9 +302,10 @@ def test_mxfp4_quantization_rounds_to_the_block_grid():
     values[:, ::32] = 6.0  # each block of 32 along dim 1 reaches 6
     exps = rng.integers(-4, 4, (2, 2, 3))
     w = values * np.exp2(np.repeat(exps, 32, axis=1)).astype(np.float32)
-    np.testing.assert_array_equal(quant.quantize_mxfp4(w, 1).dequantize(jnp.float32), w)
+    round_trip = jax.jit(lambda w: quant.quantize_mxfp4(w, 1).dequantize(jnp.float32))
+    np.testing.assert_array_equal(round_trip(w), w)
     noisy = w * (1 + rng.uniform(-0.05, 0.05, w.shape)).astype(np.float32)
-    back = np.asarray(quant.quantize_mxfp4(noisy, 1).dequantize(jnp.float32))
+    back = np.asarray(round_trip(noisy))
     scale = np.exp2(np.repeat(exps, 32, axis=1) + 1)  # the largest e2m1 step (4 -> 6)
     assert (np.abs(back - noisy) <= scale / 2 + 1e-6).all()
 
