@@ -54,8 +54,9 @@ TARGET_ROPE_TYPES = SUPPORTED_ROPE_TYPES + ("linear", "yarn", "proportional")
 # "pallas" the kernels, "auto" pallas on GPU/TPU and xla on CPU.
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # Quantized target weights (ops/quant.py): int8 and fp8 (float8_e4m3fn) per output channel, int4
-# per block of 32 contracted values.
-QUANT_SCHEMES = ("int8", "int4", "fp8")
+# per block of 32 contracted values; mxfp4 (gpt-oss's experts only: e2m1 values, a power-of-two
+# scale per block of 32 contracted values, as its checkpoints store them).
+QUANT_SCHEMES = ("int8", "int4", "fp8", "mxfp4")
 
 
 class ConfigError(ValueError):

@@ -110,13 +110,16 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-# A quantized kernel's arrays (`ops.quant.QWeight`: the qvalue, its scales, Q4_1's offsets) are
-# sharded as the kernel is; a scale's dims that the mesh axes do not divide stay replicated.
-_QUANTIZED_LEAF = re.compile(r"/kernel/(q/(qvalue|scale|zero_point)|offset)$")
+# A quantized kernel's arrays (`ops.quant.QWeight`: the qvalue, its scales, Q4_1's offsets; a
+# layer's `kernel` or gpt-oss's MXFP4 experts) are sharded as the kernel is; a scale's dims that
+# the mesh axes do not divide stay replicated.
+_QUANTIZED_LEAF = re.compile(
+    r"(/kernel|/experts/(?:gate|up|down)_proj)/(q/(qvalue|scale|zero_point)|offset)$"
+)
 
 
 def _param_axes(name: str, shape) -> tuple[str, ...]:
-    name = _QUANTIZED_LEAF.sub("/kernel", name)
+    name = _QUANTIZED_LEAF.sub(r"\1", name)
     for pattern, axes in PARAM_AXES:
         if re.search(pattern, name):
             if len(axes) != len(shape):

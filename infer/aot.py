@@ -148,7 +148,8 @@ def define_shape_flags(flags) -> None:
     flags.DEFINE_enum(
         "quantize", None, list(QUANT_SCHEMES),
         "Decode: the target's decoder-layer kernels quantized to this scheme (int8/fp8 per "
-        "output channel, int4 per block of 32; docs/quantization.md), sharded by the same table "
+        "output channel, int4 per block of 32, mxfp4 gpt-oss's experts only; "
+        "docs/quantization.md), sharded by the same table "
         "as the float kernels; the drafter, embedding and head stay in --dtype. Unset: float.",
     )  # fmt: skip
     flags.DEFINE_bool(

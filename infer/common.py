@@ -40,12 +40,13 @@ flags.DEFINE_enum(
     "over its --slots busy rows, attention included, is fastest (api.fastest_dtype).",
 )  # fmt: skip
 flags.DEFINE_enum(
-    "quantize", None, ["int8", "int4", "fp8"],
+    "quantize", None, ["int8", "int4", "fp8", "mxfp4"],
     "Quantized target weights (docs/quantization.md): the decoder layers' projections stored in "
     "int8 or fp8 (one scale per output channel) or int4 (one per block of 32), dequantized to "
     "--dtype in each product; embedding, head, norms and the drafter stay in --dtype. The "
     "quantized model is the target: DFlash output equals its own AR output. A GGUF's Q4_0/Q4_1 "
-    "(int4) or Q8_0 (int8) blocks load as stored. Dense Llama/Qwen3 targets only. Unset: float.",
+    "(int4) or Q8_0 (int8) blocks load as stored. Dense Llama/Qwen3 targets only, but mxfp4: "
+    "gpt-oss's experts as its checkpoints store them (unset: dequantized at load). Unset: float.",
 )  # fmt: skip
 flags.DEFINE_bool(
     "target_cache", True,

@@ -77,8 +77,9 @@ def shard_shape(sharding, shape: tuple) -> tuple:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard), each
-    array at its dtype's bits per value: int4 packs two values a byte, as XLA holds it (its
-    memory_analysis, tests/test_memory_plan.py), where numpy's itemsize says one byte."""
+    array at its dtype's bits per value: sub-byte types (int4, float4_e2m1fn) pack two values
+    a byte, as XLA holds them (its memory_analysis, tests/test_memory_plan.py), where numpy's
+    itemsize says one byte."""
     import jax
 
     return sum(
@@ -193,7 +194,10 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         "shape": f"batch {shape.batch}, prompt {shape.prompt_len} + {shape.max_new_tokens} new "
         f"tokens, block {shape.block_size or cfg.block_size}, {shape.dtype}",
     }
-    if FLAGS.compile and shape.quantize:
+    if FLAGS.compile and shape.quantize and shape.quantize != "mxfp4":
+        # gpt-oss's MXFP4 experts (dequantized inside each expert product) left the
+        # temporaries as the bf16 target's, to the byte (gpt-oss-20b, batch 8, 1024 + 1024:
+        # 54.01 GiB both): no copy to count.
         plan[held_copies_row(advance.settings["invariant_rows"])] = dequantized_bytes(
             target, shape.dtype
         )

@@ -180,6 +180,8 @@ def test_bad_quantize_is_refused(q4_1_gguf):
     )  # fmt: skip
     with pytest.raises(ConfigError, match="qwen3_moe.*no quantized path"):
         quantize_params({}, moe, "int8")
+    with pytest.raises(ConfigError, match="mxfp4 is gpt-oss's expert format"):
+        quantize_params({}, moe, "mxfp4")
 
 
 @pytest.mark.slow

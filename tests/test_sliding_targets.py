@@ -19,8 +19,10 @@ import pytest
 import torch
 from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
 
+from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import autoregressive_decode, speculative_decode
+from dflash_jax.decoding.phases import prefill
 from dflash_jax.decoding.programs import check_tree_target
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import load_target
@@ -30,7 +32,8 @@ from dflash_jax.io.hf_layered import dequantize_mxfp4
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
 from dflash_jax.models.drafter import init_drafter_params
-from dflash_jax.models.target import Transformer
+from dflash_jax.models.target import Transformer, decoding_head, init_cache
+from dflash_jax.ops import quant
 
 PROMPTS = [
     [5, 17, 33, 3, 42, 7],
@@ -77,6 +80,61 @@ def test_logits_and_taps_match_transformers(family):
     np.testing.assert_allclose(np.asarray(logits), ref.logits.numpy(), atol=2e-5, rtol=1e-4)
     want = np.concatenate([ref.hidden_states[i + 1].numpy() for i in taps], -1)
     np.testing.assert_allclose(np.asarray(taps_btf), want, atol=2e-5, rtol=1e-4)
+
+
+def test_decodes_keep_a_ring_per_sliding_layer(family):
+    """The decode's cache (its prefill's, traced only): a sliding layer keeps its window + the
+    verify width (a ring), a full layer every position; the greedy tests decode through it
+    (prompts of up to 40 tokens, window 8) and `test_sliding_layers_cache_a_ring` checks it
+    step by step."""
+    _, _, _, target = family
+    c = target.config
+    prompt, lengths = _batch()
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
+
+    def start(params):
+        head = decoding_head(params, c)
+        return prefill(params, head, c, cfg, prompt, lengths, jax.random.key(0), 64, ())[0]
+
+    slots = [k.shape[2] for k in jax.eval_shape(start, target.params).cache.k]
+    assert slots == [WINDOW + 4 if c.window(i) else 64 for i in range(c.num_layers)]
+
+
+@pytest.mark.slow
+def test_sliding_layers_cache_a_ring(family):
+    """A sliding layer's cache is a ring of window + verify slots, lossless on prompts longer
+    than the ring: a ragged prefill (17 and 40 tokens, padded), a deferred verify of 4 rows of
+    which 1 is committed (3 rejected rows written), then a 4-token pass give the hidden states
+    of one pass over the committed tokens. Slow: it alone guards the ring outside the decode
+    loop (a prefill longer than the ring, rejected rows at known slots), for each family; in
+    the default suite the greedy tests decode gemma3 through its ring."""
+    name, _, _, target = family
+    c, verify, max_len = target.config, 4, 64
+    cache = init_cache(c, 2, max_len, verify=verify)
+    slots = [k.shape[2] for k in cache.k]
+    assert slots == [WINDOW + verify if c.window(i) else max_len for i in range(c.num_layers)]
+    prompt, lengths = _batch(PROMPTS[1:])
+    rng = np.random.default_rng(0)
+    rows = np.zeros((2, 45), np.int32)  # each row's committed tokens: its prompt, then 5
+    for b, p in enumerate(PROMPTS[1:]):
+        rows[b, : len(p) + 5] = p + rng.integers(1, 90, 5).tolist()
+    at = lambda x, start: np.take_along_axis(x, np.asarray(start)[:, None] + np.arange(4), 1)
+    model = Transformer(c)
+    pos = lambda start, t: jnp.asarray(start)[:, None] + jnp.arange(t)[None]
+
+    @jax.jit
+    def run(params, cache):
+        hidden = functools.partial(model.apply, {"params": params}, method="hidden")
+        _, _, cache = hidden(prompt, pos([0, 0], 40), cache, None, (), lengths[:, None] - 1)
+        verify_bt = at(rows, lengths) * (np.arange(4) == 0)  # its first token, 3 rejected
+        _, _, new = hidden(verify_bt, pos(lengths, 4), cache, lengths, defer_cache_write=True)
+        cache = cache.written(new.k, new.v, jnp.asarray(lengths))  # 4 rows, 1 committed
+        got, _, _ = hidden(at(rows, lengths + 1), pos(lengths + 1, 4), cache, lengths + 1)
+        want, _, _ = hidden(rows, pos([0, 0], 45))  # one pass, no cache
+        return got, jnp.take_along_axis(want, pos(lengths + 1, 4)[..., None], 1)
+
+    got, want = run(target.params, cache)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
@@ -175,9 +233,9 @@ def test_mxfp4_dequantization_matches_transformers():
     np.testing.assert_array_equal(got, want)
 
 
-def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
-    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
-    ones are) loads with them dequantized and the fused gate_up split into gate / up."""
+def _mxfp4_checkpoint(tmp_path):
+    """A tiny gpt-oss saved by transformers, its experts then stored as MXFP4 blocks and scales
+    (random codes) as the released checkpoints store them. -> (path, {name: dequantized})."""
     from dflash_jax.io.hf import read_safetensors_dir, write_safetensors
 
     path = make_tiny_sliding(tmp_path, "gpt_oss", intermediate_size=32)
@@ -191,6 +249,14 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
         want[name] = dequantize_mxfp4(blocks, scales)
     write_safetensors(path / "model.safetensors", tensors)
+    return path, want
+
+
+def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
+    """A gpt-oss checkpoint whose experts are stored as MXFP4 blocks and scales (as the released
+    ones are) loads with them dequantized and the fused gate_up split into gate / up, or with
+    them kept as stored (quantize="mxfp4"), the same target."""
+    path, want = _mxfp4_checkpoint(tmp_path)
     target = load_target(str(path), cache=False)
     experts = target.params["layers_1"]["mlp"]["experts"]
     gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]
@@ -198,6 +264,50 @@ def test_mxfp4_checkpoint_loads_dequantized(tmp_path):
     np.testing.assert_array_equal(np.asarray(experts["up_proj"]), gate_up[..., 1::2])
     down = want["model.layers.1.mlp.experts.down_proj"]
     np.testing.assert_array_equal(np.asarray(experts["down_proj"]), down)
+    # Kept as stored (quantize="mxfp4"): 4-bit values and block scales whose product is the
+    # dequantized kernel.
+    kept = load_target(str(path), cache=False, quantize="mxfp4")
+    assert kept.config.quantize == "mxfp4"
+    q = kept.params["layers_1"]["mlp"]["experts"]
+    assert q["gate_proj"].q.qvalue.dtype == jnp.float4_e2m1fn
+    assert q["gate_proj"].q.scale.shape == (6, 1, 32)  # [E, D / 32, F]
+    for k in ("gate_proj", "up_proj", "down_proj"):
+        np.testing.assert_array_equal(q[k].dequantize(jnp.float32), experts[k])
+    axes = sharding.param_logical_axes(kept.params)["layers_1"]["mlp"]["experts"]["gate_proj"]
+    assert axes.q.qvalue == axes.q.scale == ("expert", "embed", None)  # as the float kernel
+
+
+@pytest.mark.slow
+def test_mxfp4_target_gives_the_dequantized_logits(tmp_path):
+    """Slow (two compiles of the MoE target): alone guards that the experts' products take
+    MXFP4 kernels (`quant.weight` in `sliding.expert_rows`) and give the dequantized target's
+    logits bitwise."""
+    path, _ = _mxfp4_checkpoint(tmp_path)
+    target = load_target(str(path), cache=False)
+    kept = load_target(str(path), cache=False, quantize="mxfp4")
+    tokens, positions = np.array([PROMPTS[1]]), np.arange(17)[None]
+    logits = [
+        Transformer(t.config).apply({"params": t.params}, tokens, positions)[0]
+        for t in (target, kept)
+    ]
+    np.testing.assert_array_equal(*logits)
+
+
+def test_mxfp4_quantization_rounds_to_the_block_grid():
+    """Post-training MXFP4 (`quantize="mxfp4"` on float experts): a kernel already on an MXFP4
+    grid (each block's largest value 6 x 2^k) comes back exactly; others within half an e2m1
+    step of their block's scale."""
+    rng = np.random.default_rng(0)
+    values = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -6.0], (2, 64, 3)).astype(np.float32)
+    values[:, ::32] = 6.0  # each block of 32 along dim 1 reaches 6
+    exps = rng.integers(-4, 4, (2, 2, 3))
+    w = values * np.exp2(np.repeat(exps, 32, axis=1)).astype(np.float32)
+    round_trip = jax.jit(lambda w: quant.quantize_mxfp4(w, 1).dequantize(jnp.float32))
+    np.testing.assert_array_equal(round_trip(w), w)
+    noisy = w * (1 + rng.uniform(-0.05, 0.05, w.shape)).astype(np.float32)
+    back = np.asarray(round_trip(noisy))
+    scale = np.exp2(np.repeat(exps, 32, axis=1) + 1)  # the largest e2m1 step (4 -> 6)
+    assert (np.abs(back - noisy) <= scale / 2 + 1e-6).all()
 
 
 def test_unsupported_gemma4_features_are_refused():

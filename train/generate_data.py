@@ -77,9 +77,10 @@ flags.DEFINE_enum(
     "a 2-core CPU (0.82-0.85x the tokens per CPU second, docs/training.md).",
 )  # fmt: skip
 flags.DEFINE_enum(
-    "quantize", None, ["int8", "int4", "fp8"],
-    "The target with quantized layer kernels (docs/quantization.md): the answers are then the "
-    "quantized model's, the data for a drafter that serves it. Unset: float weights.",
+    "quantize", None, ["int8", "int4", "fp8", "mxfp4"],
+    "The target with quantized layer kernels (docs/quantization.md; mxfp4: gpt-oss's experts as "
+    "stored): the answers are then the quantized model's, the data for a drafter that serves it. "
+    "Unset: float weights.",
 )  # fmt: skip
 flags.DEFINE_multi_string(
     "prompts", [],

@@ -40,7 +40,6 @@ from dflash_jax.decoding.floors import (
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import commit as commit_tokens
 from dflash_jax.models.target import decoding_head
-from dflash_jax.ops.caches import write_rows
 
 # The floors are `decoding.floors`'; the benchmark and the tests reach them from here too.
 __all__ = [
@@ -234,10 +233,7 @@ def _tree_phase_fns(state, hidden_bgd, head, start_b, key, tcfg, dcfg, cfg, weig
     def tree_accept_move(c, tp, dp, head):
         cache, vh, sink = c
         out = tree.accept_path(head, cfg, t, anc, vh, taps, kv_rows, key, cfg.block_size)
-        cache = cache.replace(
-            k=tuple(write_rows(x, r, start_b) for x, r in zip(cache.k, out["k"], strict=True)),
-            v=tuple(write_rows(x, r, start_b) for x, r in zip(cache.v, out["v"], strict=True)),
-        )
+        cache = cache.written(out["k"], out["v"], start_b)
         return cache, tie(vh, (out["new"], out["accepted"], out["taps"])), sink
 
     zero = jnp.float32(0.0)

@@ -320,5 +320,6 @@ def served_step_floor(
         token_b = head.argmax(hidden[:, 0])
         return jnp.minimum(token_b[:, None], 0) + tokens_b1, cache, sink + token_b.sum()
 
-    carry = (jnp.ones((slots, 1), jnp.int32), init_cache(tcfg, slots, cache_len), jnp.int32(0))
+    cache = init_cache(tcfg, slots, cache_len, verify=1)
+    carry = (jnp.ones((slots, 1), jnp.int32), cache, jnp.int32(0))
     return loop_time(step, carry, (target_params, head), repeats, compile_options(tcfg))

@@ -62,7 +62,8 @@ def prefill(
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
-    cache = init_cache(tcfg, b, cache_len)
+    # A sliding layer keeps a ring of its window + the widest verify (`sliding.cache_slots`).
+    cache = init_cache(tcfg, b, cache_len, verify=max(cfg.block_size, cfg.tree_nodes, 1))
     # Under a row rule, at a tile as wide as the buffer allows (`prefill_rows`): every decode
     # of this prompt runs this same prefill, the target alone's too.
     rule = prefill_rows(tcfg.invariant_rows, p)

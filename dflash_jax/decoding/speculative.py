@@ -44,7 +44,7 @@ from dflash_jax.decoding.state import (
     step_sampling,
 )
 from dflash_jax.decoding.step import Proposal, verify
-from dflash_jax.models.target import Head, KVCache, commit_states, decoding_head
+from dflash_jax.models.target import Head, commit_states, decoding_head
 from dflash_jax.ops.caches import write_rows
 
 
@@ -131,10 +131,7 @@ def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> Lo
     active_b = ~s.done
     # Commit; the target cache length is implied by n_gen (rollback = lower length).
     s, produced_b = commit(s, out.new, out.accepted + 1, cfg, out.kind, out.logprobs)
-    cache = KVCache(
-        k=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.k, out.k, strict=True)),
-        v=tuple(write_rows(c, r, start_b) for c, r in zip(s.cache.v, out.v, strict=True)),
-    )
+    cache = s.cache.written(out.k, out.v, start_b)
     ctx_k = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_k, out.ctx_k, strict=True))
     ctx_v = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_v, out.ctx_v, strict=True))
     if out.state is not None:  # recurrent state rolls back by re-running the accepted prefix

@@ -15,15 +15,18 @@ shapes and transforms for `hf.convert_to_params`, and the renames that come firs
     2j the gate, 2j+1 the up) and its bias are split into gate_proj / up_proj; MXFP4 experts
     (`*_blocks` uint8 [E, out, in/32, 16], two e2m1 values a byte, low nibble first, and
     `*_scales` uint8 [E, out, in/32], a power of two biased by 127) are dequantized at load
-    (`dequantize_mxfp4`, one log line) to the float layout.
+    (`dequantize_mxfp4`, one log line) to the float layout, or kept as stored
+    (`mxfp4_experts`, the loader's quantize="mxfp4").
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from absl import logging
 
@@ -171,22 +174,54 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1)
 
 
+@functools.cache
+def _log_dequantizing() -> None:
+    logging.info(
+        "gpt-oss: dequantizing its MXFP4 expert tensors to float at load (kept as float weights "
+        "in the load's dtype; --quantize=mxfp4 keeps them as stored)"
+    )
+
+
+def _dequantized(blocks, scales) -> np.ndarray:
+    _log_dequantizing()
+    return dequantize_mxfp4(blocks.read(), scales.read())
+
+
+def mxfp4_experts(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's MXFP4 expert tensors as stored, by the param name they fill
+    (`layers.{i}.mlp.experts.gate_proj` ...) -> `ops.quant.mxfp4` QWeights in our layout: the
+    e2m1 codes as float4_e2m1fn (the same 4 bits), scales 2^(stored - 127) per block of 32
+    contracted values; gate_up's interleaved rows split. tensors: canonical name -> stored
+    tensor (`hf.read_safetensors_dir`, names with or without `model.`)."""
+    from dflash_jax.ops import quant
+
+    out = {}
+    for name in sorted(n for n in tensors if n.endswith("_blocks")):
+        base = canonical(name.removesuffix("_blocks"))
+        blocks = np.asarray(tensors[name].read(), np.uint8)  # [E, out, G, 16]
+        exps = np.asarray(tensors[name.replace("_blocks", "_scales")].read(), np.int32) - 127
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:2], -1)
+        values = codes.view(ml_dtypes.float4_e2m1fn)  # [E, out, in]
+        ours = lambda v, x: quant.mxfp4(v.transpose(0, 2, 1), x.transpose(0, 2, 1), axis=1)
+        if base.endswith(".gate_up_proj"):
+            prefix = base.removesuffix("gate_up_proj")
+            for i, which in enumerate(("gate_proj", "up_proj")):
+                out[prefix + which] = ours(values[:, i::2], exps[:, i::2])
+        else:
+            out[base] = ours(values, exps)
+    return out
+
+
 def _split_gate_up(tensors: dict[str, Any], stored_tensor) -> dict[str, Any]:
-    """gpt-oss experts: MXFP4 pairs dequantized (one log line), the fused gate_up_proj [E,D,2F]
-    and gate_up_proj_bias [E,2F] split into gate / up (interleaved columns)."""
+    """gpt-oss experts: MXFP4 pairs dequantized when read (one log line), the fused
+    gate_up_proj [E,D,2F] and gate_up_proj_bias [E,2F] split into gate / up (interleaved
+    columns)."""
     out = dict(tensors)
-    packed = sorted(n for n in out if n.endswith("_blocks"))
-    if packed:
-        logging.info(
-            "gpt-oss: dequantizing %d MXFP4 expert tensors to float at load (they are kept as "
-            "float weights in the load's dtype, not as MXFP4)",
-            len(packed),
-        )
-    for name in packed:
+    for name in sorted(n for n in out if n.endswith("_blocks")):
         blocks, base = out.pop(name), name.removesuffix("_blocks")
         scales = out.pop(base + "_scales")
         e, rows, g, _ = blocks.shape
-        read = lambda b=blocks, s=scales: dequantize_mxfp4(b.read(), s.read())
+        read = lambda b=blocks, s=scales: _dequantized(b, s)
         out[base] = stored_tensor(base, blocks.file, (e, g * 32, rows), read)
     for name in [n for n in out if n.endswith(".mlp.experts.gate_up_proj")]:
         t, prefix = out.pop(name), name.removesuffix("gate_up_proj")

@@ -23,6 +23,7 @@ from dflash_jax.io.hf import (
     read_safetensors_dir,
 )
 from dflash_jax.io.hf_config import target_from_hf
+from dflash_jax.io.hf_layered import mxfp4_experts
 from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.io.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from dflash_jax.models.quantized import check_quantizable, quantize_params
@@ -70,13 +71,18 @@ def load_target(
     to `dtype` inside each product. A GGUF's Q4_0/Q4_1 (int4) or Q8_0 (int8) tensors are taken
     as stored (`gguf.native_kernels`, no float copy and no target cache); other weights are
     quantized from the float target as loaded in `dtype` (through the cache). config.quantize
-    names the scheme. Refused (ConfigError) for targets with MoE or linear-attention layers.
+    names the scheme. Refused (ConfigError) for targets with MoE or linear-attention layers,
+    but for gpt-oss's experts and "mxfp4" (only): an HF directory's MXFP4 experts are taken as
+    stored (`hf_layered.mxfp4_experts`: the target is the checkpoint's own quantized model,
+    dequantized inside each product; no target cache), float ones quantized.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     check_scheme(quantize)
     if quantize is None:
         return _load_source(source, dtype, cache, mesh)
+    if quantize == "mxfp4":
+        return _load_mxfp4(source, dtype, mesh)
     if _native_gguf(source, quantize):
         target = _load_gguf(_gguf_path(source), dtype, None, None, quantize)
     else:
@@ -137,6 +143,31 @@ def _quantized(target: LoadedTarget, scheme: str, mesh) -> LoadedTarget:
         params = sharding.put(params, sharding.param_shardings(params, mesh))
     config = dataclasses.replace(target.config, quantize=scheme)
     return dataclasses.replace(target, config=config, params=params, mesh=mesh)
+
+
+def _load_mxfp4(source: str, dtype: str, mesh) -> LoadedTarget:
+    """A gpt-oss HF directory (or hub id) with its MXFP4 experts as stored, the rest in
+    `dtype`; float experts (a checkpoint saved dequantized) are quantized to MXFP4."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        if not (_HUB_ID.fullmatch(source) and not path.exists()):
+            raise ValueError(
+                f"quantize='mxfp4': {source} is not an HF model directory (mxfp4 keeps a gpt-oss "
+                "checkpoint's experts as stored: pass its directory or hub id)"
+            )
+        path = _download(source)
+    config_path = _config_path(path)
+    config = _config(read_json(config_path), dtype, config_path, generation_eos_ids(path))
+    check_quantizable(config, "mxfp4")
+    raw = read_safetensors_dir(path)
+    native = mxfp4_experts(raw)
+    params = convert_to_params(
+        canonical_tensors(raw, config), config, str(path), _cast(dtype), None, native
+    )
+    tokenizer = load_hf_tokenizer(path)
+    template = getattr(tokenizer, "chat_template", None)
+    target = LoadedTarget(config, params, tokenizer, template, str(path), None)
+    return _quantized(target, "mxfp4", mesh)
 
 
 def _load_source(source: str, dtype: str, cache: bool, mesh) -> LoadedTarget:

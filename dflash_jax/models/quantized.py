@@ -3,8 +3,9 @@
 The decoder layers' projections (q/k/v/o, gate/up/down) become `QWeight`s; the embedding, the
 head (tied or not) and the norms stay in the compute dtype, as the drafter does: the embedding
 is a gather, the head is one product per step whose logits decide every token, and both are
-shared with the drafter. Only dense targets (Llama, Qwen3): the MoE experts' grouped matmuls and
-the linear-attention layers have no quantized path yet.
+shared with the drafter. Only dense targets (Llama, Qwen3), and gpt-oss's experts in MXFP4 (the
+format its checkpoints store them in, `quantize_params` or `io.hf_layered.mxfp4_experts`); the
+other MoE experts' grouped matmuls and the linear-attention layers have no quantized path yet.
 """
 
 from __future__ import annotations
@@ -29,9 +30,16 @@ CONTRACTED = {
 
 
 def check_quantizable(config: TargetConfig, scheme: str | None) -> None:
-    """Refuses a scheme we do not have, or a target whose layers have no quantized path."""
+    """Refuses a scheme we do not have, or a target whose layers have no quantized path
+    (mxfp4: gpt-oss's experts only, the one MoE path that takes quantized kernels)."""
     quant.check_scheme(scheme)
-    if scheme is not None and config.layered:
+    if (scheme == "mxfp4") != (scheme is not None and config.arch == "gpt_oss"):
+        raise ConfigError(
+            f"quantize={scheme!r} on a {config.arch} target: mxfp4 is gpt-oss's expert format "
+            "and gpt-oss takes no other scheme; load gpt-oss with --quantize=mxfp4 or none, "
+            "other targets with int8, int4, fp8 or none"
+        )
+    if scheme is not None and scheme != "mxfp4" and config.layered:
         raise ConfigError(
             f"quantize={scheme!r}: the {config.arch} target's MoE / linear-attention layers have "
             "no quantized path yet; load it with float weights (no --quantize), or quantize a "
@@ -49,6 +57,8 @@ def quantize_params(params: dict, config: TargetConfig, scheme: str) -> dict:
     already a `QWeight`, e.g. read quantized from a GGUF, is kept). Other leaves are the same
     objects. Jitted per kernel shape; under `jax.eval_shape` it gives the abstract tree."""
     check_quantizable(config, scheme)
+    if scheme == "mxfp4":
+        return _quantize_experts(params)
     out = {}
     for name, sub in params.items():
         if not name.startswith("layers_"):
@@ -65,4 +75,23 @@ def quantize_params(params: dict, config: TargetConfig, scheme: str) -> dict:
                     leaves = {**leaves, "kernel": kernel}
                 layer[group][module] = leaves
         out[name] = layer
+    return out
+
+
+# gpt-oss's expert kernels ([E,D,F] gate/up, [E,F,D] down: each contracts dim 1).
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _quantize_experts(params: dict) -> dict:
+    """gpt-oss `params` with each layer's expert kernels in MXFP4 (those already `QWeight`s,
+    read as stored, kept); everything else the same objects."""
+    out = dict(params)
+    for name, sub in params.items():
+        if not name.startswith("layers_"):
+            continue
+        experts = dict(sub["mlp"]["experts"])
+        for k in EXPERT_KERNELS:
+            if not isinstance(experts[k], quant.QWeight):
+                experts[k] = _quantizer("mxfp4", (1,))(experts[k])
+        out[name] = {**sub, "mlp": {**sub["mlp"], "experts": experts}}
     return out

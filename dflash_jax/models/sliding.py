@@ -17,8 +17,11 @@
             SwiGLU with biases, gate clamped above at `swiglu_limit`, up clamped to
             [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
 
-The KV cache holds every layer's keys at their positions' slots (as the dense target's does);
-a sliding layer's mask reads the last `sliding_window` of them. The attention is the XLA
+The KV cache of a full layer holds its keys at their positions' slots (as the dense target's
+does); a sliding layer's is a ring of `cache_slots` slots, position p at slot p mod its length
+(`ops.caches.write_rows(ring=True)`, `ring_positions`): its window and one verify's rows, so a
+rejected row, written and never committed, lands only on slots the window no longer reads. The
+attention is the XLA
 reference with the window, scale, softcap and sinks (`ops.dispatch.target_mods`); the kernels
 refuse them (`attention_impl=pallas`: ConfigError; auto: one log line, then xla).
 
@@ -43,7 +46,7 @@ from dflash_jax.models.hybrid import ZeroCenteredRMSNorm
 from dflash_jax.models.layers import RMSNorm, apply_rope, rope_attention_factor, rope_inv_freq
 from dflash_jax.models.layers import rope_tables as _rope_tables
 from dflash_jax.models.moe import combine
-from dflash_jax.ops import dots
+from dflash_jax.ops import dots, quant
 from dflash_jax.ops.caches import write_rows
 from dflash_jax.ops.dispatch import cached_attention, causal_attention, target_mods
 
@@ -124,8 +127,10 @@ class Attention(nn.Module):
             sinks=self.sinks if c.arch == "gpt_oss" else None,
         )
 
-    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
-        """As `hybrid.attend`: -> (out [B,T,D], new cache | new rows | None)."""
+    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask, ends_b):
+        """As `hybrid.attend`: -> (out [B,T,D], new cache | new rows | None). A sliding layer's
+        cache is a ring (`ops.caches.write_rows(ring=True)`); ends_b [B] (a prefill, or None):
+        each row's prompt length, the rows from it on (padding) left unwritten."""
         q_btnh, k_btkh = self.q_proj(x_btd), self.k_proj(x_btd)
         v_btkh = k_btkh if self.k_is_v else self.v_proj(x_btd)
         if gemma(self.config):
@@ -140,11 +145,12 @@ class Attention(nn.Module):
         k_bkth = jnp.swapaxes(apply_rope(k_btkh, cos, sin), 1, 2)
         v_bkth = jnp.swapaxes(v_btkh, 1, 2)
         impl, mods = self.config.attention_impl, self.mods()
+        ring = self.window is not None
         if layer_cache is not None and cache_lengths is not None:
             new_cache = None
             if not defer:
                 new_cache = tuple(
-                    write_rows(c, r, cache_lengths)
+                    write_rows(c, r, cache_lengths, ring)
                     for c, r in zip(layer_cache, (k_bkth, v_bkth), strict=True)
                 )
             out = cached_attention(
@@ -157,7 +163,7 @@ class Attention(nn.Module):
             out = causal_attention(q_btnh, k_bkth, v_bkth, zeros_b, impl=impl, **mods)
             if layer_cache is not None:
                 layer_cache = tuple(
-                    write_rows(c, r, zeros_b)
+                    write_rows(c, r, zeros_b, ring, ends_b if ring else None)
                     for c, r in zip(layer_cache, (k_bkth, v_bkth), strict=True)
                 )
         return self.o_proj(out), layer_cache
@@ -194,7 +200,7 @@ def expert_rows(x_rd, ids_r, w: dict, alpha: float, limit: float) -> jax.Array:
     order = jnp.argsort(ids_r, stable=True)
     group_sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)
     xs_rd, ids_s = x_rd[order], ids_r[order]
-    cast = lambda name: w[name].astype(x_rd.dtype)
+    cast = lambda name: quant.weight(w[name], x_rd.dtype).astype(x_rd.dtype)  # MXFP4 or float
     gate_rf = dots.ragged_dot(xs_rd, cast("gate_proj"), group_sizes) + cast("gate_bias")[ids_s]
     up_rf = dots.ragged_dot(xs_rd, cast("up_proj"), group_sizes) + cast("up_bias")[ids_s]
     h_rf = clamped_swiglu(gate_rf, up_rf, alpha, limit).astype(x_rd.dtype)
@@ -270,10 +276,11 @@ class SlidingLayer(nn.Module):
         if c.arch == "gemma4":
             self.layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), jnp.float32)
 
-    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask):
+    def __call__(self, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask, ends_b):
         mixed, layer_cache = self.self_attn(
-            self.input_layernorm(x_btd), cos, sin, layer_cache, cache_lengths, defer, tree_mask
-        )
+            self.input_layernorm(x_btd), cos, sin, layer_cache, cache_lengths, defer, tree_mask,
+            ends_b,
+        )  # fmt: skip
         if gemma(self.config):  # sandwich norms: each sublayer's output normed too
             x_btd = x_btd + self.post_attention_layernorm(mixed)
             h_btd = self.mlp(self.pre_feedforward_layernorm(x_btd))
@@ -283,6 +290,23 @@ class SlidingLayer(nn.Module):
             return x_btd, layer_cache
         x_btd = x_btd + mixed
         return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), layer_cache
+
+
+def cache_slots(config: TargetConfig, i: int, max_len: int, verify: int | None) -> int:
+    """The cache slots of layer i for contexts of up to `max_len` positions and verifies of up
+    to `verify` tokens (None: every position kept): a full layer's max_len; a sliding layer's
+    window + verify when fewer. A ring of window + verify - 1 slots is the least that holds:
+    a verify at length L writes positions L .. L + verify - 1, the next (L' >= L) reads
+    L' - window + 1 .. L' - 1, and a row written at p overwrites p - slots only."""
+    window = config.window(i)
+    if window is None or verify is None:
+        return max_len
+    return min(max_len, window + verify)
+
+
+def rings(config: TargetConfig) -> tuple[bool, ...]:
+    """Per layer, whether its cache is a ring (`KVCache.rings`): the sliding layers'."""
+    return tuple(config.window(i) is not None for i in range(config.num_layers))
 
 
 def make_layers(config: TargetConfig) -> list[SlidingLayer]:
@@ -297,18 +321,20 @@ def final_norm(config: TargetConfig):
 def _jitted_layer(config: TargetConfig, window: int | None, defer: bool):
     """`SlidingLayer.apply`, jitted once per layer kind (see `target._jitted_layer`)."""
 
-    def apply(params, x_btd, cos, sin, layer_cache, cache_lengths, tree_mask):
+    def apply(params, x_btd, cos, sin, layer_cache, cache_lengths, tree_mask, ends_b):
         return SlidingLayer(config, window, parent=None).apply(
-            {"params": params}, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask
-        )
+            {"params": params}, x_btd, cos, sin, layer_cache, cache_lengths, defer, tree_mask,
+            ends_b,
+        )  # fmt: skip
 
     return jax.jit(apply)
 
 
 def forward_layers(layers, params, config, x_btd, tables, cache, cache_lengths, tap_layers, defer,
-                   tree_mask):  # fmt: skip
+                   tree_mask, ends_b=None):  # fmt: skip
     """The decoder layers over x [B,T,D]; tables: `rope_tables`. cache: a `KVCache` with every
-    layer's k/v (None: no cache). params None: init.
+    layer's k/v (None: no cache; a sliding layer's a ring, `cache_slots`), ends_b [B] a
+    prefill's prompt lengths (None: every row's T tokens). params None: init.
     -> (x [B,T,D], {tap layer: its residual output}, (ks, vs) or None)."""
     taps, ks, vs = {}, [], []
     for i, layer in enumerate(layers):
@@ -317,10 +343,10 @@ def forward_layers(layers, params, config, x_btd, tables, cache, cache_lengths, 
         layer_cache = None if cache is None else (cache.k[i], cache.v[i])
         args = (x_btd, cos, sin, layer_cache, cache_lengths)
         if params is None:
-            x_btd, layer_cache = layer(*args, defer, tree_mask)
+            x_btd, layer_cache = layer(*args, defer, tree_mask, ends_b)
         else:
             x_btd, layer_cache = _jitted_layer(config, window, defer)(
-                params[f"layers_{i}"], *args, tree_mask
+                params[f"layers_{i}"], *args, tree_mask, ends_b
             )
         if layer_cache is not None:
             ks.append(layer_cache[0])

@@ -42,11 +42,22 @@ def norm_rows(config: TargetConfig) -> int:
 class KVCache:
     """Per-layer key/value buffers, each kv-head-major [B,K,S,H]; lengths live with the caller.
     A hybrid target's k/v hold its full-attention layers only, and `state` each of its
-    linear-attention layers' (conv [B,W,C], recurrent [B,Hv,Dk,Dv]) state, in layer order."""
+    linear-attention layers' (conv [B,W,C], recurrent [B,Hv,Dk,Dv]) state, in layer order.
+    rings (static): per k/v buffer, whether it is a ring (a sliding layer's: position p at slot
+    p mod its length, `ops.caches.write_rows(ring=True)`); () for none."""
 
     k: tuple
     v: tuple
     state: tuple | None = None
+    rings: tuple = flax.struct.field(pytree_node=False, default=())
+
+    def written(self, k_rows: tuple, v_rows: tuple, start_b: jax.Array) -> KVCache:
+        """The cache with rows [B,K,T,H] per buffer written at start[b] + t (`write_rows`)."""
+        rings = self.rings or (False,) * len(self.k)
+        write = lambda bufs, rows: tuple(
+            write_rows(c, r, start_b, ring) for c, r, ring in zip(bufs, rows, rings, strict=True)
+        )
+        return self.replace(k=write(self.k, k_rows), v=write(self.v, v_rows))
 
     @classmethod
     def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
@@ -286,7 +297,7 @@ class Transformer(nn.Module):
     ):
         """`hidden` for the MoE / hybrid families (`hybrid.forward_layers`). A prefill (a cache
         and no cache_lengths) of right-padded rows stops each linear layer's state at the row's
-        last logit index, its last prompt token."""
+        last logit index, its last prompt token, and writes a sliding layer's ring up to it."""
         state_lengths = None
         if cache is not None and cache_lengths is None and logit_indices is not None:
             state_lengths = logit_indices[:, -1] + 1
@@ -295,7 +306,7 @@ class Transformer(nn.Module):
         if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
             x_btd, taps, new = sliding.forward_layers(
                 self.layers, params, self.config, x_btd, cos, cache, cache_lengths, tap_layers,
-                defer, tree_mask,
+                defer, tree_mask, state_lengths,
             )  # fmt: skip
             new = None if new is None else (*new, ())
         else:
@@ -307,7 +318,9 @@ class Transformer(nn.Module):
         taps_btf = jnp.concatenate([taps[l] for l in tap_layers], -1) if tap_layers else None
         if logit_indices is not None:
             x_btd = jnp.take_along_axis(x_btd, logit_indices[:, :, None], axis=1)
-        new_cache = None if new is None else KVCache(k=new[0], v=new[1], state=new[2] or None)
+        new_cache = None
+        if new is not None:
+            new_cache = KVCache(k=new[0], v=new[1], state=new[2] or None, rings=cache.rings)
         return self.norm(x_btd), taps_btf, new_cache
 
 
@@ -415,12 +428,20 @@ def decoding_head(params, config: TargetConfig) -> Head:
     )
 
 
-def init_cache(config: TargetConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(
+    config: TargetConfig, batch: int, max_len: int, dtype=None, verify: int | None = None
+) -> KVCache:
+    """An empty cache for up to `max_len` positions. verify: the most tokens one pass will
+    append to it (a decode's verify width): a sliding layer then keeps a ring of its window +
+    verify slots (`sliding.cache_slots`) instead of max_len; None: every layer max_len."""
     dtype = jnp.dtype(dtype or config.dtype)
     if config.sliding:  # each layer its own (kv heads, head dim) (Gemma 4's full layers)
-        shapes = [(batch, *h, max_len) for h in map(config.layer_heads, range(config.num_layers))]
+        shapes = [
+            (batch, *config.layer_heads(i), sliding.cache_slots(config, i, max_len, verify))
+            for i in range(config.num_layers)
+        ]
         zeros = lambda: tuple(jnp.zeros((b, k, s, h), dtype) for b, k, h, s in shapes)
-        return KVCache(k=zeros(), v=zeros())
+        return KVCache(k=zeros(), v=zeros(), rings=sliding.rings(config))
     num_kv_layers = len(config.attention_layers) if config.layered else config.num_layers
     cache = KVCache.zeros(
         num_kv_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.ops import platform
-from dflash_jax.ops.caches import bits16
+from dflash_jax.ops.caches import bits16, ring_positions
 from dflash_jax.ops.invariance import RowRule
 
 NEG_INF = -1e30
@@ -301,8 +301,10 @@ def append_attention(
     iff tree_mask[b,t,t'] instead of t' <= t. One joint softmax in fp32 over both score
     blocks, normalised at the output.
 
-    The sliding-window families' options (slot = position, so no tree): `window`, a query
-    at slot p sees slots > p - window only; `scale` instead of H^-0.5; `softcap`, scores
+    The sliding-window families' options (no tree): `window`, a query at position p sees
+    positions > p - window only, and the cache is a ring (`caches.ring_positions`: slot s holds
+    the latest position below cache_lengths[b] that is s modulo S; a flat cache is the case
+    S > every position); `scale` instead of H^-0.5; `softcap`, scores
     capped as softcap * tanh(score / softcap); `sinks` [N], one more logit per query head in
     the softmax's denominator (gpt-oss), whose probability is dropped.
     """
@@ -329,11 +331,13 @@ def append_attention(
     if k_cache is not None:
         s = k_cache.shape[2]
         old_bkms = scores(k_cache, "bkmh,bksh->bkms")
-        old_ok_b1ms = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
-        if window is not None:  # query m sits at slot cache_lengths + m % T
-            q_slot_bm = cache_lengths[:, None] + query_m[None, :]
-            old_ok_b1ms = old_ok_b1ms & (
-                q_slot_bm[:, None, :, None] - jnp.arange(s)[None, None, None, :] < window
+        if window is None:
+            old_ok_b1ms = (jnp.arange(s)[None, :] < cache_lengths[:, None])[:, None, None, :]
+        else:  # a ring (`caches.ring_positions`); query m sits at position cache_lengths + m % T
+            pos_bs = ring_positions(cache_lengths, s)
+            q_pos_bm = cache_lengths[:, None] + query_m[None, :]
+            old_ok_b1ms = (pos_bs >= 0)[:, None, None, :] & (
+                q_pos_bm[:, None, :, None] - pos_bs[:, None, None, :] < window
             )
         old_bkms = jnp.where(old_ok_b1ms, old_bkms, NEG_INF)
         max_bkm1 = jnp.maximum(max_bkm1, old_bkms.max(-1, keepdims=True))

@@ -1,5 +1,6 @@
 """Writing rows into a kv-head-major cache buffer: the one scatter the target's layers and the
-decode loop go through; and the few cache tiles new rows fall in, written apart from the cache
+decode loop go through (into a flat buffer, slot = position, or a sliding layer's ring, slot =
+position mod its length); and the few cache tiles new rows fall in, written apart from the cache
 (`patched_tiles`), for the attention kernels that read a cache before it is written."""
 
 from __future__ import annotations
@@ -16,11 +17,27 @@ def bits16(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> jax.Array:
+def write_rows(
+    buf_bksh: jax.Array,
+    new_bkth: jax.Array,
+    start_b: jax.Array,
+    ring: bool = False,
+    end_b: jax.Array | None = None,
+) -> jax.Array:
     """Writes new[b, :, t] at buf[b, :, start[b] + t]; writes past the end are dropped, never
-    clamped (dynamic_update_slice would clamp and overwrite committed slots)."""
-    b, t = new_bkth.shape[0], new_bkth.shape[2]
+    clamped (dynamic_update_slice would clamp and overwrite committed slots).
+
+    ring: buf is a ring of S slots (a sliding layer's cache, `ring_positions`): position p
+    lives at slot p mod S, and only the rows whose positions fall in the last S before end[b]
+    (default start[b] + T) are written, so no two rows meet in a slot (a prefill longer than
+    the ring keeps its last S rows; rows at or past end[b], a right-padded prompt's padding,
+    are dropped)."""
+    b, t, s = new_bkth.shape[0], new_bkth.shape[2], buf_bksh.shape[2]
     slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
+    if ring:
+        end_b = start_b + t if end_b is None else end_b
+        keep_bt = (slots_bt >= end_b[:, None] - s) & (slots_bt < end_b[:, None])
+        slots_bt = jnp.where(keep_bt, jnp.mod(slots_bt, s), s)  # s: dropped
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
     update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
@@ -33,6 +50,17 @@ def write_rows(buf_bksh: jax.Array, new_bkth: jax.Array, start_b: jax.Array) -> 
         out = bits(buf_bksh).at[rows_bt, :, slots_bt].set(bits(update_btkh), mode="drop")
         return jax.lax.bitcast_convert_type(out, buf_bksh.dtype)
     return buf_bksh.at[rows_bt, :, slots_bt].set(update_btkh, mode="drop")
+
+
+def ring_positions(lengths_b: jax.Array, num_slots: int) -> jax.Array:
+    """The position each slot of a ring of `num_slots` slots holds (`write_rows(ring=True)`)
+    when positions < lengths[b] are written: the latest p < length with p = s mod num_slots,
+    negative where none is (so, for a ring no shorter than the length, slot s holds position s
+    below the length and none from it). -> [B, num_slots] int32."""
+    last_b1 = lengths_b[:, None] - 1
+    return (last_b1 - jnp.mod(last_b1 - jnp.arange(num_slots)[None, :], num_slots)).astype(
+        jnp.int32
+    )
 
 
 def patched_tiles(

@@ -1,5 +1,5 @@
-"""Quantized weights (int8, int4, fp8) for the target, held as Qwix arrays and applied in our own
-dot path. docs/quantization.md has the design and the measurements.
+"""Quantized weights (int8, int4, fp8, mxfp4) for the target, held as Qwix arrays and applied in
+our own dot path. docs/quantization.md has the design and the measurements.
 
 A quantized weight is a `QWeight` in the param tree where the float kernel was: a `qwix.QArray`
 (qvalue in the kernel's shape and layout, scale per output channel or per block of the
@@ -31,8 +31,10 @@ import qwix
 
 from dflash_jax.config import QUANT_SCHEMES as SCHEMES
 
-# The block of the contracted dim that shares one int4 scale (as llama.cpp's Q4_0/Q4_1).
+# The block of the contracted dim that shares one int4 scale (as llama.cpp's Q4_0/Q4_1), and
+# one MXFP4 scale (the OCP microscaling block).
 INT4_BLOCK = 32
+MXFP4_BLOCK = 32
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 
 
@@ -107,6 +109,8 @@ def quantize(w: jax.Array, scheme: str, contracted: tuple[int, ...]) -> QWeight:
     channel and block of `INT4_BLOCK` along the last contracted dim (per channel when that dim is
     not a multiple), the other contracted dims one scale each. Computed in fp32; scales fp32."""
     check_scheme(scheme)
+    if scheme == "mxfp4":
+        return quantize_mxfp4(w, contracted[-1])
     w = jnp.asarray(w, jnp.float32)
     channels = tuple(a for a in range(w.ndim) if a not in contracted)
     tiles = {}
@@ -117,6 +121,31 @@ def quantize(w: jax.Array, scheme: str, contracted: tuple[int, ...]) -> QWeight:
             tiles[last] = INT4_BLOCK
     q = qwix.quantize(w, _QTYPES[scheme], channelwise_axes=channels, tiled_axes=tiles)
     return QWeight(q)
+
+
+def mxfp4(values: jax.Array, exponents: jax.Array, axis: int) -> QWeight:
+    """An MXFP4 kernel as stored: values float4_e2m1fn in the kernel's shape, exponents int
+    (the scale 2^exponent, e8m0's 2^(stored - 127)) with the contracted `axis` divided by
+    MXFP4_BLOCK. The scales are held in bf16, exact for every e8m0 power of two; dequantized,
+    value x scale is exact in fp32."""
+    if values.shape[axis] != exponents.shape[axis] * MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 values {values.shape} and scales {exponents.shape} along {axis}")
+    scale = jnp.ldexp(jnp.ones(exponents.shape, jnp.float32), exponents.astype(jnp.int32))
+    return QWeight(qwix.QArray(values.astype(jnp.float4_e2m1fn), scale.astype(jnp.bfloat16)))
+
+
+def quantize_mxfp4(w: jax.Array, axis: int) -> QWeight:
+    """Post-training MXFP4 of kernel `w` over blocks of MXFP4_BLOCK along `axis` (the OCP rule:
+    scale 2^(floor(log2 absmax) - 2), e2m1's largest exponent being 2; values rounded to the
+    nearest e2m1, clipped to +-6)."""
+    w = jnp.moveaxis(jnp.asarray(w, jnp.float32), axis, -1)
+    blocks = w.reshape(*w.shape[:-1], -1, MXFP4_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), -1, keepdims=True)
+    exp = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2, -127)
+    exp = jnp.clip(exp, -127, 127).astype(jnp.int32)
+    values = jnp.clip(blocks / jnp.ldexp(jnp.ones_like(amax), exp), -6.0, 6.0)
+    values = values.astype(jnp.float4_e2m1fn).reshape(w.shape)
+    return mxfp4(jnp.moveaxis(values, -1, axis), jnp.moveaxis(exp[..., 0], -1, axis), axis)
 
 
 def promote_dtype(*args, dtype=None, inexact=True):
