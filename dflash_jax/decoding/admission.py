@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 import time
 
@@ -84,8 +85,15 @@ class Inserts:
         self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}
         self._claimed: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dflash-insert")
+        # A daemon thread, not an executor's: a process that exits drops the compiles queued.
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._work, name="dflash-insert", daemon=True).start()
         self.seconds = 0.0
+
+    def _work(self) -> None:
+        while (item := self._todo.get()) is not None and not self._closed:
+            self._claim(*item)
 
     def _compile(self, k: int, width: int):
         t0 = time.perf_counter()
@@ -107,7 +115,7 @@ class Inserts:
         if not background:
             self._claim(key, future)
         elif new:
-            self._pool.submit(self._claim, key, future)
+            self._todo.put((key, future))
         return future
 
     def _claim(self, key: tuple[int, int], future: concurrent.futures.Future) -> None:
@@ -163,8 +171,10 @@ class Inserts:
         return turns
 
     def close(self) -> None:
-        """Stops the background thread after the compile it runs (those waiting are dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the background thread after the compile it runs (those queued are dropped;
+        `get` still compiles any program itself)."""
+        self._closed = True
+        self._todo.put(None)
 
 
 def _settle(future: concurrent.futures.Future, make) -> None:

@@ -245,6 +245,9 @@ class Engine:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - every request must hear of it
             self._fail(e)
+        inserts = getattr(self.decoder, "inserts", None)
+        if inserts is not None:  # no more admissions: stop compiling their programs
+            inserts.close()
 
     def _fail(self, e: BaseException) -> None:
         """The decoder failed: every accepted request ends with the error, nothing more is
