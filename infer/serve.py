@@ -74,6 +74,11 @@ flags.DEFINE_bool(
     "on its first use. Start-up compiles only the warm-up prompt's width either way.",
 )  # fmt: skip
 flags.DEFINE_bool(
+    "admit_together", True,
+    "Prefill the prompts admitted at one chunk boundary together (one insert program); off: "
+    "one after another, each alone (what the server did before; for comparisons).",
+)  # fmt: skip
+flags.DEFINE_bool(
     "calibrate", True,
     "Measure the adaptive step kinds' costs on the served program at start-up (a few "
     "seconds); off: the default costs.",
@@ -126,7 +131,7 @@ def main(argv):
         max_prompt=max_prompt, chunk_steps=FLAGS.chunk_steps,
         max_queue=FLAGS.max_queue, model_name=FLAGS.model_name or FLAGS.target,
         calibrate=FLAGS.calibrate, api_key=FLAGS.api_key or os.environ.get(API_KEY_ENV),
-        precompile=FLAGS.precompile_inserts,
+        precompile=FLAGS.precompile_inserts, admit_together=FLAGS.admit_together,
     )  # fmt: skip
     print(
         f"serving {FLAGS.model_name or FLAGS.target} on http://{FLAGS.host}:{FLAGS.port} "

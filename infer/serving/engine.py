@@ -104,12 +104,13 @@ class Engine:
 
     def __init__(
         self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int,
-        on_error=None, metrics: Metrics | None = None,
+        on_error=None, metrics: Metrics | None = None, admit_together: bool = True,
     ):  # fmt: skip
         self._build, self._on_error = build, on_error
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
         self.max_queue, self.chunk_steps = max_queue, chunk_steps
+        self.admit_together = admit_together  # False: each admitted prompt prefilled alone
         self.decoder = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -292,15 +293,19 @@ class Engine:
                 req.admitted = now
                 self.prom.of(self.prom.queue_time).observe(now - req.arrived)
                 self.prom.of(self.prom.prompt_tokens).inc(len(req.prompt_ids))
-            if admit:  # every admitted prompt prefilled together: one insert program
-                dec.insert_many([
-                    Admit(
-                        slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
-                        top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                        logprobs=req.logprobs is not None,
-                    )
-                    for slot, req in admit
-                ])  # fmt: skip
+            admits = [
+                Admit(
+                    slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
+                    top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                    logprobs=req.logprobs is not None,
+                )
+                for slot, req in admit
+            ]  # fmt: skip
+            # Every admitted prompt prefilled together: one insert program (or, not
+            # admit_together, one after another, as before batched admission).
+            for group in [admits] if self.admit_together else [[a] for a in admits]:
+                if group:
+                    dec.insert_many(group)
             if admit:  # the prefill's token: the first text, without waiting for a chunk
                 self._deliver(dec.advance(0))
             self._deliver(dec.advance(self.chunk_steps))

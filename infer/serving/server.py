@@ -48,7 +48,7 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(
     target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue, model_name,
-    calibrate=True, api_key=None, precompile=True,
+    calibrate=True, api_key=None, precompile=True, admit_together=True,
 ) -> tuple[DrainingServer, Engine]:  # fmt: skip
     """(server, engine): the engine builds its decoder on its own thread once the server runs
     (`server.run()`); /health says ready when it is built. With `api_key`, /v1/ needs it."""
@@ -64,6 +64,7 @@ def make_server(
         chunk_steps=chunk_steps,
         on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
         metrics=Metrics(model_name),
+        admit_together=admit_together,
     )
     limits = Limits(
         max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings,
