@@ -60,6 +60,12 @@ flags.DEFINE_bool(
     "without that field is not waited for), so that they do not share the timed run.",
 )  # fmt: skip
 flags.DEFINE_bool(
+    "warm_round", False,
+    "Send every request once untimed first (then --wait_compiles again): a server that has "
+    "met this load, every program it compiles on first use compiled. /stats' counters (tau, "
+    "steps) then include that round.",
+)  # fmt: skip
+flags.DEFINE_bool(
     "one_by_one", True,
     "Also run the requests one by one through api.generate (the throughput ratio and the "
     "greedy check); off: only the served run's figures.",
@@ -212,6 +218,10 @@ def main(argv):
         )  # fmt: skip
         model = client.models.list().data[0].id
         compiled_s = startup_s + wait_compiles()
+        if FLAGS.warm_round:  # untimed: the programs this load needs, compiled
+            with concurrent.futures.ThreadPoolExecutor(FLAGS.workers) as pool:
+                list(pool.map(lambda r: send(client, model, r), reqs))
+            wait_compiles()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(FLAGS.workers) as pool:
             served = list(pool.map(lambda r: send(client, model, r), reqs))
@@ -255,6 +265,7 @@ def main(argv):
             "server_tokens_per_s_busy": metrics["tokens_per_s_busy"],
         },
         "server_flags": FLAGS.server_flags,
+        "warm_round": FLAGS.warm_round,
         "per_request": [
             {
                 **r,
