@@ -44,9 +44,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer(
     "max_prompt_tokens", None,
-    "Longest prompt (in tokens, after the chat template) a request may have; one insert "
-    "program is compiled per power-of-two width from 32 up to it. Default: the target's "
-    "context less --max_new_tokens.",
+    "Longest prompt (in tokens, after the chat template) a request may have (an insert "
+    "program per power-of-two width from 32 up to it, each compiled on its first use or by "
+    "--precompile_inserts). Default: the target's context less --max_new_tokens.",
     lower_bound=1,
 )  # fmt: skip
 flags.DEFINE_string(
@@ -67,6 +67,17 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
     "model_name", None, "The model id requests name (and /v1/models lists); default: --target."
 )
+flags.DEFINE_bool(
+    "precompile_inserts", True,
+    "Once serving, compile the insert of one request at every prompt width in the background "
+    "(smallest first), so that a longer prompt rarely waits for its compile; off: each width "
+    "on its first use. Start-up compiles only the warm-up prompt's width either way.",
+)  # fmt: skip
+flags.DEFINE_bool(
+    "admit_together", True,
+    "Prefill the prompts admitted at one chunk boundary together (one insert program); off: "
+    "one after another, each alone (what the server did before; for comparisons).",
+)  # fmt: skip
 flags.DEFINE_bool(
     "calibrate", True,
     "Measure the adaptive step kinds' costs on the served program at start-up (a few "
@@ -120,6 +131,7 @@ def main(argv):
         max_prompt=max_prompt, chunk_steps=FLAGS.chunk_steps,
         max_queue=FLAGS.max_queue, model_name=FLAGS.model_name or FLAGS.target,
         calibrate=FLAGS.calibrate, api_key=FLAGS.api_key or os.environ.get(API_KEY_ENV),
+        precompile=FLAGS.precompile_inserts, admit_together=FLAGS.admit_together,
     )  # fmt: skip
     print(
         f"serving {FLAGS.model_name or FLAGS.target} on http://{FLAGS.host}:{FLAGS.port} "

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import httpx2 as httpx
 import jax
@@ -98,6 +99,7 @@ def running(target, drafter, cfg, *, slots=4, max_queue=16, chunk_steps=4):
     server, engine = serve.make_server(
         target, drafter, cfg, host="127.0.0.1", port=0, slots=slots, max_prompt=64,
         chunk_steps=chunk_steps, max_queue=max_queue, model_name=MODEL, calibrate=False,
+        precompile=False,
     )  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -396,8 +398,9 @@ class StandIn:
         self.gate, self.fail = threading.Event(), False
         self.gate.set()
 
-    def insert(self, slot, ids, *, max_new, **_):
-        self.n[slot], self.max_new[slot] = 0, max_new
+    def insert_many(self, admits):
+        for a in admits:
+            self.n[a.slot], self.max_new[a.slot] = 0, a.max_new
 
     def advance(self, steps, forced_kind=-1):
         from dflash_jax.decoding.slots import Chunk
@@ -560,7 +563,9 @@ def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch)
     dec.step_costs, dec.sampled_step_costs = "greedy", "sampled"
     dec._sampling = np.zeros((2,), bool)
     passed = []
-    dec._inserts = {32: lambda *args: None}
+    dec.inserts = types.SimpleNamespace(
+        plan=lambda n, width: [(n, n, width)], get=lambda k, width: lambda *args: None
+    )
     dec._release = lambda state, mask: None
     dec._advance = lambda *args: passed.append(args[5])
     zeros = lambda *shape: np.zeros(shape, np.int32)
@@ -633,6 +638,64 @@ def check_greedy_under_load(served, target, seeded_too: bool) -> None:
         assert loaded[1::2] == alone[len(greedy) :]
     reference = [_greedy_reference(target, kw["prompt"], kw["max_tokens"]) for kw in greedy]
     assert alone[: len(greedy)] == reference
+
+
+def test_prompts_admitted_together_decode_as_alone(fp32_pair):
+    """Admission prefills the prompts admitted at one chunk boundary together
+    (`SlotDecoder.insert_many`): a short, a long and a one-token prompt into rows 3, 1 and 0 by
+    one insert of 4 rows at the long one's width (64), its fourth row padding (written
+    nowhere: row 2 stays free). Every row's greedy tokens are the target's own greedy decode
+    of its prompt alone."""
+    from dflash_jax.decoding.slots import Admit, SlotDecoder
+
+    target, drafter = fp32_pair
+    tok = target.tokenizer
+    dec = SlotDecoder(target, drafter, decode_config(), 4, 64)
+    prompts = {3: "12+34=", 1: "The quick brown fox jumps over the lazy dog, twice a day.", 0: "?"}
+    dec.insert_many(
+        [Admit(s, tok.encode(p, add_special_tokens=False), MAX_NEW) for s, p in prompts.items()]
+    )
+    assert sorted(dec.inserts.ready()) == [(4, 64)]
+    while not (chunk := dec.advance(8)).done.all():
+        dec.release([])
+    assert chunk.n_gen[2] == 0  # the free row, untouched
+    texts = {
+        s: tok.decode(chunk.gen[s, : chunk.n_gen[s]].tolist(), skip_special_tokens=True)
+        for s in prompts
+    }
+    assert texts == {s: _greedy_reference(target, p, MAX_NEW) for s, p in prompts.items()}
+
+
+def test_inserts_plan_waits_only_for_a_new_width():
+    """Which insert programs an admission runs (`admission.Inserts.plan`), with stand-in
+    compiles: a width never seen waits for its program; a missing row count is compiled in
+    the background while a compiled program stands in (more rows padded, the cheapest, else
+    fewer rows in turns); once compiled, the exact program."""
+    from dflash_jax.decoding.admission import Inserts, row_counts
+
+    gate = threading.Event()
+    compiled = []
+
+    def lower(k, width):
+        if (k, width) != (1, 32):
+            gate.wait(30)
+        compiled.append((k, width))
+        return types.SimpleNamespace(compile=lambda **_: f"{k}x{width}")
+
+    assert row_counts(6) == (1, 2, 4, 6) and row_counts(1) == (1,)
+    ins = Inserts(lower, None, row_counts(8), (32, 64))
+    try:
+        assert ins.plan(1, 32) == [(1, 1, 32)] and compiled == [(1, 32)]
+        assert ins.plan(3, 32) == [(1, 1, 32)] * 3  # (4, 32) compiles meanwhile
+        gate.set()
+        assert ins.get(4, 32) == "4x32"
+        assert ins.plan(3, 32) == [(3, 4, 32)]
+        assert ins.plan(2, 32) == [(2, 4, 32)]  # (2, 32) compiles meanwhile
+        assert ins.get(2, 32) == "2x32" and ins.plan(2, 32) == [(2, 2, 32)]
+        assert ins.plan(1, 64) == [(1, 1, 64)]  # a new width waits
+        assert compiled == [(1, 32), (4, 32), (2, 32), (1, 64)]
+    finally:
+        ins.close()
 
 
 def test_answers_under_concurrency_equal_alone_fp32(served, fp32_pair):

@@ -5,10 +5,13 @@ The decode is the loop of `decoding.speculative` with `DecodeConfig.row_settings
 carries its request's sampling settings, PRNG key and token limit (`sampling.RowSettings`), so
 one compiled loop serves every mix of requests. Between calls of its `advance` half (a chunk of
 steps) the host reads what each row committed, frees the rows that are done, and admits waiting
-requests into free rows with `insert`: a jitted prefill of one row's prompt whose target cache
-rows, drafter context rows and bookkeeping replace that row of the loop state while the other
-rows keep theirs (the state is donated: nothing else is copied). Every program is compiled
-once, at construction: the advance for the slots' shape, one insert per prompt bucket.
+requests into free rows with `insert_many`: one jitted prefill of every admitted prompt
+together (K rows, K a power of two, padded) whose target cache rows, drafter context rows and
+bookkeeping replace those rows of the loop state while the other rows keep theirs (the state is
+donated: nothing else is copied). The advance for the slots' shape is compiled at
+construction; an insert program per (K, prompt width) on its first use (`Inserts`): a missing
+row count is compiled in the background while a compiled program of more rows (padded) or
+fewer (in turns) stands in, so only a prompt width never seen before waits for a compile.
 
 With batch invariance (`DecodeConfig.batch_invariant`) a greedy row's tokens are the target's
 greedy tokens whatever the other rows hold: every target pass computes a row the same way at
@@ -31,12 +34,11 @@ import numpy as np
 
 from dflash_jax.config import ConfigError
 from dflash_jax.decoding import programs, speculative
-from dflash_jax.decoding.phases import init_speculative
+from dflash_jax.decoding.admission import Inserts, insert_rows, row_counts
 from dflash_jax.decoding.runner import compile_half
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps
-from dflash_jax.models.target import decoding_head
 
 MIN_BUCKET = 32  # the narrowest prompt buffer an insert compiles for (as `api.bucket_length`)
 
@@ -50,35 +52,20 @@ def prompt_buckets(max_prompt: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def _insert(
-    target_params,
-    drafter_params,
-    prompt_1p,
-    length_1,
-    rows_1: RowSettings,
-    slot,
-    state: LoopState,
-    *,
-    target_config,
-    drafter_config,
-    decode_config,
-) -> LoopState:
-    """Prefills one request (prompt [1,P'], length [1], settings [1]) and writes it into row
-    `slot` of `state`: its target cache and drafter context rows from slot 0, its generated
-    tokens, counts and controller estimates. The loop-wide scalars (step, probe wait) stay."""
-    head = decoding_head(target_params, target_config)
-    one = init_speculative(
-        target_params, drafter_params, head, target_config, drafter_config, decode_config,
-        prompt_1p, length_1, None, rows=rows_1, cache_len=prompt_1p.shape[1],
-    )  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    """One request for a free row (`SlotDecoder.insert_many`): its prompt token ids, its own
+    token limit and sampling settings; `logprobs`: keep its tokens' log-probabilities (with
+    `DecodeConfig.logprobs`)."""
 
-    def put(big, small):  # row `slot` of big [N, ...] from small [1, ...] (no wider)
-        if big.ndim == 0:
-            return big
-        start = (slot,) + (0,) * (big.ndim - 1)
-        return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), start)
-
-    return jax.tree.map(put, state, one)
+    slot: int
+    token_ids: tuple[int, ...] | list[int]
+    max_new: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    logprobs: bool = False
 
 
 def _release(state: LoopState, release_n) -> LoopState:
@@ -156,7 +143,6 @@ class SlotDecoder:
         self.step_costs = speculative.step_cost_array(cfg)
         self.sampled_step_costs = self.step_costs
         self._sampling = np.zeros((slots,), bool)  # which rows' requests sample
-        self.compile_s = 0.0
         self._rng = jax.random.key(0)  # the loop's own key: unused, each row has its own
         self.state = self._empty_state()
         self._compile_all()
@@ -173,6 +159,7 @@ class SlotDecoder:
         )
 
     def _compile_all(self) -> None:
+        """The advance and the release now; the inserts on their first use (`Inserts`)."""
         t0 = time.perf_counter()
         args = (*self.params, self.prompt, self.lengths, self._rng, self.step_costs)
         self._advance, _, _ = compile_half(
@@ -182,61 +169,88 @@ class SlotDecoder:
             None,
         )
         options = programs.executable_options(self.statics["target_config"])
-        insert = jax.jit(_insert, static_argnames=tuple(self.statics), donate_argnames="state")
-        row = self._row_settings(0.0, 0, 1.0, 0, 1, False)
-        self._inserts = {
-            width: insert.lower(
-                *self.params, np.zeros((1, width), np.int32), np.ones((1,), np.int32), row,
-                np.int32(0), self.state, **self.statics,
-            ).compile(compiler_options=options)
-            for width in self.buckets
-        }  # fmt: skip
+        insert = jax.jit(insert_rows, static_argnames=tuple(self.statics), donate_argnames="state")
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state
+        )
+        self.inserts = Inserts(
+            lambda k, width: insert.lower(
+                *self.params, np.zeros((k, width), np.int32), np.ones((k,), np.int32),
+                self._row_settings([Admit(0, (), 1)] * k), np.zeros((k,), np.int32), state,
+                **self.statics,
+            ),
+            options, row_counts(self.slots), self.buckets,
+        )  # fmt: skip
         release = jax.jit(_release, donate_argnums=0)
         self._release = release.lower(self.state, np.zeros((self.slots,), bool)).compile()
-        self.compile_s = time.perf_counter() - t0
+        self._compile_s = time.perf_counter() - t0
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling: the advance and release, and every insert so far."""
+        return self._compile_s + self.inserts.seconds
 
     # -- rows ----------------------------------------------------------------------------
-    def _row_settings(self, temperature, top_k, top_p, seed, max_new, logprobs) -> RowSettings:
+    def _row_settings(self, admits) -> RowSettings:
+        """The settings [K] of `admits` (a list of `Admit`)."""
+        field = lambda name, dtype: np.asarray([getattr(a, name) for a in admits], dtype)
+        keys = [np.asarray(jax.random.key_data(jax.random.key(a.seed))) for a in admits]
         return RowSettings(
-            temperature=np.full((1,), temperature, np.float32),
-            top_k=np.full((1,), top_k, np.int32),
-            top_p=np.full((1,), top_p, np.float32),
-            key_data=np.asarray(jax.random.key_data(jax.random.key(seed)))[None],
-            max_new=np.full((1,), max_new, np.int32),
-            logprobs=np.full((1,), logprobs, bool) if self.cfg.logprobs else None,
+            temperature=field("temperature", np.float32),
+            top_k=field("top_k", np.int32),
+            top_p=field("top_p", np.float32),
+            key_data=np.stack(keys),
+            max_new=field("max_new", np.int32),
+            logprobs=field("logprobs", bool) if self.cfg.logprobs else None,
         )
 
-    def insert(
-        self,
-        slot: int,
-        token_ids,
-        *,
-        max_new: int,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        logprobs: bool = False,
-    ) -> None:
-        """Prefills a request's prompt into row `slot` (a free one) with its own settings;
-        `logprobs`: keep its tokens' log-probabilities (with `DecodeConfig.logprobs`)."""
-        if logprobs and not self.cfg.logprobs:
-            raise ValueError("logprobs: this decoder keeps none (DecodeConfig.logprobs=0)")
-        n = len(token_ids)
-        if not 1 <= n <= self.max_prompt:
-            raise ValueError(f"prompt of {n} tokens: between 1 and {self.max_prompt} fit")
-        if not 1 <= max_new <= self.cfg.max_new_tokens:
-            raise ValueError(f"max_new={max_new}: between 1 and {self.cfg.max_new_tokens}")
-        width = next(w for w in self.buckets if w >= n)
-        prompt = np.zeros((1, width), np.int32)
-        prompt[0, :n] = token_ids
-        self.prompt[slot] = 0
-        self.prompt[slot, :n] = token_ids
-        self.lengths[slot] = n
-        row = self._row_settings(temperature, top_k, top_p, seed, max_new, logprobs)
-        self._sampling[slot] = temperature > 0
-        self.state = self._inserts[width](
-            *self.params, prompt, np.asarray([n], np.int32), row, np.int32(slot), self.state
+    def insert(self, slot: int, token_ids, *, max_new: int, **settings) -> None:
+        """Prefills one request into row `slot` (a free one): `insert_many` of one `Admit`
+        (`settings`: its temperature, top_k, top_p, seed, logprobs)."""
+        self.insert_many([Admit(slot, token_ids, max_new, **settings)])
+
+    def insert_many(self, admits) -> None:
+        """Prefills the requests `admits` (`Admit`s, each for a different free row) together,
+        each with its own settings: one insert program of K >= len(admits) rows at the widest
+        prompt's bucket, or what `Inserts.plan` runs while that one compiles."""
+        for a in admits:
+            if a.logprobs and not self.cfg.logprobs:
+                raise ValueError("logprobs: this decoder keeps none (DecodeConfig.logprobs=0)")
+            n = len(a.token_ids)
+            if not 1 <= n <= self.max_prompt:
+                raise ValueError(f"prompt of {n} tokens: between 1 and {self.max_prompt} fit")
+            if not 1 <= a.max_new <= self.cfg.max_new_tokens:
+                raise ValueError(f"max_new={a.max_new}: between 1 and {self.cfg.max_new_tokens}")
+            if not 0 <= a.slot < self.slots:
+                raise ValueError(f"slot {a.slot}: between 0 and {self.slots - 1}")
+        if len({a.slot for a in admits}) < len(admits):
+            raise ValueError("two requests for one slot")
+        if not admits:
+            return
+        width = next(w for w in self.buckets if w >= max(len(a.token_ids) for a in admits))
+        admits = list(admits)
+        for taken, k, w in self.inserts.plan(len(admits), width):
+            self._insert(admits[:taken], k, w)
+            admits = admits[taken:]
+
+    def _insert(self, admits, k: int, width: int) -> None:
+        """`admits` (at most k) through the insert program of k rows at `width`; the rows
+        past them are padding, written nowhere."""
+        pad = Admit(self.slots, (0,), 1)
+        rows = list(admits) + [pad] * (k - len(admits))
+        prompt = np.zeros((k, width), np.int32)
+        for i, a in enumerate(rows):
+            prompt[i, : len(a.token_ids)] = a.token_ids
+        for a in admits:
+            n = len(a.token_ids)
+            self.prompt[a.slot] = 0
+            self.prompt[a.slot, :n] = a.token_ids
+            self.lengths[a.slot] = n
+            self._sampling[a.slot] = a.temperature > 0
+        lengths = np.asarray([len(a.token_ids) for a in rows], np.int32)
+        slots = np.asarray([a.slot for a in rows], np.int32)
+        self.state = self.inserts.get(k, width)(
+            *self.params, prompt, lengths, self._row_settings(rows), slots, self.state
         )
 
     def advance(self, steps: int, forced_kind: int = -1) -> Chunk:
@@ -269,24 +283,28 @@ class SlotDecoder:
         """Runs every step kind once over all rows, every other one sampling and all keeping
         log-probabilities (with `DecodeConfig.logprobs`), so that those branches run too
         (XLA:CPU sets each fusion up at its first execution; `api._warm`), then frees the
-        rows."""
+        rows. The inserts of every slot at once and of one row are compiled (at the width of
+        `token_ids`) and run here; others on their first use (`admission.Inserts`)."""
         kinds = range(len(self.cfg.all_kinds)) if self.cfg.adaptive else (-1,)
         for kind in kinds:
             self._fill(token_ids, sampled=True, logprobs=bool(self.cfg.logprobs))
             self.advance(steps, forced_kind=kind)
             self.release(range(self.slots))
+        self.insert(0, token_ids, max_new=1)
+        self.release([0])
 
     def _fill(self, token_ids, sampled: bool, logprobs: bool = False) -> None:
         """Every slot busy with `token_ids`; with `sampled`, the odd ones sample (temperature
         0.7, top_p 0.95, a seed each), the others greedy; with `logprobs`, every row keeps
-        its tokens' log-probabilities."""
-        for slot in range(self.slots):
-            sample = sampled and slot % 2 == 1
-            self.insert(
-                slot, token_ids, max_new=self.cfg.max_new_tokens,
+        its tokens' log-probabilities. One insert of every slot."""
+        self.insert_many([
+            Admit(
+                slot, token_ids, self.cfg.max_new_tokens,
                 temperature=0.7 if sample else 0.0, top_p=0.95 if sample else 1.0, seed=slot,
                 logprobs=logprobs,
-            )  # fmt: skip
+            )
+            for slot, sample in ((s, sampled and s % 2 == 1) for s in range(self.slots))
+        ])  # fmt: skip
 
     def calibrate(
         self, token_ids, steps: int = 8, repeats: int = 2, sampled_steps: int = 4

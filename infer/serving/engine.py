@@ -1,7 +1,7 @@
 """The server's engine: a bounded queue of requests and one thread that drives a
 `decoding.slots.SlotDecoder` (continuous batching over the jitted speculative loop).
 
-The thread repeats: admit queued requests into free slots (a jitted one-row prefill each), run
+The thread repeats: admit queued requests into free slots (one jitted prefill of them all), run
 one chunk of loop steps for all slots, hand every request the text its row committed, and free
 the rows that are done (a stop token, the request's max_tokens, one of its stop strings, or a
 client that went away). Requests talk to it through `Request.events`, an asyncio queue the HTTP
@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from dflash_jax.decoding.settings import TREE_KIND_BASE, kind_label
+from dflash_jax.decoding.slots import Admit
 from infer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -103,12 +104,13 @@ class Engine:
 
     def __init__(
         self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int,
-        on_error=None, metrics: Metrics | None = None,
+        on_error=None, metrics: Metrics | None = None, admit_together: bool = True,
     ):  # fmt: skip
         self._build, self._on_error = build, on_error
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
         self.max_queue, self.chunk_steps = max_queue, chunk_steps
+        self.admit_together = admit_together  # False: each admitted prompt prefilled alone
         self.decoder = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -195,9 +197,22 @@ class Engine:
             ),
             "loop_steps": self.stats["steps"],
             "steps_by_kind": dict(self.kinds),
+            "insert_programs": self._insert_programs(),
             "step_costs": self._step_costs("step_costs"),
             "sampled_step_costs": self._step_costs("sampled_step_costs"),
             "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def _insert_programs(self) -> dict:
+        """The decoder's insert programs: compiled ("rows x width"), still compiling, and the
+        seconds spent compiling them (`admission.Inserts`)."""
+        inserts = getattr(self.decoder, "inserts", None)
+        if inserts is None:
+            return {}
+        return {
+            "compiled": [f"{k}x{w}" for k, w in sorted(inserts.ready())],
+            "compiling": inserts.pending(),
+            "compile_s": round(inserts.seconds, 1),
         }
 
     def _step_costs(self, table: str) -> dict:
@@ -231,6 +246,9 @@ class Engine:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - every request must hear of it
             self._fail(e)
+        inserts = getattr(self.decoder, "inserts", None)
+        if inserts is not None:  # no more admissions: stop compiling their programs
+            inserts.close()
 
     def _fail(self, e: BaseException) -> None:
         """The decoder failed: every accepted request ends with the error, nothing more is
@@ -271,15 +289,23 @@ class Engine:
                 req.finish_reason = "cancelled"
                 self._finish(req)
             now = time.perf_counter()
-            for slot, req in admit:
+            for _, req in admit:
                 req.admitted = now
                 self.prom.of(self.prom.queue_time).observe(now - req.arrived)
                 self.prom.of(self.prom.prompt_tokens).inc(len(req.prompt_ids))
-                dec.insert(
-                    slot, req.prompt_ids, max_new=req.max_tokens, temperature=req.temperature,
+            admits = [
+                Admit(
+                    slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
                     top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                     logprobs=req.logprobs is not None,
-                )  # fmt: skip
+                )
+                for slot, req in admit
+            ]  # fmt: skip
+            # Every admitted prompt prefilled together: one insert program (or, not
+            # admit_together, one after another, as before batched admission).
+            for group in [admits] if self.admit_together else [[a] for a in admits]:
+                if group:
+                    dec.insert_many(group)
             if admit:  # the prefill's token: the first text, without waiting for a chunk
                 self._deliver(dec.advance(0))
             self._deliver(dec.advance(self.chunk_steps))

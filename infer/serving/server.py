@@ -15,14 +15,21 @@ from infer.serving.metrics import Metrics
 WARM_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
-def build_decoder(target, drafter, cfg, *, slots, max_prompt, calibrate) -> SlotDecoder:
+def build_decoder(
+    target, drafter, cfg, *, slots, max_prompt, calibrate, precompile=True
+) -> SlotDecoder:
     """The SlotDecoder, compiled, warmed up over every step kind and (adaptive) calibrated:
-    what /health waits for."""
+    what /health waits for. Its inserts of every slot and of one row are compiled at the warm
+    prompt's width; with `precompile`, the insert of one row at every other prompt width is
+    then compiled in the background while it serves (smallest first; a request that needs one
+    first compiles it itself), other row counts on their first use (`admission.Inserts`)."""
     decoder = SlotDecoder(target, drafter, cfg, slots, max_prompt)
     warm = api.render_prompt(target.tokenizer, WARM_PROMPT)[:max_prompt]
     decoder.warm_up(warm)
     if calibrate:
         decoder.calibrate(warm)
+    if precompile:
+        decoder.inserts.prefetch((1, width) for width in decoder.buckets)
     return decoder
 
 
@@ -41,20 +48,23 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(
     target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue, model_name,
-    calibrate=True, api_key=None,
+    calibrate=True, api_key=None, precompile=True, admit_together=True,
 ) -> tuple[DrainingServer, Engine]:  # fmt: skip
     """(server, engine): the engine builds its decoder on its own thread once the server runs
     (`server.run()`); /health says ready when it is built. With `api_key`, /v1/ needs it."""
+    build = lambda: build_decoder(
+        target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate,
+        precompile=precompile,
+    )  # fmt: skip
     engine = Engine(
-        lambda: build_decoder(
-            target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate
-        ),
+        build,
         target.tokenizer,
         cfg.stop_token_ids,
         max_queue=max_queue,
         chunk_steps=chunk_steps,
         on_error=lambda e: setattr(server, "should_exit", True),  # main() reports it
         metrics=Metrics(model_name),
+        admit_together=admit_together,
     )
     limits = Limits(
         max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings,
