@@ -186,6 +186,27 @@ def test_batches_are_cropped_to_their_bucket_on_any_process_count(tmp_path):
             np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), crop[key])
     assert len(shapes) > 1 and min(shapes) < (48, 32)  # some batches were cut: the test can fail
     assert data.bucket_shape(30, 20, 48, 32, 0) == (48, 32)  # 0: no bucketing
+    # group_batches: each window of 3 batches holds the same records, sorted by length into
+    # batches (taken in a random order), so the crops are shorter; 2 processes still agree.
+    listed = lambda ds: [ds[k] for k in range(len(ds))]
+    grouped = listed(data.batched_dataset(train, **sizes, bucket_tokens=8, group_batches=3))
+    split = [
+        listed(data.batched_dataset(
+            train, **sizes, bucket_tokens=8, group_batches=3, shard_index=i, shard_count=2
+        ))
+        for i in (0, 1)
+    ]  # fmt: skip
+    for k in (0, 3):
+        window = grouped[k : k + 3]
+        ids = sorted(i for batch in window for i in batch["index"].tolist())
+        assert ids == sorted(i for b in range(k, k + 3) for i in full[b]["index"].tolist())
+        spans = sorted((b["length"].min(), b["length"].max()) for b in window)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    for k, batch in enumerate(grouped):
+        for key in batch:
+            np.testing.assert_array_equal(np.concatenate([h[k][key] for h in split]), batch[key])
+    tokens = sum(b["tokens"].shape[1] for b in grouped)
+    assert tokens < sum(cropped[k]["tokens"].shape[1] for k in range(len(cropped)))
 
 
 @pytest.mark.slow  # ~15 CPU s: two gradient compiles

@@ -20,6 +20,11 @@ the loss, and the target is causal, so a cropped batch's loss is the padded batc
 is a function of the global batch's records alone: deterministic, the same on any process
 count, and nothing to save with the iterator. Each (tokens, anchors) shape compiles the step
 once: at most (seq_len / bucket_tokens) x log2(num_anchors) programs, far fewer in practice.
+One long row sets a batch's length, so the crop cuts little from batches of rows drawn at
+random; length grouping (`group_batches` G > 0) batches records of similar length: each window
+of G batches' records (in the shuffled stream) is sorted by length, cut into batches, and those
+batches are taken in a random order. Still deterministic (a function of the seed and the
+records), the same on any process count, and every record is read once per epoch as before.
 """
 
 from __future__ import annotations
@@ -283,6 +288,37 @@ class CropShard(grain.transforms.Map):
         return crop_batch(self.local[step], *bucket_shape(longest, valid, *self.sizes))
 
 
+class GroupedRecord(grain.transforms.Map):
+    """Index i of the record stream -> the record that length grouping puts there: the stream
+    in windows of `group_batches` batches, each window's records sorted by length and cut into
+    batches, the batches in a random order (from `seed` and the window); a last partial window
+    keeps its order. A window's order is computed from its records' lengths once and cached."""
+
+    def __init__(self, records, batch_size: int, group_batches: int, seq_len: int, seed: int):
+        self.records, self.seq_len, self.seed = records, seq_len, seed
+        self.batch_size, self.group_batches = batch_size, group_batches
+        self.window = batch_size * group_batches
+        self.orders: dict[int, np.ndarray] = {}
+
+    def order(self, w: int) -> np.ndarray:
+        if w not in self.orders:
+            start = w * self.window
+            lengths = [len(self.records[start + j]["tokens"]) for j in range(self.window)]
+            by_length = np.argsort(np.minimum(lengths, self.seq_len), kind="stable")
+            batches = by_length.reshape(self.group_batches, self.batch_size)
+            shuffled = batches[np.random.default_rng((self.seed, w)).permutation(len(batches))]
+            if len(self.orders) >= 8:  # grain's reader threads work on a few windows at once
+                self.orders.pop(next(iter(self.orders)), None)
+            self.orders[w] = shuffled.reshape(-1)
+        return self.orders[w]
+
+    def map(self, index) -> dict:
+        w, row = divmod(int(index), self.window)
+        if (w + 1) * self.window > len(self.records):
+            return self.records[int(index)]
+        return self.records[w * self.window + int(self.order(w)[row])]
+
+
 class AttachTaps(grain.transforms.Map):
     """Adds the cached taps [seq_len, F] of the element's record (by its source `index`) from a
     `tap_cache.TapCache`."""
@@ -318,10 +354,13 @@ def batched_dataset(
     shard_index: int = 0,
     shard_count: int = 1,
     bucket_tokens: int = 0,
+    group_batches: int = 0,
 ) -> grain.MapDataset:
     """Shuffled, repeated, padded, anchor-sampled (with cached taps attached when `tap_cache` is
     a TapCache), batched and, with `bucket_tokens` > 0, each batch cropped to its bucket
-    (module docstring); len() is the number of steps.
+    (module docstring); len() is the number of steps. `group_batches` G > 0: records of
+    similar length are batched together (`GroupedRecord`: within each window of G batches),
+    so that the crop cuts more.
 
     Several processes: with shard_count > 1 each element holds only rows
     [shard_index*n, (shard_index+1)*n) of the global batch (n = batch_size / shard_count), and
@@ -336,6 +375,9 @@ def batched_dataset(
             f"shards (shard {shard_index})"
         )
     records = train.shuffle(seed=seed).repeat(num_epochs)
+    if group_batches:
+        grouped = GroupedRecord(records, batch_size, group_batches, seq_len, seed)
+        records = grain.MapDataset.range(len(records)).map(grouped)
     ds = records.random_map(PadAndSampleAnchors(seq_len, num_anchors), seed=seed)
     if tap_cache is not None:
         ds = ds.map(AttachTaps(tap_cache))
