@@ -632,7 +632,8 @@ def train(
             profiler.before(step)
             batch = next(data_iter)
             shape = (batch["tokens"].shape[1], batch["anchors"].shape[1])  # its bucket
-            if shape not in shapes:
+            compiles = shape not in shapes
+            if compiles:
                 shapes.add(shape)
                 logging.info("step %d: batch shape %s (tokens, anchors) compiles the step", step,
                              shape)  # fmt: skip
@@ -655,8 +656,9 @@ def train(
             ):
                 _check_finite(unchecked, cfg.nonfinite, manager, bar)
                 unchecked = []
-            if step == start + 1:
-                # The first step compiles: keep it out of the throughput.
+            if compiles:
+                # The first step, and the first of each new batch shape, compile: keep them out
+                # of the throughput (the host waits for these steps only).
                 jax.block_until_ready(metrics)
                 timed_steps, t0 = -1, time.perf_counter()
                 throughput.reset()
