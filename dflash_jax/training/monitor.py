@@ -11,8 +11,8 @@
   N x block queries, their attention to the context before each anchor, S/2 on average, and
   to the block), and the frozen lm_head's forward and input gradient over the queries.
   Dense MLPs (a MoE target is counted with its active experts); the sampled softmax
-  (`vocab_negatives`) is counted as the full vocabulary. Padding counts: the rows are
-  padded to `seq_len`.
+  (`vocab_negatives`) is counted as the full vocabulary. Padding counts: the trainer
+  counts each step at its batch's shape (`seq_len` x anchors after the bucket crop, data.py).
 * `peak_flops`: the accelerator's dense bf16 peak per chip, from its device kind (a table of
   vendor figures); None where unknown (CPU): then `config.peak_tflops` names it, else no MFU.
   MFU = step_flops / step time / (peak x devices).
