@@ -301,16 +301,24 @@ class GroupedRecord(grain.transforms.Map):
         self.orders: dict[int, np.ndarray] = {}
 
     def order(self, w: int) -> np.ndarray:
-        if w not in self.orders:
+        """Window w's rows in their grouped order: int [group_batches * batch_size]."""
+        order = self.orders.get(w)
+        if order is None:
             start = w * self.window
             lengths = [len(self.records[start + j]["tokens"]) for j in range(self.window)]
             by_length = np.argsort(np.minimum(lengths, self.seq_len), kind="stable")
             batches = by_length.reshape(self.group_batches, self.batch_size)
-            shuffled = batches[np.random.default_rng((self.seed, w)).permutation(len(batches))]
-            if len(self.orders) >= 8:  # grain's reader threads work on a few windows at once
-                self.orders.pop(next(iter(self.orders)), None)
-            self.orders[w] = shuffled.reshape(-1)
-        return self.orders[w]
+            order = batches[np.random.default_rng((self.seed, w)).permutation(len(batches))]
+            order = order.reshape(-1)
+            # grain's reader threads work on a few windows at once; a lost race only means a
+            # window's order (a function of w) is computed again.
+            try:
+                while len(self.orders) >= 8:
+                    self.orders.pop(next(iter(self.orders)), None)
+            except (RuntimeError, StopIteration):
+                pass
+            self.orders[w] = order
+        return order
 
     def map(self, index) -> dict:
         w, row = divmod(int(index), self.window)
