@@ -209,7 +209,7 @@ def test_batches_are_cropped_to_their_bucket_on_any_process_count(tmp_path):
     assert tokens < sum(b["tokens"].shape[1] for b in cropped)
 
 
-@pytest.mark.slow  # ~15 CPU s: two gradient compiles
+@pytest.mark.slow  # 7-50 s on the shared 2-core machine: two gradient compiles
 def test_bucketed_batch_and_remat_keep_the_loss_and_gradient(tiny_target):
     """Only this guards that a batch cropped to its bucket (config.bucket_tokens) and drafter
     layers under remat (config.remat) keep the loss and gradients: the cropped batch under
