@@ -143,6 +143,111 @@ def test_forced_acceptance_counts_leading_hits_of_full_blocks_only():
     assert stats["forced_accepted"] == 3
 
 
+# --- bucketed batches ----------------------------------------------------------------------
+
+
+def _short_records(path, lengths, prompt_len=3):
+    rng = np.random.default_rng(5)
+    data.write_shard(path, [
+        {"tokens": rng.integers(2, 64, n).tolist(), "loss_mask": [0] * prompt_len
+         + [1] * (n - prompt_len), "source": "t", "prompt": str(i)}
+        for i, n in enumerate(lengths)
+    ])  # fmt: skip
+    return data.split_holdout(data.record_source([str(path)]), 1, 0)[0]
+
+
+def test_batches_are_cropped_to_their_bucket_on_any_process_count(tmp_path):
+    """bucket_tokens: each batch is the seq_len-padded batch with only padding cut (tokens past
+    every row's length, anchor slots no row fills), to the bucket `bucket_shape` names; the
+    processes of a 2-process run crop their rows of a global batch alike."""
+    lengths = [6, 9, 12, 30, 7, 8, 5, 11, 40, 13, 6, 10, 9]
+    train = _short_records(tmp_path / "d.jsonl", lengths)
+    sizes = dict(seq_len=48, num_anchors=32, batch_size=4, num_epochs=2, seed=3)
+    listed = lambda ds: [ds[k] for k in range(len(ds))]  # each batch read once
+    full = listed(data.batched_dataset(train, **sizes))
+    cropped = listed(data.batched_dataset(train, **sizes, bucket_tokens=8))
+    halves = [
+        listed(data.batched_dataset(train, **sizes, bucket_tokens=8, shard_index=i, shard_count=2))
+        for i in (0, 1)
+    ]
+    assert len(full) == len(cropped) == len(halves[0]) == 6
+    shapes = set()
+    for k in range(len(full)):
+        whole, crop = full[k], cropped[k]
+        s, n = crop["tokens"].shape[1], crop["anchors"].shape[1]
+        valid = whole["anchor_valid"].sum(1).max()
+        assert (s, n) == data.bucket_shape(whole["length"].max(), valid, 48, 32, 8)
+        assert s % 8 == 0 and s >= whole["length"].max() and n >= valid
+        shapes.add((s, n))
+        for key, cut in (("tokens", s), ("loss_mask", s), ("anchors", n), ("anchor_valid", n)):
+            np.testing.assert_array_equal(crop[key], whole[key][:, :cut])
+        assert not whole["tokens"][:, s:].any() and not whole["anchor_valid"][:, n:].any()
+        parts = [h[k] for h in halves]
+        for key in crop:
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), crop[key])
+    assert len(shapes) > 1 and min(shapes) < (48, 32)  # some batches were cut: the test can fail
+    assert data.bucket_shape(30, 20, 48, 32, 0) == (48, 32)  # 0: no bucketing
+    # group_batches: each window of 3 batches holds the same records, sorted by length into
+    # batches (taken in a random order), so the crops are shorter; 2 processes still agree.
+    grouped = listed(data.batched_dataset(train, **sizes, bucket_tokens=8, group_batches=3))
+    split = [
+        listed(data.batched_dataset(
+            train, **sizes, bucket_tokens=8, group_batches=3, shard_index=i, shard_count=2
+        ))
+        for i in (0, 1)
+    ]  # fmt: skip
+    for k in (0, 3):
+        window = grouped[k : k + 3]
+        ids = sorted(i for batch in window for i in batch["index"].tolist())
+        assert ids == sorted(i for b in range(k, k + 3) for i in full[b]["index"].tolist())
+        spans = sorted((b["length"].min(), b["length"].max()) for b in window)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    for k, batch in enumerate(grouped):
+        for key in batch:
+            np.testing.assert_array_equal(np.concatenate([h[k][key] for h in split]), batch[key])
+    tokens = sum(b["tokens"].shape[1] for b in grouped)
+    assert tokens < sum(b["tokens"].shape[1] for b in cropped)
+
+
+@pytest.mark.slow  # 7-50 s on the shared 2-core machine: two gradient compiles
+def test_bucketed_batch_and_remat_keep_the_loss_and_gradient(tiny_target):
+    """Only this guards that a batch cropped to its bucket (config.bucket_tokens) and drafter
+    layers under remat (config.remat) keep the loss and gradients: the cropped batch under
+    remat gives those of the seq_len-padded batch without it (one compile each); remat is in
+    the program (a checkpoint in its jaxpr)."""
+    from dflash_jax.training.step import drafter_loss
+
+    lengths = [14, 9, 20, 12, 17]
+    cfg = train_config("", seq_len=48, num_anchors=32)
+    dcfg = trainer.drafter_config_for(cfg, TINY_TARGET)
+    pad = data.PadAndSampleAnchors(cfg.seq_len, cfg.num_anchors)
+    rng = np.random.default_rng(1)
+    rows = [
+        pad.random_map(data.record_element({"tokens": rng.integers(2, 64, n).tolist(),
+                                            "loss_mask": [0] * 3 + [1] * (n - 3)}, i), rng)
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    full = {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "index"}
+    crop = data.CropToBucket(cfg.seq_len, cfg.num_anchors, 8).map(full)
+    assert crop["tokens"].shape == (5, 24) and crop["anchors"].shape == (5, 32 // 2)
+    params = init_drafter_params(dcfg, jax.random.key(0))
+    weights = jnp.asarray(position_weights(cfg.block_size, cfg.loss_gamma))
+
+    def loss(params, batch, remat):
+        return drafter_loss(
+            params, tiny_target.params, batch, target_config=TINY_TARGET, drafter_config=dcfg,
+            weights_j=weights, ce_chunk_rows=16, remat=remat,
+        )[0]  # fmt: skip
+
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=2)
+    want, want_g = grad(params, full, False)
+    got, got_g = grad(params, crop, True)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=2)(params, crop, True))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
 # --- end to end ----------------------------------------------------------------------------
 
 
@@ -213,20 +318,24 @@ def test_tiny_run_learns_and_exports(tmp_path, tiny_target):
 @pytest.mark.slow
 def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypatch):
     """A run killed after its step-4 checkpoint, and one stopped by SIGTERM, each rerun: the
-    losses of an uninterrupted run, bit for bit."""
+    losses of an uninterrupted run, bit for bit. Its batches are bucketed (config.bucket_tokens:
+    rows of 20..32 tokens cropped to 24, 28 or 32): the crop is deterministic and resumes."""
     corpus(tmp_path / "data.jsonl")
     cfg = train_config(
-        tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3
-    )
+        tmp_path / "data.jsonl", num_steps=12, checkpoint_every=4, learning_rate=3e-3,
+        bucket_tokens=4,
+    )  # fmt: skip
     trainer.train(cfg, tmp_path / "straight")
 
     real = trainer.train_step
     calls = iter(range(1, 100))
+    lengths = set()
 
-    def dies_at_step_7(*args, **kwargs):
+    def dies_at_step_7(state, target_params, batch, **kwargs):
+        lengths.add(batch["tokens"].shape[1])
         if next(calls) == 7:  # after the checkpoint at 4 and the log lines of 5 and 6
             raise Killed()
-        return real(*args, **kwargs)
+        return real(state, target_params, batch, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", dies_at_step_7)
     with pytest.raises(Killed):
@@ -237,6 +346,7 @@ def test_resume_after_kill_reproduces_the_losses(tmp_path, tiny_target, monkeypa
     straight, resumed = logged_losses(tmp_path / "straight"), logged_losses(tmp_path / "killed")
     assert list(resumed) == list(range(1, 13))
     assert resumed == straight  # bit-identical, steps 5..12 included
+    assert len(lengths) > 1 and max(lengths) <= 32, lengths  # several buckets ran
 
     # SIGTERM during step 6 (no checkpoint due before 8): the step finishes, a checkpoint of it
     # is written, train returns saying so (no export: that waits for the end); the rerun

@@ -108,6 +108,43 @@ def test_init_from_target_refuses_other_shapes():
         )
 
 
+def test_every_start_keeps_fp32_master_weights_and_adam_state():
+    """Under a bf16 compute dtype with a bf16 target, the train state of a fresh run, of
+    init_from_target and of init_norm_from_target, and the state a resume or
+    init_from_checkpoint restores into, hold fp32 params and Adam moments (issue 56: warm
+    starts cast them to bf16; init_from is checked in
+    test_warm_start_loads_an_exported_drafters_params)."""
+    from types import SimpleNamespace
+
+    from dflash_jax.training import checkpoint
+    from dflash_jax.training.step import OptimizerConfig
+
+    # Shapes and dtypes only (jax.eval_shape): nothing is compiled or computed.
+    target_params = jax.eval_shape(
+        lambda: jax.tree.map(
+            lambda x: x.astype(jnp.bfloat16), init_params(QWEN_TARGET, jax.random.key(0))
+        )
+    )
+    dcfg = dataclasses.replace(_drafter(2, (1, 2)), dtype="bfloat16")
+    optimizer = OptimizerConfig(1e-3, 1, 10, 0.9, 0.999, 1e-8, 0.0, 1.0)
+    floats = lambda state: {
+        x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
+    }
+    assert floats(target_params) == {jnp.dtype("bfloat16")}
+    for start in ({"init_from_target": True}, {"init_norm_from_target": True}, {}):
+        cfg = train_config("", compute_dtype="bfloat16", **start)
+        state = jax.eval_shape(
+            lambda params, cfg=cfg: trainer.initial_state(
+                cfg, dcfg, SimpleNamespace(config=QWEN_TARGET, params=params), optimizer, None
+            ),
+            target_params,
+        )
+        assert floats(state) == {jnp.dtype("float32")}, start
+        assert len(jax.tree.leaves(state["opt_state"])) > 2 * len(jax.tree.leaves(state["params"]))
+    if_restored = checkpoint.abstract_state(dcfg, optimizer)  # resume, init_from_checkpoint
+    assert floats(if_restored) == {jnp.dtype("float32")}
+
+
 @pytest.fixture
 def tiny_target(monkeypatch):
     target = LoadedTarget(

@@ -122,17 +122,31 @@ class DrafterLayer(nn.Module):
         return x_bqd + self.mlp_conv.finish(self.mlp(y_bqd), mlp_dyn, block_size)
 
 
+# DrafterLayer.__call__'s static arguments (block_size, causal, window), counting self as 0.
+LAYER_STATIC_ARGNUMS = (8, 9, 10)
+
+
 class Drafter(nn.Module):
-    """Params: fc{kernel [F,D]}, hidden_norm, layers_{i}{...}, norm. See module docstring."""
+    """Params: fc{kernel [F,D]}, hidden_norm, layers_{i}{...}, norm. See module docstring.
+
+    `remat` (training, `config.remat`): each layer's activations are recomputed in the backward
+    pass instead of kept (`nn.remat`): the same params, values and gradients, a layer's
+    activations live only while it runs, for one more forward of the layers."""
 
     config: DrafterConfig
+    remat: bool = False
 
     def setup(self):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         self.fc = nn.Dense(c.hidden_size, use_bias=False, dtype=dtype, dot_general=dots.dot_general)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, dtype)
-        self.layers = [DrafterLayer(c) for _ in range(c.num_layers)]
+        layer = (
+            nn.remat(DrafterLayer, static_argnums=LAYER_STATIC_ARGNUMS)
+            if self.remat
+            else DrafterLayer
+        )
+        self.layers = [layer(c) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dtype)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 

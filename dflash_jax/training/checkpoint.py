@@ -65,7 +65,15 @@ _MODEL_FIELDS = {
 }  # fmt: skip
 # ... and the data's order and shape (the saved iterator position indexes this data, split and
 # batched this way). num_steps and the optimizer settings may change between reruns.
-_DATA_FIELDS = ("data", "seq_len", "num_anchors", "batch_size", "seed", "num_eval_prompts")
+_DATA_FIELDS = (
+    "data",
+    "seq_len",
+    "num_anchors",
+    "batch_size",
+    "seed",
+    "num_eval_prompts",
+    "group_batches",
+)
 
 
 def checkpoint_manager(workdir: str | os.PathLike, max_to_keep: int) -> ocp.CheckpointManager:

@@ -8,8 +8,23 @@ files of JSON-encoded records, or `.jsonl` with the same JSON on each line.
 Pipeline (deterministic, checkpointable with the iterator state):
   records -> hold out `num_eval` -> shuffle(seed, reshuffled each epoch) -> repeat(epochs)
   -> pad/truncate to seq_len + sample anchors (rng from seed and the global element index, so
-  anchors differ every epoch) -> batch(drop_remainder=True).
+  anchors differ every epoch) -> batch(drop_remainder=True) -> crop to the batch's bucket.
 Rows are padded, not packed: packing would let a block see another conversation's context.
+
+Bucketing (`bucket_tokens` > 0): each global batch is cropped to its longest row rounded up to a
+multiple of `bucket_tokens` (at most seq_len), and its anchor slots to the most valid anchors
+any of its rows has, rounded up to a power of two (at most num_anchors), as SpecForge sizes a
+batch by its longest row and its rows' anchor counts. Only padding is cut: a row's tokens past
+its length and its invalid anchor slots (`anchors.sample_anchors` puts them last) never reach
+the loss, and the target is causal, so a cropped batch's loss is the padded batch's. The crop
+is a function of the global batch's records alone: deterministic, the same on any process
+count, and nothing to save with the iterator. Each (tokens, anchors) shape compiles the step
+once: at most (seq_len / bucket_tokens) x log2(num_anchors) programs, far fewer in practice.
+One long row sets a batch's length, so the crop cuts little from batches of rows drawn at
+random; length grouping (`group_batches` G > 0) batches records of similar length: each window
+of G batches' records (in the shuffled stream) is sorted by length, cut into batches, and those
+batches are taken in a random order. Still deterministic (a function of the seed and the
+records), the same on any process count, and every record is read once per epoch as before.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from dflash_jax.io import jsonl, paths
-from dflash_jax.training.anchors import sample_anchors
+from dflash_jax.training.anchors import anchor_candidates, sample_anchors
 
 ARRAY_RECORD_SUFFIX = ".array_record"
 JSONL_SUFFIX = ".jsonl"
@@ -208,6 +223,110 @@ class PadAndSampleAnchors(grain.transforms.RandomMap):
         }
 
 
+def bucket_shape(
+    max_length: int, max_anchors: int, seq_len: int, num_anchors: int, bucket_tokens: int
+) -> tuple[int, int]:
+    """(tokens, anchor slots) a batch is cropped to (module docstring): its longest row rounded
+    up to a multiple of `bucket_tokens` (at most seq_len), its most valid anchors rounded up to
+    a power of two (at most num_anchors); (seq_len, num_anchors) when `bucket_tokens` is 0."""
+    if not bucket_tokens:
+        return seq_len, num_anchors
+    tokens = min(seq_len, bucket_tokens * max(1, -(-int(max_length) // bucket_tokens)))
+    anchors = min(num_anchors, 1 << max(0, int(max_anchors) - 1).bit_length())
+    return tokens, anchors
+
+
+class RowExtent(grain.transforms.Map):
+    """A parsed record -> int64 [2]: its (length, valid anchors) once padded to `seq_len`, what
+    its row needs of a batch's shape (anchors are sampled from min(num_anchors, candidates))."""
+
+    def __init__(self, seq_len: int, num_anchors: int):
+        self.seq_len, self.num_anchors = seq_len, num_anchors
+
+    def map(self, element: dict) -> np.ndarray:
+        length = min(len(element["tokens"]), self.seq_len)
+        candidates = anchor_candidates(np.asarray(element["loss_mask"][:length]), length)
+        return np.array([length, min(self.num_anchors, candidates.size)])
+
+
+def crop_batch(batch: dict, tokens: int, anchors: int) -> dict:
+    """`batch` with its token axis cut to `tokens` (tokens, loss_mask, taps) and its anchor axis
+    to `anchors` (anchors, anchor_valid)."""
+    out = dict(batch)
+    for key in ("tokens", "loss_mask", "taps"):
+        if key in out:
+            out[key] = out[key][:, :tokens]
+    for key in ("anchors", "anchor_valid"):
+        out[key] = out[key][:, :anchors]
+    return out
+
+
+class CropToBucket(grain.transforms.Map):
+    """A batch (all of the global batch's rows: one process) cropped to its `bucket_shape`."""
+
+    def __init__(self, seq_len: int, num_anchors: int, bucket_tokens: int):
+        self.sizes = (seq_len, num_anchors, bucket_tokens)
+
+    def map(self, batch: dict) -> dict:
+        valid = int(np.max(np.sum(batch["anchor_valid"], axis=1)))
+        shape = bucket_shape(int(np.max(batch["length"])), valid, *self.sizes)
+        return crop_batch(batch, *shape)
+
+
+class CropShard(grain.transforms.Map):
+    """Step k -> this process's part of global batch k (`local[k]`), cropped to the global
+    batch's `bucket_shape`, which the global batch's row extents (`extents[k]`, [rows, 2])
+    give: every process crops its rows alike without seeing the others' arrays."""
+
+    def __init__(self, local, extents, seq_len: int, num_anchors: int, bucket_tokens: int):
+        self.local, self.extents = local, extents
+        self.sizes = (seq_len, num_anchors, bucket_tokens)
+
+    def map(self, step) -> dict:
+        step = int(step)
+        longest, valid = np.max(np.asarray(self.extents[step]), axis=0)
+        return crop_batch(self.local[step], *bucket_shape(longest, valid, *self.sizes))
+
+
+class GroupedRecord(grain.transforms.Map):
+    """Index i of the record stream -> the record that length grouping puts there: the stream
+    in windows of `group_batches` batches, each window's records sorted by length and cut into
+    batches, the batches in a random order (from `seed` and the window); a last partial window
+    keeps its order. A window's order is computed from its records' lengths once and cached."""
+
+    def __init__(self, records, batch_size: int, group_batches: int, seq_len: int, seed: int):
+        self.records, self.seq_len, self.seed = records, seq_len, seed
+        self.batch_size, self.group_batches = batch_size, group_batches
+        self.window = batch_size * group_batches
+        self.orders: dict[int, np.ndarray] = {}
+
+    def order(self, w: int) -> np.ndarray:
+        """Window w's rows in their grouped order: int [group_batches * batch_size]."""
+        order = self.orders.get(w)
+        if order is None:
+            start = w * self.window
+            lengths = [len(self.records[start + j]["tokens"]) for j in range(self.window)]
+            by_length = np.argsort(np.minimum(lengths, self.seq_len), kind="stable")
+            batches = by_length.reshape(self.group_batches, self.batch_size)
+            order = batches[np.random.default_rng((self.seed, w)).permutation(len(batches))]
+            order = order.reshape(-1)
+            # grain's reader threads work on a few windows at once; a lost race only means a
+            # window's order (a function of w) is computed again.
+            try:
+                while len(self.orders) >= 8:
+                    self.orders.pop(next(iter(self.orders)), None)
+            except (RuntimeError, StopIteration):
+                pass
+            self.orders[w] = order
+        return order
+
+    def map(self, index) -> dict:
+        w, row = divmod(int(index), self.window)
+        if (w + 1) * self.window > len(self.records):
+            return self.records[int(index)]
+        return self.records[w * self.window + int(self.order(w)[row])]
+
+
 class AttachTaps(grain.transforms.Map):
     """Adds the cached taps [seq_len, F] of the element's record (by its source `index`) from a
     `tap_cache.TapCache`."""
@@ -242,9 +361,14 @@ def batched_dataset(
     tap_cache=None,
     shard_index: int = 0,
     shard_count: int = 1,
+    bucket_tokens: int = 0,
+    group_batches: int = 0,
 ) -> grain.MapDataset:
     """Shuffled, repeated, padded, anchor-sampled (with cached taps attached when `tap_cache` is
-    a TapCache) and batched; len() is the number of steps.
+    a TapCache), batched and, with `bucket_tokens` > 0, each batch cropped to its bucket
+    (module docstring); len() is the number of steps. `group_batches` G > 0: records of
+    similar length are batched together (`GroupedRecord`: within each window of G batches),
+    so that the crop cuts more.
 
     Several processes: with shard_count > 1 each element holds only rows
     [shard_index*n, (shard_index+1)*n) of the global batch (n = batch_size / shard_count), and
@@ -258,19 +382,26 @@ def batched_dataset(
             f"a batch of {batch_size} rows cannot be split into {shard_count} equal process "
             f"shards (shard {shard_index})"
         )
-    ds = (
-        train.shuffle(seed=seed)
-        .repeat(num_epochs)
-        .random_map(PadAndSampleAnchors(seq_len, num_anchors), seed=seed)
-    )
+    records = train.shuffle(seed=seed).repeat(num_epochs)
+    if group_batches:
+        grouped = GroupedRecord(records, batch_size, group_batches, seq_len, seed)
+        records = grain.MapDataset.range(len(records)).map(grouped)
+    ds = records.random_map(PadAndSampleAnchors(seq_len, num_anchors), seed=seed)
     if tap_cache is not None:
         ds = ds.map(AttachTaps(tap_cache))
     ds = ds.batch(batch_size // shard_count, drop_remainder=True)
-    if shard_count > 1:
-        # Local batch k*count + index is this process's part of global batch k.
-        steps = len(ds) // shard_count
-        ds = ds[: steps * shard_count][shard_index::shard_count]
-    return ds
+    if shard_count == 1:
+        return ds.map(CropToBucket(seq_len, num_anchors, bucket_tokens)) if bucket_tokens else ds
+    # Local batch k*count + index is this process's part of global batch k.
+    steps = len(ds) // shard_count
+    ds = ds[: steps * shard_count][shard_index::shard_count]
+    if not bucket_tokens:
+        return ds
+    # The crop needs the whole global batch's extents: this process parses the other rows'
+    # records too (their lengths and loss masks only; no anchors, taps or device arrays).
+    extents = records.map(RowExtent(seq_len, num_anchors)).batch(batch_size, drop_remainder=True)
+    crop = CropShard(ds, extents, seq_len, num_anchors, bucket_tokens)
+    return grain.MapDataset.range(steps).map(crop)
 
 
 def seek(data_iter: grain.DatasetIterator, step: int) -> None:

@@ -11,8 +11,8 @@
   N x block queries, their attention to the context before each anchor, S/2 on average, and
   to the block), and the frozen lm_head's forward and input gradient over the queries.
   Dense MLPs (a MoE target is counted with its active experts); the sampled softmax
-  (`vocab_negatives`) is counted as the full vocabulary. Padding counts: the rows are
-  padded to `seq_len`.
+  (`vocab_negatives`) is counted as the full vocabulary. Padding counts: the trainer
+  counts each step at its batch's shape (`seq_len` x anchors after the bucket crop, data.py).
 * `peak_flops`: the accelerator's dense bf16 peak per chip, from its device kind (a table of
   vendor figures); None where unknown (CPU): then `config.peak_tflops` names it, else no MFU.
   MFU = step_flops / step time / (peak x devices).
@@ -108,11 +108,19 @@ def step_flops(
 
 class Throughput:
     """Tokens/s and MFU of a summary window: `figures(steps, seconds)` -> {"tokens_per_s",
-    "model_tflops_per_s", "mfu"} (mfu None without a peak)."""
+    "model_tflops_per_s", "mfu"} (mfu None without a peak). `flops` is a full-size step's
+    (`step_flops` at `seq_len`); with `shape_flops(seq_len, anchors)` the window's steps count
+    at the shapes `add` was told (bucketed batches, data.py), else at full size. Tokens are the
+    batch's `rows` x its (cropped) length: padding inside a bucket counts, padding cut does
+    not."""
 
-    def __init__(self, flops: dict, tokens_per_step: int, peak_tflops: float = 0.0):
+    def __init__(
+        self, flops: dict, rows: int, seq_len: int, peak_tflops: float = 0.0, shape_flops=None
+    ):
         self.flops = flops
-        self.tokens_per_step = tokens_per_step
+        self.rows, self.seq_len = rows, seq_len
+        self.shape_flops = shape_flops
+        self.window: list[tuple[int, int]] = []  # (seq_len, anchors) of the window's steps
         peak = (peak_tflops * 1e12, "config.peak_tflops") if peak_tflops else peak_flops()
         self.devices = jax.device_count()
         self.peak = None if peak is None else peak[0] * self.devices
@@ -125,12 +133,27 @@ class Throughput:
             flops["total"], flops["target"], flops["drafter"], flops["lm_head"], where,
         )  # fmt: skip
 
+    def add(self, seq_len: int, anchors: int) -> None:
+        """A timed step of batch shape (seq_len, anchors)."""
+        self.window.append((seq_len, anchors))
+
+    def reset(self) -> None:
+        self.window = []
+
     def figures(self, steps: int, seconds: float) -> dict:
         if not steps or seconds <= 0:
             return {"tokens_per_s": None, "model_tflops_per_s": None, "mfu": None}
-        rate = self.flops["total"] * steps / seconds
+        window = self.window if len(self.window) == steps else [(self.seq_len, 0)] * steps
+        per_shape: dict = {}
+        for shape in window:
+            if shape not in per_shape:
+                full = self.shape_flops is None or shape[1] == 0
+                per_shape[shape] = self.flops["total"] if full else self.shape_flops(*shape)
+        flops = sum(per_shape[shape] for shape in window)
+        tokens = sum(self.rows * length for length, _ in window)
+        rate = flops / seconds
         return {
-            "tokens_per_s": self.tokens_per_step * steps / seconds,
+            "tokens_per_s": tokens / seconds,
             "model_tflops_per_s": rate / 1e12,
             "mfu": rate / self.peak if self.peak else None,
         }

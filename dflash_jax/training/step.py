@@ -174,6 +174,7 @@ def drafter_loss(
     distill_weight: float = 0.5,
     loss_gamma: float = 0.0,
     confidence_loss_weight: float = 1.0,
+    remat: bool = False,
 ):
     """One batch: tokens/loss_mask [B,S], length [B], anchors/anchor_valid [B,N], and taps
     [B,S,F] when they are cached. -> (loss, {"correct", "count"} per slot k = 1..J-1, and for a
@@ -183,7 +184,8 @@ def drafter_loss(
     position are soft labels and exact candidates (`loss.distill_cross_entropy`).
     A DSpark drafter (online taps: the whole target runs for its logits) takes
     `dspark_loss.dspark_loss` instead, with decay `loss_gamma` and the confidence term's weight
-    `confidence_loss_weight`."""
+    `confidence_loss_weight`. `remat`: the drafter's layers recompute their activations in
+    the backward (`Drafter.remat`)."""
     tokens_bs = batch["tokens"]
     b, s = tokens_bs.shape
     block_size = drafter_config.block_size
@@ -225,7 +227,7 @@ def drafter_loss(
     anchors_bn = batch["anchors"]
     block_tokens_bq = block_inputs(tokens_bs, anchors_bn, block_size, drafter_config.mask_token_id)
     x_bqd = embed_block(target_params, target_config, drafter_config, block_tokens_bq)
-    hidden_bqd = Drafter(drafter_config).apply(
+    hidden_bqd = Drafter(drafter_config, remat=remat).apply(
         {"params": params},
         taps_bsf.astype(x_bqd.dtype),
         x_bqd,
@@ -314,13 +316,15 @@ def _train_step(
     distill_weight: float = 0.5,
     confidence_loss_weight: float = 1.0,
     grad_accum_steps: int = 1,
+    remat: bool = False,
 ):
     """-> (state, metrics). `state` is {"step", "params", "opt_state"} (donated); only the
     drafter params receive gradients, the target params are a plain input. Sampled negatives
     come from a key folded from the step, so a resumed run draws the same ones.
     `grad_accum_steps` k > 1: the batch's rows in k micro-batches (rows i, i+k, ...: each
     spread over every device of the batch axes), one after another (`lax.scan`, so that only
-    one micro-batch's activations are live), gradients averaged (`_accumulated`).
+    one micro-batch's activations are live), gradients averaged (`_accumulated`). `remat`:
+    the drafter's layers recompute their activations in the backward (`Drafter.remat`).
 
     A step whose loss or gradient is not finite leaves params and optimizer state as they
     were (the step counter still advances, with the data) and reports `finite = False`; the
@@ -346,6 +350,7 @@ def _train_step(
             distill_weight=distill_weight,
             loss_gamma=loss_gamma,
             confidence_loss_weight=confidence_loss_weight,
+            remat=remat,
         )
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -415,6 +420,7 @@ STEP_SETTINGS = (
     "distill_weight",
     "confidence_loss_weight",
     "grad_accum_steps",
+    "remat",
 )
 train_step = jax.jit(_train_step, static_argnames=STEP_SETTINGS, donate_argnums=0)
 _ON_MESH: dict = {}

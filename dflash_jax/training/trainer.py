@@ -18,6 +18,7 @@ a CPU run is ~3x faster per step. On accelerators, where caching costs 40 KiB/to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -98,6 +99,15 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.block_size = 16
     cfg.seq_len = 3072
     cfg.num_anchors = 512
+    # > 0: each batch is cropped to its longest row rounded up to a multiple of this (at most
+    # seq_len) and its anchor slots to its rows' most valid anchors rounded up to a power of two
+    # (at most num_anchors): only padding is cut, the loss is the same (data.py). Each shape
+    # compiles the step once. 0: every batch padded to seq_len x num_anchors.
+    cfg.bucket_tokens = 256
+    # G > 0: batch records of similar length together (within each window of G batches of the
+    # shuffled records, sorted by length), so that the crop above cuts more (data.py). 0: rows
+    # drawn at random.
+    cfg.group_batches = 0
     cfg.loss_gamma = 0.0  # 0: the published value (DFlash: 7 for block 16; DSpark: 4.0)
     cfg.ce_chunk_rows = 2048
     # 0: CE over the full vocabulary (the paper). M > 0: a sampled softmax over the batch's
@@ -143,6 +153,9 @@ def default_config() -> ml_collections.ConfigDict:
     # k > 1: each step's batch in k micro-batches of batch_size / k rows, one after another,
     # gradients averaged (step.py): a batch's activations at a k-th of the memory.
     cfg.grad_accum_steps = 1
+    # Recompute each drafter layer's activations in the backward instead of keeping them
+    # (nn.remat): the same loss and gradients, less memory, ~one more drafter forward per step.
+    cfg.remat = False
     cfg.num_epochs = 6
     cfg.num_steps = 0  # 0: num_epochs over the training records
     cfg.learning_rate = 6e-4
@@ -358,6 +371,9 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
             f"config.grad_accum_steps={accum} must be >= 1 and divide config.batch_size="
             f"{cfg.batch_size}"
         )
+    for key in ("bucket_tokens", "group_batches"):
+        if cfg.get(key, 0) < 0:
+            raise ValueError(f"config.{key} must be >= 0 (0: off), got {cfg[key]}")
     monitor.parse_profile_steps(cfg.get("profile_steps", ""))
     if cfg.taps == "cached" and jax.process_count() > 1:
         raise ValueError(
@@ -439,6 +455,8 @@ def step_settings(cfg, target_config, drafter_config, optimizer) -> dict:
         settings["confidence_loss_weight"] = float(cfg.get("confidence_loss_weight", 1.0))
     if cfg.get("grad_accum_steps", 1) > 1:
         settings["grad_accum_steps"] = int(cfg.grad_accum_steps)
+    if cfg.get("remat", False):
+        settings["remat"] = True
     return settings
 
 
@@ -538,6 +556,8 @@ def train(
         num_epochs=num_epochs,
         seed=cfg.seed,
         tap_cache=cache,
+        bucket_tokens=cfg.get("bucket_tokens", 0),
+        group_batches=cfg.get("group_batches", 0),
         **_process_shard(mesh, cfg.batch_size),
     )
     read_options = grain.ReadOptions(num_threads=cfg.data_threads, prefetch_buffer_size=8)
@@ -574,12 +594,15 @@ def train(
     start = int(state["step"])
     board = monitor.TensorBoard(workdir, start)
     metrics_log = MetricsLog(workdir / METRICS_FILE, start, board)
-    flops = monitor.step_flops(
-        target.config, drafter_config, cfg.batch_size, cfg.seq_len, cfg.num_anchors,
+    flops_at = functools.partial(  # a step's FLOPs at batch shape (seq_len, anchors)
+        monitor.step_flops, target.config, drafter_config, cfg.batch_size,
         whole_target=bool(cfg.distill_top_k) or drafter_config.is_dspark,
         cached_taps=cfg.taps == "cached",
     )  # fmt: skip
-    throughput = monitor.Throughput(flops, cfg.batch_size * cfg.seq_len, cfg.get("peak_tflops", 0))
+    throughput = monitor.Throughput(
+        flops_at(cfg.seq_len, cfg.num_anchors), cfg.batch_size, cfg.seq_len,
+        cfg.get("peak_tflops", 0), lambda *shape: flops_at(*shape)["total"],
+    )  # fmt: skip
     profiler = monitor.Profiler(workdir, cfg.get("profile_steps", ""))
     settings = step_settings(cfg, target.config, drafter_config, optimizer)
     run_step = _stepper(mesh, cfg.batch_size, settings)
@@ -603,10 +626,18 @@ def train(
     stop_request = preemption.StopRequest()
     stopped_at = None
     unchecked: list[tuple[int, dict]] = []  # (step, metrics) the host has not looked at yet
+    shapes: set[tuple[int, int]] = set()  # the batch shapes (buckets) seen: one compile each
     with stop_request:
         for step in range(start + 1, num_steps + 1):
             profiler.before(step)
-            state, metrics = run_step(state, target.params, next(data_iter))
+            batch = next(data_iter)
+            shape = (batch["tokens"].shape[1], batch["anchors"].shape[1])  # its bucket
+            compiles = shape not in shapes
+            if compiles:
+                shapes.add(shape)
+                logging.info("step %d: batch shape %s (tokens, anchors) compiles the step", step,
+                             shape)  # fmt: skip
+            state, metrics = run_step(state, target.params, batch)
             profiler.after(step, metrics)
             window.append(metrics)
             unchecked.append((step, metrics))
@@ -625,10 +656,14 @@ def train(
             ):
                 _check_finite(unchecked, cfg.nonfinite, manager, bar)
                 unchecked = []
-            if step == start + 1:
-                # The first step compiles: keep it out of the throughput.
+            if compiles:
+                # The first step, and the first of each new batch shape, compile: keep them out
+                # of the throughput (the host waits for these steps only).
                 jax.block_until_ready(metrics)
                 timed_steps, t0 = -1, time.perf_counter()
+                throughput.reset()
+            else:
+                throughput.add(*shape)
             timed_steps += 1
             if step % cfg.log_every == 0 or final or stopping:
                 jax.block_until_ready(metrics)
@@ -660,6 +695,7 @@ def train(
             if not window:
                 # Throughput covers train steps only, not evaluation or checkpointing.
                 timed_steps, t0 = 0, time.perf_counter()
+                throughput.reset()
     bar.close()
     board.close()
     manager.wait_until_finished()
