@@ -98,6 +98,7 @@ def test_config_and_params_come_from_dflash_config(pair):
 
 
 @pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_block_logits_and_selector_scores_match_reference(pair, block_size):
     target, drafter, ours_t, ours_d, _ = pair
     rng = np.random.default_rng(block_size)
@@ -310,6 +311,7 @@ _WALK = selector.walk
     "broken",
     [False, pytest.param(True, marks=pytest.mark.slow)],  # the control: CI runs it
 )
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_sampled_dflash2_proposals_are_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second comes from the
     rejection step over the selector's candidates) matches the target's exact law; a rejection

@@ -88,6 +88,7 @@ def with_confidence(dp, scale, shift):
     return dp | {"confidence_head": {"proj": {"kernel": scale * proj["kernel"], "bias": proj["bias"] + shift}}}  # fmt: skip
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_greedy_dspark_decoding_with_a_confidence_cut_equals_autoregressive():
     """A confidence cut (0.5): each step verifies at the narrowest compiled width holding
     every row's kept drafts, and at least two widths run; greedy output stays the target's,
@@ -208,6 +209,7 @@ CUT_SHIFT = -0.6  # 0.5 cuts ~1/6 of the rows before their first draft
     "broken",
     [None, pytest.param("unbiased", marks=pytest.mark.slow)],  # the control: CI runs it
 )
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_sampled_dspark_decoding_is_lossless(broken, monkeypatch):
     """The empirical joint law of the first two generated tokens (the second from the rejection
     step over the walk's first draft, which the Markov head biases by the anchor) matches the

@@ -87,6 +87,7 @@ def test_mesh_programs_lower_with_their_kernels(on_mesh, platform, what):
     _assert_names_its_kernels(lines, platform, what)
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_mesh_programs_lower_with_xla_attention(tiny_config):
     """Without kernels there is nothing GSPMD cannot split: every program lowers on the mesh."""
     code, lines = _lower(tiny_config, f"--mesh={MESH}", "--attention_impl=xla")
@@ -94,6 +95,7 @@ def test_mesh_programs_lower_with_xla_attention(tiny_config):
     assert all(line["ok"] and line["kernels"] == [] for line in lines.values()), lines
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_mesh_failures_are_reported_with_their_cause(tmp_path):
     """A split no kernel can take fails in every line with its cause, and the command exits 1:
     tensor=2 splits a target's 6 query heads but not its 3 KV heads, so a device's 3 query heads

@@ -293,6 +293,7 @@ def _with_draft_vocab(spec_dir: Path, target_dir: Path, ids: np.ndarray, out: Pa
     return out
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_a_draft_vocabulary_drafts_over_its_ids_mapped_to_the_targets(pair, tmp_path):
     """A speculators drafter with a 64-id draft vocabulary (d2t/t2d): teacher-forced logits are
     the full-vocabulary drafter's at those ids and -inf elsewhere; greedy drafts and samples
