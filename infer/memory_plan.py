@@ -158,6 +158,7 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         )
     shape = aot.shape_from_flags(FLAGS)
     ops_platform.TARGET = FLAGS.platform  # traced as for that run (its kernels, its barriers)
+    ops_platform.CPU_COMPILES = True  # compiled here: XLA:CPU's 16-bit workarounds apply
     start, advance = aot.speculative_programs(
         cfg, mesh, shape, FLAGS.attention_impl, FLAGS.platform
     )

@@ -1,7 +1,8 @@
 """The XLA attention forms the decode loop uses equal the dense reference: attending to the old
 cache plus the new block (`append_attention`), cutting the cache to its live width
 (`dispatch.live_window`), at window boundaries and with ragged rows, and a sliding layer's block
-drafted over its window's slots only (`dispatch.window_slice`)."""
+drafted over its window's slots only (`dispatch.window_slice`), and a prefill chunk scored in
+key blocks (`blocked_append_attention`)."""
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,41 @@ def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     want = xla.attention(q, written_k, written_v, xla.causal_cache_mask(lengths, t, 40))
     got = xla.append_attention(q, k, v, k_new, v_new, lengths)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_prefill_chunk_scores_the_cache_in_blocks_to_the_same_result():
+    """`blocked_append_attention` (a prefill chunk's XLA attention: T x block scores, not
+    T x S) equals `append_attention`: rows with an empty cache, a length on a block boundary
+    and one inside the last block, shifted back to fit the buffer (40 slots, blocks of 16);
+    a bf16 cache (read as bits on a CPU); and `cached_attention` routes a chunk of
+    `PREFILL_QUERIES` queries over a cache longer than a block to it."""
+    small = _qkv(jax.random.key(3), 3, 5, 4, 2, 40), jnp.array([0, 16, 37])
+    t, s = dispatch.PREFILL_QUERIES, xla.PREFILL_KEY_BLOCK + 8
+    chunk = _qkv(jax.random.key(4), 1, t, 2, 1, s, h=4), jnp.array([s - 3])
+    assert dispatch.prefill_blocked(chunk[0][0], chunk[0][1])
+    assert not dispatch.prefill_blocked(chunk[0][0][:, :16], chunk[0][1])
+
+    @jax.jit
+    def pairs(small, chunk):  # (got, want) pairs, one program
+        (q, k, v, k_new, v_new), lengths = small
+        bf = lambda x: x.astype(jnp.bfloat16)
+        blocked = lambda k, v: xla.blocked_append_attention(
+            q, k, v, k_new, v_new, lengths, key_block=16
+        )
+        (cq, ck, cv, ck_new, cv_new), clengths = chunk
+        return (
+            (blocked(k, v), xla.append_attention(q, k, v, k_new, v_new, lengths)),
+            (blocked(bf(k), bf(v)), xla.append_attention(q, bf(k), bf(v), k_new, v_new, lengths)),
+            (
+                dispatch.cached_attention(
+                    cq, (ck, cv), None, (ck_new, cv_new), clengths, impl="xla"
+                ),
+                xla.append_attention(cq, ck, cv, ck_new, cv_new, clengths),
+            ),
+        )
+
+    for (got, want), atol in zip(pairs(small, chunk), (1e-5, 2e-2, 1e-5), strict=True):
+        np.testing.assert_allclose(got, want, atol=atol)
 
 
 @pytest.mark.slow
