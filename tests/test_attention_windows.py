@@ -154,3 +154,20 @@ def test_a_bounded_draft_context_sees_its_sinks_and_window():
     )
     got = attend(q, k, v, blk_k, blk_v)
     np.testing.assert_allclose(got, dense, atol=1e-5)
+
+
+def test_a_plan_for_a_tpu_scatters_a_bf16_cache_as_bits(monkeypatch):
+    """A TPU program compiled by XLA:CPU for `infer.memory_plan` (`platform.CPU_COMPILES`)
+    writes a bf16 cache as its bits, as the CPU decode does (XLA:CPU widens a bf16 scatter's
+    whole buffer to f32: Qwen3-8B at 32K, 9 GiB the plan counted that no TPU holds); a TPU
+    program traced to run on one keeps its bf16 scatter."""
+    from dflash_jax.ops import platform
+
+    buf = jnp.zeros((1, 2, 8, 4), jnp.bfloat16)
+    new = jnp.ones((1, 2, 3, 4), jnp.bfloat16)
+    # a new function each time: a traced function is cached by its inputs, not by the flags
+    traced = lambda: str(jax.make_jaxpr(lambda *a: write_rows(*a))(buf, new, jnp.array([2])))
+    monkeypatch.setattr(platform, "TARGET", "tpu")
+    assert "bitcast_convert_type" not in traced()
+    monkeypatch.setattr(platform, "CPU_COMPILES", True)
+    assert "bitcast_convert_type" in traced()
