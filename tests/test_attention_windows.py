@@ -39,38 +39,35 @@ def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_a_prefill_chunk_scores_the_cache_in_blocks_to_the_same_result():
-    """`blocked_append_attention` (a prefill chunk's XLA attention: T x block scores, not
-    T x S) equals `append_attention`: rows with an empty cache, a length on a block boundary
-    and one inside the last block, shifted back to fit the buffer (40 slots, blocks of 16);
-    a bf16 cache (read as bits on a CPU); and `cached_attention` routes a chunk of
-    `PREFILL_QUERIES` queries over a cache longer than a block to it."""
-    small = _qkv(jax.random.key(3), 3, 5, 4, 2, 40), jnp.array([0, 16, 37])
-    t, s = dispatch.PREFILL_QUERIES, xla.PREFILL_KEY_BLOCK + 8
-    chunk = _qkv(jax.random.key(4), 1, t, 2, 1, s, h=4), jnp.array([s - 3])
-    assert dispatch.prefill_blocked(chunk[0][0], chunk[0][1])
-    assert not dispatch.prefill_blocked(chunk[0][0][:, :16], chunk[0][1])
+def test_a_prefill_chunk_scores_the_cache_in_blocks_to_the_same_result(monkeypatch):
+    """`cached_attention` routes a prefill chunk (`PREFILL_QUERIES` queries or more, here 4) over
+    a cache longer than a key block (here 16 slots) to `blocked_append_attention` (T x block
+    scores, not T x S), which equals `append_attention`: rows with an empty cache, a length on a
+    block boundary and one inside the last block, shifted back to fit the buffer (40 slots);
+    and with a bf16 cache (read as bits on a CPU)."""
+    monkeypatch.setattr(dispatch, "PREFILL_QUERIES", 4)
+    monkeypatch.setattr(xla, "PREFILL_KEY_BLOCK", 16)
+    rng = np.random.default_rng(3)
+    q, k, v, k_new, v_new = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in [(3, 5, 4, 8), *[(3, 2, 40, 8)] * 2, *[(3, 2, 5, 8)] * 2]
+    )
+    lengths = jnp.array([0, 16, 37])
+    assert dispatch.prefill_blocked(q, k) and not dispatch.prefill_blocked(q[:, :3], k)
 
     @jax.jit
-    def pairs(small, chunk):  # (got, want) pairs, one program
-        (q, k, v, k_new, v_new), lengths = small
+    def pairs(q, k, v, k_new, v_new, lengths):  # (got, want) pairs, one program
         bf = lambda x: x.astype(jnp.bfloat16)
-        blocked = lambda k, v: xla.blocked_append_attention(
-            q, k, v, k_new, v_new, lengths, key_block=16
-        )
-        (cq, ck, cv, ck_new, cv_new), clengths = chunk
+        routed = dispatch.cached_attention(q, (k, v), None, (k_new, v_new), lengths, impl="xla")
         return (
-            (blocked(k, v), xla.append_attention(q, k, v, k_new, v_new, lengths)),
-            (blocked(bf(k), bf(v)), xla.append_attention(q, bf(k), bf(v), k_new, v_new, lengths)),
+            (routed, xla.append_attention(q, k, v, k_new, v_new, lengths)),
             (
-                dispatch.cached_attention(
-                    cq, (ck, cv), None, (ck_new, cv_new), clengths, impl="xla"
-                ),
-                xla.append_attention(cq, ck, cv, ck_new, cv_new, clengths),
+                xla.blocked_append_attention(q, bf(k), bf(v), k_new, v_new, lengths),
+                xla.append_attention(q, bf(k), bf(v), k_new, v_new, lengths),
             ),
         )
 
-    for (got, want), atol in zip(pairs(small, chunk), (1e-5, 2e-2, 1e-5), strict=True):
+    for (got, want), atol in zip(pairs(q, k, v, k_new, v_new, lengths), (1e-5, 2e-2), strict=True):
         np.testing.assert_allclose(got, want, atol=atol)
 
 

@@ -366,20 +366,20 @@ def blocked_append_attention(
     k_new: jax.Array,
     v_new: jax.Array,
     cache_lengths: jax.Array,
-    key_block: int = PREFILL_KEY_BLOCK,
+    key_block: int | None = None,
 ) -> jax.Array:
     """`append_attention` (no tree, window, scale, softcap or sinks) with the cache scored in
-    blocks of `key_block` slots under an online softmax: a loop over the blocks before
-    max(cache_lengths), each [B,K,G*T,key_block] fp32 scores, so a prefill chunk of T queries
-    over a cache of S slots holds T x key_block scores, not T x S (Qwen3-8B, a 256-token chunk
-    at 32K: 16 MiB instead of 1 GiB per copy). The new tokens' own causal block seeds the
-    running max (a query always sees itself). Same mathematics as `append_attention`, summed in
-    another order (fp32 rounding). q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H];
-    cache_lengths [B] -> [B,T,N,H]."""
+    blocks of `key_block` slots (None: PREFILL_KEY_BLOCK) under an online softmax: a loop over
+    the blocks before max(cache_lengths), each [B,K,G*T,key_block] fp32 scores, so a prefill
+    chunk of T queries over a cache of S slots holds T x key_block scores, not T x S (Qwen3-8B,
+    a 256-token chunk at 32K: 16 MiB instead of 1 GiB per copy). The new tokens' own causal
+    block seeds the running max (a query always sees itself). Same mathematics as
+    `append_attention`, summed in another order (fp32 rounding). q [B,T,N,H]; k/v_cache
+    [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H]."""
     b, t, n, h = q.shape
     kh, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kh
-    key_block = min(key_block, s)
+    key_block = min(key_block or PREFILL_KEY_BLOCK, s)
     scale = h**-0.5
     q_bkmh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
     query_m = jnp.tile(jnp.arange(t), g)
