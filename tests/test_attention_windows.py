@@ -156,7 +156,7 @@ def test_a_bounded_draft_context_sees_its_sinks_and_window():
 def test_a_plan_for_a_tpu_scatters_a_bf16_cache_as_bits(monkeypatch):
     """A TPU program compiled by XLA:CPU for `infer.memory_plan` (`platform.CPU_COMPILES`)
     writes a bf16 cache as its bits, as the CPU decode does (XLA:CPU widens a bf16 scatter's
-    whole buffer to f32: Qwen3-8B at 32K, 9 GiB the plan counted that no TPU holds); a TPU
+    whole buffer to f32: Qwen3-8B at 32K, 5.2 GiB of its loop program's temporaries); a TPU
     program traced to run on one keeps its bf16 scatter."""
     from dflash_jax.ops import platform
 
