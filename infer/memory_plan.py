@@ -18,7 +18,10 @@ state is an output of start and the donated argument of advance, so no program's
 hold it (planning the whole decode as one program did: its caches are made inside, and were
 counted twice). The temporaries are the CPU compiler's; a GPU build fuses and schedules
 differently, and `--attention_impl=xla` (the default here) materialises attention scores that
-the Pallas kernels of a GPU run never hold, so that line is an upper bound. `--output` also
+the Pallas kernels of a GPU run never hold, so that line is an upper bound. A program traced
+for --platform gets the CPU decode's 16-bit rewrites here (`ops.platform.CPU_COMPILES`: a bf16
+cache scattered as its bits, the same bits), or XLA:CPU would count an f32 copy of every cache a
+scatter writes, which no TPU or GPU makes. `--output` also
 writes XLA's own figures for each program (argument, output, aliased and temporary bytes).
 
 The target's shapes come from a local HF directory's config.json, a GGUF file (the embedded
@@ -178,6 +181,7 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         )
     shape = aot.shape_from_flags(FLAGS)
     ops_platform.TARGET = FLAGS.platform  # traced as for that run (its kernels, its barriers)
+    ops_platform.CPU_COMPILES = True  # compiled here: XLA:CPU's 16-bit workarounds apply
     start, advance = aot.speculative_programs(
         cfg, mesh, shape, FLAGS.attention_impl, FLAGS.platform
     )

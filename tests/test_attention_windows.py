@@ -1,7 +1,8 @@
 """The XLA attention forms the decode loop uses equal the dense reference: attending to the old
 cache plus the new block (`append_attention`), cutting the cache to its live width
 (`dispatch.live_window`), at window boundaries and with ragged rows, and a sliding layer's block
-drafted over its window's slots only (`dispatch.window_slice`)."""
+drafted over its window's slots only (`dispatch.window_slice`), and a prefill chunk scored in
+key blocks (`blocked_append_attention`)."""
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,38 @@ def test_append_attention_equals_attention_over_the_written_cache(t, n, kh):
     want = xla.attention(q, written_k, written_v, xla.causal_cache_mask(lengths, t, 40))
     got = xla.append_attention(q, k, v, k_new, v_new, lengths)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_prefill_chunk_scores_the_cache_in_blocks_to_the_same_result(monkeypatch):
+    """`cached_attention` routes a prefill chunk (`PREFILL_QUERIES` queries or more, here 4) over
+    a cache longer than a key block (here 16 slots) to `blocked_append_attention` (T x block
+    scores, not T x S), which equals `append_attention`: rows with an empty cache, a length on a
+    block boundary and one inside the last block, shifted back to fit the buffer (40 slots);
+    and with a bf16 cache (read as bits on a CPU)."""
+    monkeypatch.setattr(dispatch, "PREFILL_QUERIES", 4)
+    monkeypatch.setattr(xla, "PREFILL_KEY_BLOCK", 16)
+    rng = np.random.default_rng(3)
+    q, k, v, k_new, v_new = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in [(3, 5, 4, 8), *[(3, 2, 40, 8)] * 2, *[(3, 2, 5, 8)] * 2]
+    )
+    lengths = jnp.array([0, 16, 37])
+    assert dispatch.prefill_blocked(q, k) and not dispatch.prefill_blocked(q[:, :3], k)
+
+    @jax.jit
+    def pairs(q, k, v, k_new, v_new, lengths):  # (got, want) pairs, one program
+        bf = lambda x: x.astype(jnp.bfloat16)
+        routed = dispatch.cached_attention(q, (k, v), None, (k_new, v_new), lengths, impl="xla")
+        return (
+            (routed, xla.append_attention(q, k, v, k_new, v_new, lengths)),
+            (
+                xla.blocked_append_attention(q, bf(k), bf(v), k_new, v_new, lengths),
+                xla.append_attention(q, bf(k), bf(v), k_new, v_new, lengths),
+            ),
+        )
+
+    for (got, want), atol in zip(pairs(q, k, v, k_new, v_new, lengths), (1e-5, 2e-2), strict=True):
+        np.testing.assert_allclose(got, want, atol=atol)
 
 
 @pytest.mark.slow
@@ -118,3 +151,20 @@ def test_a_bounded_draft_context_sees_its_sinks_and_window():
     )
     got = attend(q, k, v, blk_k, blk_v)
     np.testing.assert_allclose(got, dense, atol=1e-5)
+
+
+def test_a_plan_for_a_tpu_scatters_a_bf16_cache_as_bits(monkeypatch):
+    """A TPU program compiled by XLA:CPU for `infer.memory_plan` (`platform.CPU_COMPILES`)
+    writes a bf16 cache as its bits, as the CPU decode does (XLA:CPU widens a bf16 scatter's
+    whole buffer to f32: Qwen3-8B at 32K, 5.2 GiB of its loop program's temporaries); a TPU
+    program traced to run on one keeps its bf16 scatter."""
+    from dflash_jax.ops import platform
+
+    buf = jnp.zeros((1, 2, 8, 4), jnp.bfloat16)
+    new = jnp.ones((1, 2, 3, 4), jnp.bfloat16)
+    # a new function each time: a traced function is cached by its inputs, not by the flags
+    traced = lambda: str(jax.make_jaxpr(lambda *a: write_rows(*a))(buf, new, jnp.array([2])))
+    monkeypatch.setattr(platform, "TARGET", "tpu")
+    assert "bitcast_convert_type" not in traced()
+    monkeypatch.setattr(platform, "CPU_COMPILES", True)
+    assert "bitcast_convert_type" in traced()

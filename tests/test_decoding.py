@@ -30,16 +30,20 @@ from dflash_jax.decoding.settings import DecodeConfig
 @pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_a_prompt_prefilled_in_chunks_decodes_the_whole_prompts_tokens():
     """Prefill in chunks of 3. PROMPT padded to a 12-token buffer (chunks at 0, 3, 6 and 9, the
-    last past every row's prompt, skipped): the last hidden states, taps and cache rows of each
-    row's prompt equal the whole buffer's pass to fp32 rounding. PROMPT itself (7 tokens:
+    last past every row's prompt, skipped): the last hidden states, taps (folded chunk by chunk
+    into a sink, as the drafter's context is) and cache rows of each row's prompt equal the
+    whole buffer's pass to fp32 rounding. PROMPT itself (7 tokens:
     chunks at 0, 3 and 4, the last overlapping its predecessor): a speculative decode
     prefilled so gives the tokens of the AR decode prefilled whole."""
     tcfg, tp, dcfg, dp = make_pair()
     prompt, last = jnp.pad(jnp.asarray(PROMPT), ((0, 0), (0, 5))), jnp.asarray(LENS) - 1
 
     def prompt_pass(chunk):
+        # Chunked, the taps go through a sink (as the drafter's context does) collecting them
+        collect = lambda acc, taps, start: jax.lax.dynamic_update_slice_in_dim(acc, taps, start, 1)
+        sink = (collect, jnp.zeros((3, 12, 2 * tcfg.hidden_size), tcfg.dtype)) if chunk else None
         run = lambda tp: phases.prompt_pass(
-            tp, tcfg, prompt, phases.init_cache(tcfg, 3, 16), (0, 2), last, chunk
+            tp, tcfg, prompt, phases.init_cache(tcfg, 3, 16), (0, 2), last, chunk, sink
         )
         return jax.jit(run)(tp)
 

@@ -52,13 +52,15 @@ def prefill(
     tap_layers,
     rows: RowSettings | None = None,
     max_new=None,
+    sink=None,
 ) -> tuple[LoopState, jax.Array | None]:
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
     replace `rng`). max_new: a traced token budget (at most `cfg.max_new_tokens`, which sizes
     the buffers) kept in the state as every row's limit, so one program serves every budget
     up to the buffer's; None: `cfg.max_new_tokens`; with `rows`, each row's own limit instead.
-    -> (state without drafter fields, prompt taps [B,P,F] or None)."""
+    sink: see `prompt_pass`. -> (state without drafter fields, prompt taps [B,P,F] or None;
+    with a sink, its result instead of the taps)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
@@ -69,7 +71,14 @@ def prefill(
     rule = prefill_rows(tcfg.invariant_rows, p)
     ptcfg = tcfg if rule == tcfg.invariant_rows else dataclasses.replace(tcfg, invariant_rows=rule)
     hidden_b1d, taps_bpf, cache = prompt_pass(
-        target_params, ptcfg, prompt_bp, cache, tap_layers, prompt_lengths_b - 1, cfg.prefill_chunk
+        target_params,
+        ptcfg,
+        prompt_bp,
+        cache,
+        tap_layers,
+        prompt_lengths_b - 1,
+        cfg.prefill_chunk,
+        sink,
     )
     budget_b = None if max_new is None or rows is not None else jnp.full((b,), max_new, jnp.int32)
     if rows is None:
@@ -109,7 +118,7 @@ def prefill(
     return state, taps_bpf
 
 
-def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk: int):
+def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk: int, sink=None):
     """The target over the right-padded prompt [B,P], its K/V written into the empty `cache`
     from slot 0. -> (final-normed hidden at each row's `last_b` position [B,1,D], taps [B,P,F]
     or None, cache). A prompt longer than `chunk` tokens (the MoE / hybrid families excepted)
@@ -118,40 +127,54 @@ def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk
     itself (`cached_attention`, as a verify does): a layer then holds chunk x P scores instead
     of P x P, on every platform. Chunks past every row's last position (the padding of a
     power-of-two buffer) are skipped: their taps are zeros and their cache rows unwritten,
-    which nothing reads."""
+    which nothing reads.
+
+    sink: None, or (fn, init): the taps are folded as they come, acc = fn(acc, taps [B,C,F],
+    start) from acc = init, C taps at positions start.. (a chunk, or the whole prompt at 0),
+    and the result returned in place of the taps, which are then never held whole (the
+    drafter's context K/V of a 32K prompt of Qwen3-8B: [P, 5 x 4096] taps were 1.25 GiB)."""
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
     if not chunk or p <= chunk or tcfg.layered:
         positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         # cache_lengths None: an empty cache, written from slot 0
         args = (prompt_bp, positions_bp, cache, None, tap_layers, last_b[:, None])
-        return model.apply(params, *args, method="hidden")
+        hidden_b1d, taps_bpf, cache = model.apply(params, *args, method="hidden")
+        if sink is not None:
+            taps_bpf = sink[0](sink[1], taps_bpf, jnp.int32(0))
+        return hidden_b1d, taps_bpf, cache
     starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
 
-    def run(cache, start):
+    def run(cache, acc, start):
         tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
         positions_bc = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
         index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
         start_b = jnp.full((b,), start, jnp.int32)
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
-        return model.apply(params, *args, method="hidden")
+        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden")
+        if sink is not None:
+            acc, taps_bcf = sink[0](acc, taps_bcf, start), None
+        return hidden_b1d, taps_bcf, cache, acc
 
-    shapes = jax.eval_shape(run, cache, starts[0])
+    acc = None if sink is None else sink[1]
+    shapes = jax.eval_shape(run, cache, acc, starts[0])
 
-    def skip(cache, start):  # a chunk past every row's prompt (the buffer's padding)
+    def skip(cache, acc, start):  # a chunk past every row's prompt (the buffer's padding)
         zeros = lambda x: jnp.zeros(x.shape, x.dtype)
-        return zeros(shapes[0]), jax.tree.map(zeros, shapes[1]), cache
+        return zeros(shapes[0]), jax.tree.map(zeros, shapes[1]), cache, acc
 
     def body(carry, start):
-        cache, hidden_b1d = carry
+        cache, hidden_b1d, acc = carry
         live = start <= jnp.max(last_b)
-        chunk_hidden_b1d, taps_bcf, cache = jax.lax.cond(live, run, skip, cache, start)
+        chunk_hidden_b1d, taps_bcf, cache, acc = jax.lax.cond(live, run, skip, cache, acc, start)
         mine_b = (last_b >= start) & (last_b < start + chunk)
         hidden_b1d = jnp.where(mine_b[:, None, None], chunk_hidden_b1d, hidden_b1d)
-        return (cache, hidden_b1d), taps_bcf
+        return (cache, hidden_b1d, acc), taps_bcf
 
     hidden_b1d = jnp.zeros(shapes[0].shape, shapes[0].dtype)
-    (cache, hidden_b1d), taps_nbcf = jax.lax.scan(body, (cache, hidden_b1d), starts)
+    (cache, hidden_b1d, acc), taps_nbcf = jax.lax.scan(body, (cache, hidden_b1d, acc), starts)
+    if sink is not None:
+        return hidden_b1d, acc, cache
     if taps_nbcf is None:
         return hidden_b1d, None, cache
     n = len(starts)
@@ -323,7 +346,15 @@ def init_speculative(
         cache_len = p + cfg.max_new_tokens + 2 * max(bs, cfg.tree_nodes)  # a tree: N verify slots
     if cfg.row_settings and rows is None:
         rows = RowSettings.uniform(cfg, rng, b)
-    state, taps_bpf = prefill(
+    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
+    dtype = jnp.dtype(dcfg.dtype)
+    empty = tuple(jnp.zeros(ctx_shape, dtype) for _ in range(dcfg.num_layers))
+
+    def context(ctx_kv, taps_bcf, start):  # the taps' context K/V, chunk by chunk
+        start_b = jnp.full((b,), start, jnp.int32)
+        return append_context(drafter_params, dcfg, *ctx_kv, start_b, taps_bcf, start_b)[:2]
+
+    state, (ctx_k, ctx_v) = prefill(
         target_params,
         head,
         tcfg,
@@ -335,18 +366,12 @@ def init_speculative(
         dcfg.target_layer_ids,
         rows,
         max_new,
-    )
-    ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
-    dtype = jnp.dtype(dcfg.dtype)
-    empty = tuple(jnp.zeros(ctx_shape, dtype) for _ in range(dcfg.num_layers))
-    zero_b = jnp.zeros((b,), jnp.int32)
-    ctx_k, ctx_v, drf_len_b = append_context(
-        drafter_params, dcfg, empty, empty, zero_b, taps_bpf, prompt_lengths
+        sink=(context, (empty, empty)),
     )
     return state.replace(
         ctx_k=ctx_k,
         ctx_v=ctx_v,
-        drf_len=drf_len_b,
+        drf_len=jnp.asarray(prompt_lengths, jnp.int32),
         alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
         plain_run=jnp.int32(0),
         probe_wait=jnp.int32(cfg.probe_every),

@@ -360,6 +360,79 @@ def append_attention(
     return out_btnh.astype(q.dtype)
 
 
+PREFILL_KEY_BLOCK = 512  # cache slots per block of `blocked_append_attention`
+
+
+def blocked_append_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cache_lengths: jax.Array,
+    key_block: int | None = None,
+) -> jax.Array:
+    """`append_attention` (no tree, window, scale, softcap or sinks) with the cache scored in
+    blocks of `key_block` slots (None: PREFILL_KEY_BLOCK) under an online softmax: a loop over
+    the blocks before max(cache_lengths), each [B,K,G*T,key_block] fp32 scores, so a prefill
+    chunk of T queries over a cache of S slots holds T x key_block scores, not T x S (Qwen3-8B,
+    a 256-token chunk at 32K: 16 MiB instead of 1 GiB per copy). The new tokens' own causal
+    block seeds the running max (a query always sees itself). Same mathematics as
+    `append_attention`, summed in another order (fp32 rounding). q [B,T,N,H]; k/v_cache
+    [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H]."""
+    b, t, n, h = q.shape
+    kh, s = k_cache.shape[1], k_cache.shape[2]
+    g = n // kh
+    key_block = min(key_block or PREFILL_KEY_BLOCK, s)
+    scale = h**-0.5
+    q_bkmh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
+    query_m = jnp.tile(jnp.arange(t), g)
+    new_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_new, preferred_element_type=jnp.float32)
+    new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
+    new_bkmt = jnp.where(new_ok_11mt, new_bkmt * scale, NEG_INF)
+    max_bkm = new_bkmt.max(-1)
+    p_new_bkmt = jnp.exp(new_bkmt - max_bkm[..., None])
+    init = (
+        max_bkm,
+        p_new_bkmt.sum(-1),
+        _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new),
+    )
+    dtype = k_cache.dtype
+    # As in `tiled_attention`: read a 16-bit cache as bits, each block turned back into floats
+    # inside the loop, or XLA:CPU widens the whole cache to f32 out of it.
+    if platform.xla_cpu_codegen() and bits16(dtype):
+        as_bits = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16)
+        caches = (as_bits(k_cache), as_bits(v_cache))
+    else:
+        caches = (k_cache, v_cache)
+
+    def body(i, carry):
+        max_bkm, sum_bkm, acc_bkmh = carry
+        # The last block may be shifted back to fit the buffer: slots it shares with the block
+        # before are masked here, counted there.
+        start = jnp.minimum(i * key_block, s - key_block)
+        cut = lambda c: jax.lax.bitcast_convert_type(
+            jax.lax.dynamic_slice_in_dim(c, start, key_block, axis=2), dtype
+        )
+        k_bkth, v_bkth = cut(caches[0]), cut(caches[1])
+        sc_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_bkth, preferred_element_type=jnp.float32)
+        slot_t = start + jnp.arange(key_block)
+        ok_bt = (slot_t[None, :] < cache_lengths[:, None]) & (slot_t >= i * key_block)[None, :]
+        sc_bkmt = jnp.where(ok_bt[:, None, None, :], sc_bkmt * scale, NEG_INF)
+        new_max_bkm = jnp.maximum(max_bkm, sc_bkmt.max(-1))
+        rescale_bkm = jnp.exp(max_bkm - new_max_bkm)
+        p_bkmt = jnp.exp(sc_bkmt - new_max_bkm[..., None])
+        sum_bkm = sum_bkm * rescale_bkm + p_bkmt.sum(-1)
+        pv_bkmh = _pv("bkmt,bkth->bkmh", p_bkmt.astype(v_bkth.dtype), v_bkth)
+        return new_max_bkm, sum_bkm, acc_bkmh * rescale_bkm[..., None] + pv_bkmh
+
+    blocks = (jnp.max(cache_lengths) + key_block - 1) // key_block
+    _, sum_bkm, acc_bkmh = jax.lax.fori_loop(0, blocks, body, init)
+    out_bkmh = acc_bkmh / sum_bkm[..., None]
+    out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_btnh.astype(q.dtype)
+
+
 KEY_TILE = 64  # keys per tile of `tiled_attention`
 
 
@@ -482,7 +555,7 @@ def _tiled_lanes(
     # inside the loop: otherwise XLA:CPU widens the whole cache to f32 once per pass for the tiles'
     # f32 products, hoisted out of the loop (K and V of every layer, every step: ~5 ms of a
     # 26 ms bf16 SmolLM2 step at one row, 2026-12-04). Same values, same products.
-    if platform.is_cpu() and bits16(dtype):
+    if platform.xla_cpu_codegen() and bits16(dtype):
         cache_bits = tuple(jax.lax.bitcast_convert_type(c, jnp.uint16) for c in cache)
     else:
         cache_bits = cache

@@ -41,7 +41,7 @@ def write_rows(
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
     update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
-    if platform.is_cpu() and bits16(buf_bksh.dtype):
+    if platform.xla_cpu_codegen() and bits16(buf_bksh.dtype):
         # A 16-bit float cache is scattered as its bits: XLA:CPU widens a bf16 scatter's whole
         # operand to f32 and narrows it back (two converts of the full cache per layer, K and
         # V, every step: ~9 ms of a 26 ms bf16 SmolLM2 step at one row, 2026-12-04); an

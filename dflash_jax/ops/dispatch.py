@@ -398,7 +398,9 @@ def cached_attention(
     the new rows as separate operands (`appended_attention`: bitwise their result on the
     written cache), so that the cache is written once, by the caller, now (new_cache) or after
     acceptance: a cache written here for the kernels while the caller still held the old one
-    for its deferred write made XLA copy every layer's whole cache every step.
+    for its deferred write made XLA copy every layer's whole cache every step. A prefill chunk
+    on XLA (`prefill_blocked`) scores the old cache in key blocks instead (`blocked_append_
+    attention`): its scores are chunk x block, not chunk x cache.
     """
     if mods:  # the sliding-window families' attention (see `causal_attention`)
         _mods_kernel(impl, q, *old_cache, rows)
@@ -435,11 +437,25 @@ def cached_attention(
         return _per_device(fn, _queries(q), *keys, _rows(cache_lengths), _rows(tree_mask))
     if rows is not None:
         return xla.tiled_attention(q, old_cache, new_kv, cache_lengths, rows, tree_mask=tree_mask)
+    if prefill_blocked(q, old_cache[0]) and tree_mask is None:
+        return xla.blocked_append_attention(q, *old_cache, *new_kv, cache_lengths)
     return live_window(
         lambda k, v: xla.append_attention(q, k, v, new_kv[0], new_kv[1], cache_lengths, tree_mask),
         old_cache,
         jnp.max(cache_lengths),
     )
+
+
+# A chunk of a prefill (`decoding.phases.prompt_pass`): as many queries as the TPU decode kernel
+# refuses, more than a verify or a token tree holds.
+PREFILL_QUERIES = pallas_tpu_decode.MAX_QUERIES
+
+
+def prefill_blocked(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether XLA scores T queries q [B,T,N,H] over the cache [B,K,S,H] in key blocks
+    (`attention.blocked_append_attention`): a prefill chunk over a cache longer than a block, so
+    its scores stay T x block, not T x S, whatever the prompt (a verify keeps `live_window`)."""
+    return q.shape[1] >= PREFILL_QUERIES and k_cache.shape[2] > xla.PREFILL_KEY_BLOCK
 
 
 def target_mods(window=None, scale=None, softcap=None, sinks=None) -> dict:

@@ -15,6 +15,14 @@ import jax
 # backend. `infer.lower` sets it per platform it lowers for.
 TARGET: str | None = None
 
+# Whether XLA:CPU compiles the traced program although TARGET is another platform:
+# `infer.memory_plan` sets it, whose figures are XLA:CPU's buffer assignment of a TPU or GPU
+# program. The 16-bit workarounds of XLA:CPU (`xla_cpu_codegen`) then apply there too, as they
+# do to the CPU's own decode: without them XLA:CPU widens every bf16 cache a scatter writes to
+# f32 (Qwen3-8B at 32K: the loop program's temporaries 12.83 GiB with the copies, 7.66 without;
+# a TPU compiler makes none).
+CPU_COMPILES: bool = False
+
 
 def current() -> str:
     """The platform the program being traced is compiled for (`TARGET`, else the backend)."""
@@ -23,6 +31,13 @@ def current() -> str:
 
 def is_cpu() -> bool:
     return current() == "cpu"
+
+
+def xla_cpu_codegen() -> bool:
+    """Whether XLA:CPU compiles the program being traced: the CPU's own (`is_cpu`), or another
+    platform's planned on this CPU (`CPU_COMPILES`). Asked only by the rewrites that give the
+    same bits while sparing XLA:CPU a widened copy of a 16-bit buffer."""
+    return is_cpu() or CPU_COMPILES
 
 
 def is_this_process() -> bool:
