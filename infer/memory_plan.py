@@ -31,17 +31,20 @@ smollm2-135m-instruct) or, offline, from `infer.aot.KNOWN_TARGETS` for the hub i
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
+from infer.plan_bytes import (
+    CPU_ONLY,
+    EVERYWHERE,
+    dequantized_bytes,
+    held_copies_row,
+    per_device_bytes,
+)
 
-CPU_ONLY = "of which float weight copies (CPU only)"
-# The row rule's dequantized kernels: held by every platform's program (`held_copies_row`).
-EVERYWHERE = "of which float weight copies (every platform)"
 ACTIVATIONS = "activations (temporaries)"
 
 FLAGS = flags.FLAGS
@@ -70,66 +73,6 @@ flags.DEFINE_string(
     "memory_analysis of each compiled program.",
 )  # fmt: skip
 flags.mark_flag_as_required("config")
-
-
-def shard_shape(sharding, shape: tuple) -> tuple:
-    """The largest shard's shape of an array of `shape` placed by `sharding` (None: unplaced,
-    as on one device: the whole)."""
-    return shape if sharding is None else sharding.shard_shape(shape)
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard), each
-    array at its dtype's bits per value: sub-byte types (int4, float4_e2m1fn) pack two values
-    a byte, as XLA holds them (its memory_analysis, tests/test_memory_plan.py), where numpy's
-    itemsize says one byte."""
-    import jax
-
-    return sum(
-        -(-math.prod(shard_shape(x.sharding, x.shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)
-        for x in jax.tree.leaves(tree)
-    )
-
-
-def _quantized_leaves(tree) -> list:
-    import jax
-
-    from dflash_jax.ops.quant import QWeight
-
-    is_q = lambda x: isinstance(x, QWeight)
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_q) if is_q(x)]
-
-
-def quantized_bytes(tree) -> int:
-    """Bytes one device holds of the quantized kernels (qvalues, scales, offsets) in `tree`."""
-    return sum(per_device_bytes(w) for w in _quantized_leaves(tree))
-
-
-def dequantized_bytes(tree, dtype: str) -> int:
-    """Bytes one device would hold of the quantized kernels of `tree` dequantized to `dtype`."""
-    import jax.numpy as jnp
-
-    itemsize = jnp.dtype(dtype).itemsize
-    return sum(
-        math.prod(shard_shape(w.q.qvalue.sharding, w.shape)) * itemsize
-        for w in _quantized_leaves(tree)
-    )
-
-
-def held_copies_row(invariant_rows) -> str:
-    """Where a quantized target's float kernel copies go in a decode's plan: a program under a
-    row rule (`invariant_rows` not None) holds them on every platform: `ops.invariance` puts
-    an optimization barrier on each dequantized kernel (every GEMM tile meets one materialised
-    [K, N] float array, so no program fuses the dequantization into its GEMM and another not),
-    and a barrier is a buffer on every backend. XLA:CPU also hoists each one out of the decode
-    loop, so the plan books them all (what its temporaries hold: tests/test_memory_plan.py); an
-    accelerator holds at least the largest at a time, and all if its compiler hoists them too.
-    Without a rule the dot takes the dequantization as an operand: XLA:CPU still hoists a copy
-    of every kernel out of the loop (Qwen3-8B int8, bf16, 8K: 12.9 GiB more temporaries than
-    the bf16 target's, its kernels' bf16 size; SmolLM2 int8, fp32: +0.40 GiB); an accelerator
-    that fuses the dequantization into the dot (as Qwix relies on) holds none: not verified on
-    one yet, so they are the CPU-only line."""
-    return CPU_ONLY if invariant_rows is None else EVERYWHERE
 
 
 def _analyses(programs: list[aot.Program]) -> dict | None:

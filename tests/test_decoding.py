@@ -151,7 +151,7 @@ def test_row_does_not_depend_on_other_rows(temperature):
     np.testing.assert_array_equal(full.acceptance_lengths[0], changed.acceptance_lengths[0])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_classic_and_typed_keys_give_the_same_tokens(temperature):
     """Both public decodes take a classic key (`jax.random.PRNGKey`, uint32 [2]) as well as a
     typed one (`jax.random.key`), and the same seed gives the same tokens, sampled or greedy

@@ -127,6 +127,7 @@ def _walk_and_teacher_forced(tcfg, tp, dcfg, dp, cfg, bs):
     "kind,from_anchor,draft_vocab",
     [v if v == ("rnn", True, 0) else pytest.param(*v, marks=pytest.mark.slow) for v in VARIANTS],
 )
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_the_walk_is_the_teacher_forced_drafter(kind, from_anchor, draft_vocab):
     """Greedy: the teacher-forced logits fed the walk's own drafts have those drafts as argmax
     at every slot. Sampling (temperature 0.7, top-k 20): each slot's recorded log-probs are

@@ -90,6 +90,7 @@ def test_records_mask_only_the_response_and_resume(tmp_path, target, chat):
     assert again["written"] + again["short_response"] == 1  # only the new prompt
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_short_responses_are_dropped(tmp_path, target, chat):
     counts = generate_records(
         target,

@@ -72,7 +72,7 @@ def test_plan_counts_quantized_params_as_xla_holds_them(scheme):
     counted the int4 kernels twice), int8 at one, their scales and offsets as stored."""
     import jax
 
-    from infer.memory_plan import per_device_bytes
+    from infer.plan_bytes import per_device_bytes
 
     _, params = _tiny_quantized(scheme)
     compiled = jax.jit(lambda p: 0, keep_unused=True).lower(params).compile()
@@ -93,7 +93,7 @@ def test_quantized_plan_books_the_copies_the_program_holds(tmp_path):
     import importlib.util
 
     from infer import aot
-    from infer.memory_plan import EVERYWHERE, dequantized_bytes, held_copies_row
+    from infer.plan_bytes import EVERYWHERE, dequantized_bytes, held_copies_row
 
     spec = importlib.util.spec_from_file_location("tiny_config", write_tiny_config(tmp_path))
     module = importlib.util.module_from_spec(spec)

@@ -148,6 +148,7 @@ def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pai
     np.testing.assert_array_equal(outs[0].acceptance_lengths, outs[1].acceptance_lengths)
 
 
+@pytest.mark.slow  # moved out of the default suite for its budget (2026-12-06); CI's slow step runs it
 def test_an_embedding_tap_loads_decodes_and_exports(pair, tmp_path):
     """Aux id 0 (the embedding's output, which the format allows) is our tap -1: loaded from
     speculators, written back as 0 and to z-lab as -1, the tap is the embedding, and greedy
