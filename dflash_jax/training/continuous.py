@@ -7,12 +7,13 @@ The server's slots (`decoding.slots.SlotDecoder`) do the same for the speculativ
 a drafter; training data is made before there is one, so this is the autoregressive loop of
 `decoding.autoregressive`, step for step: the same pass, the same greedy head
 (`next_token` with the decode's own config, no per-row settings to branch on) and a cache
-sized as a fixed batch's (the widest prompt rounded up to `bucket`, plus the answer). Sampled
+sized to its `max_prompt` (rounded up to BUCKET) plus the answer, as a fixed batch's. Sampled
 rows draw their n-th token with their own key folded with n, so an answer does not depend on
 the rows beside it; a greedy row's tokens are the target's greedy tokens.
 
-Where the time goes (why it beats fixed batches; docs/training.md): a step costs what a fixed
-batch's step costs, a chunk of steps ends as soon as a row stops while prompts wait (so a freed
+How it saves steps (docs/training.md measures it against fixed batches): the step holds a fixed
+batch's ops (run as a program of its own, over a state passed in, it has cost ~1.35x theirs
+on a CPU), a chunk of steps ends as soon as a row stops while prompts wait (so a freed
 row idles for no step), and once no prompt waits the rows still decoding are gathered into a
 state of half the rows (down to `slots // 8`), whose steps cost less: the tail of long answers
 runs at the rows it needs. Programs: one advance and one gather per row count, one insert per

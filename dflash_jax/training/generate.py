@@ -304,9 +304,14 @@ class Answerer:
         self._slots: dict[int, ContinuousDecoder] = {}
 
     def _decoder(self, prompts: list[list[int]]) -> ContinuousDecoder:
-        """The slot decoder whose prompt buffer fits these prompts' longest (one per width
-        rounded up to `continuous.BUCKET`, as a fixed batch pads: its cache is no longer)."""
-        width = -(-max(len(x) for x in prompts) // BUCKET) * BUCKET
+        """The slot decoder whose prompt buffer fits these prompts' longest, rounded up to a
+        power of two from `continuous.BUCKET` (a decoder compiles an advance per row count, so
+        few widths; a fixed batch of the widest prompts pads to a multiple of `bucket`)."""
+        longest, width = max(len(x) for x in prompts), BUCKET
+        while width < longest:
+            width *= 2
+        room = self.target.config.max_position_embeddings - self.cfg.max_new_tokens
+        width = max(min(width, room), longest)  # within the context where the prompts are
         if width not in self._slots:
             self._slots[width] = ContinuousDecoder(
                 self.target, self.cfg, self.batch_size, width, self.chunk_steps
