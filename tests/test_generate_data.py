@@ -330,8 +330,9 @@ def test_thinking_mode_reaches_the_template_manifest_and_export(tmp_path, target
 def test_slot_engine_answers_as_the_target_alone(tmp_path, target, chat):
     """Guards the slot engine's answers (only this test): greedy, every conversation's records
     equal the fixed batches' (whose rows are the target's own greedy decode, checked by
-    test_records_mask_only_the_response_and_resume); sampled, a request's answer depends on its
-    seed alone, not on the rows beside it (1 slot or 3)."""
+    test_records_mask_only_the_response_and_resume), chunks ending at each stop and the tail's
+    rows gathered into fewer (2 slots to 1) included; sampled, a request's answer depends on its
+    seed alone, not on the rows beside it (1 slot or 3, gathered to 1)."""
     prompts = read_prompt_file(_write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
     prompts += read_prompt_file(_write_jsonl(tmp_path / "messages.jsonl", MESSAGES))
     kw = dict(fmt="jsonl", max_new_tokens=8, min_loss_tokens=1)

@@ -37,7 +37,7 @@ from dflash_jax.decoding import autoregressive_decode
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import paths
 from dflash_jax.io.tokenizer import resolved_thinking, thinking_kwargs
-from dflash_jax.training.continuous import CHUNK_STEPS, ContinuousDecoder
+from dflash_jax.training.continuous import BUCKET, CHUNK_STEPS, ContinuousDecoder
 from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, answer_points, dedupe
 
@@ -140,7 +140,7 @@ def _prompt_key(prompt: Prompt) -> str:
     return hashlib.sha1(f"{prompt.source}\n{text}".encode()).hexdigest()
 
 
-def _bucketed_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def bucketed_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Indices sorted by length (stable), cut into batches: neighbours have similar lengths."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -301,22 +301,38 @@ class Answerer:
         self.target, self.cfg, self.engine = target, decode_config, engine
         self.batch_size, self.bucket, self.mesh = batch_size, bucket, mesh
         self.max_prompt_tokens, self.chunk_steps = max_prompt_tokens, chunk_steps
-        self._slots = None
+        self._slots: dict[int, ContinuousDecoder] = {}
 
-    def _decoder(self) -> ContinuousDecoder:
-        if self._slots is None:
-            self._slots = ContinuousDecoder(
-                self.target, self.cfg, self.batch_size, self.max_prompt_tokens, self.chunk_steps
+    def _decoder(self, prompts: list[list[int]]) -> ContinuousDecoder:
+        """The slot decoder whose prompt buffer fits these prompts' longest, rounded up to a
+        power of two from `continuous.BUCKET` (a decoder compiles an advance per row count, so
+        few widths; a fixed batch of the widest prompts pads to a multiple of `bucket`)."""
+        longest, width = max(len(x) for x in prompts), BUCKET
+        while width < longest:
+            width *= 2
+        room = self.target.config.max_position_embeddings - self.cfg.max_new_tokens
+        width = max(min(width, room), longest)  # within the context where the prompts are
+        if width not in self._slots:
+            self._slots[width] = ContinuousDecoder(
+                self.target, self.cfg, self.batch_size, width, self.chunk_steps
             )
-        return self._slots
+        return self._slots[width]
+
+    def slot_steps(self) -> dict[int, int]:
+        """The loop steps the slot engine ran so far, per row count (`continuous`)."""
+        total: dict[int, int] = {}
+        for decoder in self._slots.values():
+            for rows, n in decoder.steps.items():
+                total[rows] = total.get(rows, 0) + n
+        return total
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """Compiles (and runs a step of) every program answering `prompts` would run, so that
         a timed call runs compiled programs only (`infer.bench.data_engines`)."""
         if self.engine == "slots":
-            self._decoder().warm_up([len(x) for x in prompts])
+            self._decoder(prompts).warm_up([len(x) for x in prompts])
             return
-        for rows in _bucketed_batches([len(x) for x in prompts], self.batch_size):
+        for rows in bucketed_batches([len(x) for x in prompts], self.batch_size):
             _decode_batch(
                 self.target, [prompts[i] for i in rows], self.batch_size, self.bucket, self.cfg,
                 jax.random.key(0), self.mesh, step_limit=1,
@@ -327,9 +343,9 @@ class Answerer:
             return []
         if self.engine == "slots":
             seeds = jax.random.randint(key, (len(prompts),), 0, 2**31 - 1)
-            return self._decoder().generate(prompts, np.asarray(seeds).tolist(), on_tokens)
+            return self._decoder(prompts).generate(prompts, np.asarray(seeds).tolist(), on_tokens)
         out: list[list[int] | None] = [None] * len(prompts)
-        batches = _bucketed_batches([len(x) for x in prompts], self.batch_size)
+        batches = bucketed_batches([len(x) for x in prompts], self.batch_size)
         for b, rows in enumerate(batches):
             answers = _decode_batch(
                 self.target, [prompts[i] for i in rows], self.batch_size, self.bucket, self.cfg,

@@ -23,7 +23,8 @@ from absl import app, flags
 
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io.target_loader import load_target
-from dflash_jax.training.generate import Answerer, ChatFormat
+from dflash_jax.training.continuous import CHUNK_STEPS
+from dflash_jax.training.generate import Answerer, ChatFormat, bucketed_batches
 from dflash_jax.training.prompt_templates import TOPICS
 from infer import cli, report
 
@@ -36,10 +37,11 @@ flags.DEFINE_enum(
 flags.DEFINE_integer("num_prompts", 64, "Prompts answered by each engine.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Rows decoding together (both engines).", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 256, "Longest answer in tokens.", lower_bound=1)
-flags.DEFINE_integer("max_prompt_tokens", 128, "Prompt buffer of the slot engine.", lower_bound=1)
 flags.DEFINE_integer(
-    "chunk_steps", 32, "Slot engine: loop steps between host visits.", lower_bound=1
-)
+    "chunk_steps", CHUNK_STEPS,
+    "Slot engine: the most loop steps between host visits (a chunk also ends when a row stops).",
+    lower_bound=1,
+)  # fmt: skip
 flags.DEFINE_string("output", None, "Also write the JSON object here.")
 
 KINDS = (
@@ -77,19 +79,26 @@ def main(argv):
     for engine in ("fixed", "slots"):
         answerer = Answerer(
             target, cfg, engine=engine, batch_size=FLAGS.batch_size, bucket=32,
-            max_prompt_tokens=FLAGS.max_prompt_tokens, chunk_steps=FLAGS.chunk_steps,
+            max_prompt_tokens=max(map(len, prompts)), chunk_steps=FLAGS.chunk_steps,
         )  # fmt: skip
         answerer.warm_up(prompts)
         t0, c0 = time.perf_counter(), time.process_time()
         answers[engine] = answerer(prompts, jax.random.key(0))
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = sum(len(a) for a in answers[engine])
+        if engine == "slots":
+            steps = {str(rows): n for rows, n in answerer.slot_steps().items()}
+        else:  # each batch runs until its longest answer ends (the prefill gave token 1)
+            batches = bucketed_batches([len(x) for x in prompts], FLAGS.batch_size)
+            longest = [max(len(answers[engine][i]) for i in rows) for rows in batches]
+            steps = {str(FLAGS.batch_size): sum(n - 1 for n in longest)}
         result["engines"][engine] = {
             "seconds": round(seconds, 2),
             "cpu_seconds": round(cpu, 2),
             "answer_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 2),
             "tokens_per_cpu_s": round(tokens / cpu, 2),
+            "loop_steps_by_rows": steps,
         }
     lengths = np.asarray([len(a) for a in answers["slots"]])
     result["answer_lengths"] = {
