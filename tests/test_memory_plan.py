@@ -92,13 +92,15 @@ def test_quantized_plan_books_the_copies_the_program_holds(tmp_path):
     target's by the kernels' bf16 size."""
     import importlib.util
 
+    from dflash_jax import sharding
     from infer import aot
     from infer.plan_bytes import EVERYWHERE, dequantized_bytes, held_copies_row
 
     spec = importlib.util.spec_from_file_location("tiny_config", write_tiny_config(tmp_path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg, mesh, temps = module.get_config(), aot.fake_mesh(""), {}
+    # One device, as the session has (aot.fake_mesh may only run before a backend starts).
+    cfg, mesh, temps = module.get_config(), sharding.make_mesh(1, 1, 1), {}
     for scheme in (None, "int4"):
         shape = aot.DecodeShape(batch=1, prompt_len=16, max_new_tokens=32, quantize=scheme,
                                 adaptive=False, batch_invariant=True)  # fmt: skip
