@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import time
 
 import jax
@@ -21,7 +20,7 @@ from dflash_jax.decoding.runner import check_inputs as check_inputs
 from dflash_jax.decoding.runner import precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
-from dflash_jax.files import cache_root, write_json_atomic
+from dflash_jax.files import cache_root, read_json_table, write_json_atomic
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32
@@ -362,10 +361,7 @@ def choose_decode(
            ("num_layers", "hidden_size", "intermediate_size", "vocab_size", "quantize")),
          repr(drafter.config.num_layers), repr(settings)]
     )  # fmt: skip
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = read_json_table(path)
     if key not in table:
         table[key] = _measure_floors(target, drafter, settings)
         write_json_atomic(path, table)  # a read-only cache: measured again next time
@@ -459,10 +455,7 @@ def fastest_dtype(
          *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
          *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = read_json_table(path)
     if key not in table:
         floors = {}
         for dtype, tcfg in settings.items():
@@ -488,11 +481,7 @@ def remembered_dtype(remember: str) -> str | None:
     """The dtype `fastest_dtype(..., remember=remember)` last chose on this machine and
     software, or None: a hint for which dtype to load first (`infer.common.load_models`), so
     that a second run with --dtype=auto loads its target once."""
-    try:
-        table = json.loads((cache_root() / "dtype_floors.json").read_text())
-    except (OSError, ValueError):
-        return None
-    choice = table.get(_remembered_key(remember))
+    choice = read_json_table(cache_root() / "dtype_floors.json").get(_remembered_key(remember))
     return choice if choice in ("float32", "bfloat16") else None
 
 

@@ -1,5 +1,6 @@
 """Where this machine keeps what it computed and measured (converted targets, step costs,
-dtype floors, mirrored files): the cache directory and an atomic JSON write. On the ground
+dtype floors, mirrored files): the cache directory and its JSON tables, read and written
+atomically. On the ground
 floor beside config.py: io/ and decoding/ (the step costs) both keep files there."""
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ def cache_root() -> Path:
         return Path(os.environ[CACHE_DIR_ENV]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dflash_jax"
+
+
+def read_json_table(path: Path) -> dict:
+    """The JSON object kept at `path` (`write_json_atomic`'s), or {} when the file is missing,
+    unreadable, damaged or not an object: a cache whose entries are measured again."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
 
 
 def write_json_atomic(path: Path, obj) -> None:

@@ -9,8 +9,6 @@ cache key."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import jax
@@ -19,7 +17,7 @@ import numpy as np
 from dflash_jax.decoding import programs
 from dflash_jax.decoding.runner import timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
-from dflash_jax.files import cache_root
+from dflash_jax.files import cache_root, read_json_table, write_json_atomic
 from dflash_jax.ops.invariance import machine_name, software_name
 
 # Loop steps each kind runs while calibrating: enough to average a step's noise on a CPU, few
@@ -93,14 +91,9 @@ def calibrate_step_costs(
         prompt_lengths = np.minimum(np.asarray(prompt_lengths), CALIBRATION_MAX_PROMPT)
     key = calibration_key(target, drafter, np.shape(prompt), cfg)
     path = _cache_file()
-    table = {}
-    if use_cache and path.is_file():
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            table = {}
-        if key in table and len(table[key]) == len(cfg.all_kinds):
-            return np.asarray(table[key], np.float32)
+    table = read_json_table(path) if use_cache else {}
+    if key in table and len(table[key]) == len(cfg.all_kinds):
+        return np.asarray(table[key], np.float32)
 
     def per_step(drafter_or_none, **kw) -> float:
         budget = cfg.max_new_tokens if traced_budget else None
@@ -126,8 +119,5 @@ def calibrate_step_costs(
         costs[plain] = max(costs[plain], 1.0)  # a plain step is never cheaper than AR
     if use_cache:
         table[key] = [round(float(c), 4) for c in costs]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, table)
     return costs

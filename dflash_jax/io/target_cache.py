@@ -53,7 +53,7 @@ import numpy as np
 from absl import logging
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.files import cache_root, write_json_atomic
+from dflash_jax.files import cache_root, read_json_table, write_json_atomic
 from dflash_jax.io.hf import read_safetensors_header, write_safetensors
 
 # Bump whenever the conversion or this layout changes what an entry holds: old entries then miss.
@@ -331,12 +331,7 @@ def _stat_id(path: Path) -> list[int]:
 def _file_digests(files: Sequence[Path], memo_file: Path) -> list[str]:
     """sha256 of each file, memoised in `memo_file` while the file's size, mtime, ctime and
     inode stay the same (rewriting a file changes its ctime; nothing resets that)."""
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if not isinstance(memo, dict):
-        memo = {}
+    memo = read_json_table(memo_file)
     digests, changed = [], False
     for file in files:
         path, stat = str(file.resolve()), _stat_id(file)
