@@ -101,14 +101,11 @@ def benchmark_row(
 
 def _main_command() -> str:
     """The README's first command's own summary lines (`infer.generate --compare_ar`)."""
-    import re
-
-    text = (RESULTS / QUICKSTART_FILE).read_text()
-    field = lambda name: re.search(rf"^  {name}\s+(.+)$", text, re.M).group(1).strip()
+    rows = dict(re.match(r"  (\S.*?)\s{2,}(.+)$", line).groups() for line in _summary()[1:])
     return (
-        f"τ {field('tau').split()[0]}, {field('DFlash')} against {field('target alone')} for the "
-        f"target alone (bf16 under the row rule, as chosen): **{field('speedup')}**; "
-        f"{field('steps by kind')}; {field('outputs')}"
+        f"τ {rows['tau'].split()[0]}, {rows['DFlash']} against {rows['target alone']} for the "
+        f"target alone (bf16 under the row rule, as chosen): **{rows['speedup']}**; "
+        f"{rows['steps by kind']}; {rows['outputs']}"
     )
 
 
@@ -355,16 +352,23 @@ RESULTS_ROWS = (
 )  # fmt: skip
 
 
-def quickstart() -> str:
-    """The README's quickstart summary: the last summary printed in QUICKSTART_FILE."""
+def _summary() -> list[str]:
+    """The last summary `infer.generate` printed in QUICKSTART_FILE: its head line ("...: N
+    tokens in M steps") and its indented "  name   value" lines."""
     lines = (RESULTS / QUICKSTART_FILE).read_text().splitlines()
     start = max(i for i, line in enumerate(lines) if re.match(r"\S.*: \d+ tokens in", line))
     end = start + 1
     while end < len(lines) and lines[end].startswith("  "):
         end += 1
-    summary = "\n".join(lines[start:end])
-    steps = int(re.search(r"tokens in (\d+) steps", lines[start]).group(1))
-    kinds = next(line for line in lines[start:end] if "steps by kind" in line)
+    return lines[start:end]
+
+
+def quickstart() -> str:
+    """The README's quickstart summary: the last summary printed in QUICKSTART_FILE."""
+    lines = _summary()
+    summary = "\n".join(lines)
+    steps = int(re.search(r"tokens in (\d+) steps", lines[0]).group(1))
+    kinds = next(line for line in lines if "steps by kind" in line)
     copied = sum(int(n) for n in re.findall(r"(\d+) copy \d+", kinds))
     return (
         f"It streams the answer, then prints a summary (this one from a first run with an empty "
