@@ -16,6 +16,7 @@ from dflash_jax.io.drafter_io import warn_thinking_mismatch
 from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.io.tokenizer import TRAINING_DATA_FILE
 from dflash_jax.training import data
+from dflash_jax.training.continuous import ContinuousDecoder
 from dflash_jax.training.generate import ChatFormat, generate_records, mixture
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
@@ -25,6 +26,7 @@ from dflash_jax.training.prompts import (
     read_prompt_file,
     stdlib_code_prompts,
 )
+from infer.hlo_scan import cache_copies_in_loop
 
 
 def test_chat_format_renders_as_at_inference(chat):
@@ -332,7 +334,8 @@ def test_slot_engine_answers_as_the_target_alone(tmp_path, target, chat):
     equal the fixed batches' (whose rows are the target's own greedy decode, checked by
     test_records_mask_only_the_response_and_resume), chunks ending at each stop and the tail's
     rows gathered into fewer (2 slots to 1) included; sampled, a request's answer depends on its
-    seed alone, not on the rows beside it (1 slot or 3, gathered to 1)."""
+    seed alone, not on the rows beside it (1 slot or 3, gathered to 1); and its loop updates
+    the cache in place (no cache-sized copy a step: a 1.35x step without the loop options)."""
     prompts = read_prompt_file(_write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
     prompts += read_prompt_file(_write_jsonl(tmp_path / "messages.jsonl", MESSAGES))
     kw = dict(fmt="jsonl", max_new_tokens=8, min_loss_tokens=1)
@@ -346,3 +349,6 @@ def test_slot_engine_answers_as_the_target_alone(tmp_path, target, chat):
     one = records("one", batch_size=1, **sampled)
     assert one == records("three", batch_size=3, **sampled)
     assert one != records("slots", engine="slots", batch_size=2)  # it did sample
+    decoder = ContinuousDecoder(target, DecodeConfig(max_new_tokens=8), 2, 16)
+    cache = jax.tree.leaves(decoder.state.cache.k)[0]
+    assert cache_copies_in_loop(decoder.advance_hlo(), cache.size) == 0

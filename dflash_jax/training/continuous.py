@@ -12,13 +12,13 @@ rows draw their n-th token with their own key folded with n, so an answer does n
 the rows beside it; a greedy row's tokens are the target's greedy tokens.
 
 How it saves steps (docs/training.md measures it against fixed batches): the step holds a fixed
-batch's ops (run as a program of its own, over a state passed in, it has cost ~1.35x theirs
-on a CPU), a chunk of steps ends as soon as a row stops while prompts wait (so a freed
-row idles for no step), and once no prompt waits the rows still decoding are gathered into a
-state of half the rows (down to `slots // 8`), whose steps cost less: the tail of long answers
-runs at the rows it needs. Programs: one advance and one gather per row count, one insert per
-prompt bucket (`slots.prompt_buckets`), each compiled at its first use (`warm_up` compiles them
-all).
+batch's ops, compiled as the decode loops are (`programs.LOOP_COMPILER_OPTIONS`: without them
+XLA:CPU copied every layer's K and V cache twice a step), a chunk of steps ends as soon as a row
+stops while prompts wait (so a freed row idles for no step), and once no prompt waits the rows still
+decoding are gathered into a state of half the rows (down to `slots // 8`), whose steps cost less:
+the tail of long answers runs at the rows it needs. Programs: one advance and one gather per row
+count, one insert per prompt bucket (`slots.prompt_buckets`), each compiled at its first use
+(`warm_up` compiles them all).
 
 Letters: N rows (slots), P prompt buffer width, W generated-token buffer.
 """
@@ -34,7 +34,7 @@ import numpy as np
 
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.phases import next_token, prefill
-from dflash_jax.decoding.programs import run_target_config
+from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS, run_target_config
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.slots import prompt_buckets
@@ -104,8 +104,14 @@ def _gather(state: LoopState, rows_m) -> LoopState:
 
 
 # Module-level, so every decoder of the same shapes and configs reuses the compiled programs.
-_insert_jit = jax.jit(_insert, static_argnames=("tcfg", "cfg"), donate_argnames="state")
-_advance_jit = jax.jit(_advance, static_argnames=("tcfg", "cfg"), donate_argnames="state")
+_insert_jit = jax.jit(
+    _insert, static_argnames=("tcfg", "cfg"), donate_argnames="state",
+    compiler_options=LOOP_COMPILER_OPTIONS,
+)  # fmt: skip
+_advance_jit = jax.jit(
+    _advance, static_argnames=("tcfg", "cfg"), donate_argnames="state",
+    compiler_options=LOOP_COMPILER_OPTIONS,
+)  # fmt: skip
 _gather_jit = jax.jit(_gather)
 
 
@@ -197,6 +203,14 @@ class ContinuousDecoder:
             self.params, self.head, self.lengths, np.int32(steps), np.int32(min_done), self.state,
             **self._statics,
         )  # fmt: skip
+
+    def advance_hlo(self) -> str:
+        """The HLO text of the compiled advance at the full row count (what a check that its
+        loop updates the cache in place reads: `infer.hlo_scan.cache_copies_in_loop`)."""
+        return _advance_jit.lower(
+            self.params, self.head, self.lengths, np.int32(1), np.int32(1), self.state,
+            **self._statics,
+        ).compile().as_text()  # fmt: skip
 
     def _shrink(self, busy: dict[int, int]) -> dict[int, int]:
         """Gathers the busy rows (slot -> prompt) into a state of the next smaller row count

@@ -42,7 +42,6 @@ import functools
 import json
 import os
 import platform
-import re
 import shutil
 import time
 import traceback
@@ -61,6 +60,7 @@ from dflash_jax.io.hf_config import target_from_hf
 from dflash_jax.ops import attention as xla
 from dflash_jax.ops import pallas_gpu, pallas_tpu, pallas_tpu_decode
 from infer import cli
+from infer.hlo_scan import cache_copies_in_loop
 
 STAGES = ("environment", "kernels", "kernel_timing", "decode", "hlo")
 # Seconds per stage: 9 minutes in all on an H200 (the decode stage compiles six 8B programs).
@@ -567,64 +567,6 @@ def stage_decode(ctx, clock: Clock) -> dict:
 
 
 # --- hlo -----------------------------------------------------------------------------------
-
-_SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
-_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([^}\n]*)\}?")
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """HLO module text -> computation name -> its instruction lines."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name = head.group(1)
-            comps[name] = []
-        elif name is not None and line.startswith(" "):
-            comps[name].append(line)
-    return comps
-
-
-def _reachable(comps: dict, roots: list[str]) -> set[str]:
-    seen, todo = set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            for group in _CALLS.findall(line):
-                todo += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-    return seen
-
-
-def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
-    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
-    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
-    step instead of updated in place."""
-    comps = _computations(hlo)
-    bodies = [
-        m.group(1)
-        for lines in comps.values()
-        for line in lines
-        if " while(" in line
-        for m in [re.search(r"body=%?([\w.\-]+)", line)]
-        if m
-    ]
-    count = 0
-    for name in _reachable(comps, bodies):
-        for line in comps[name]:
-            m = re.search(r"=\s*(\S.*?)\s(copy|copy-start)\(", line)
-            if not m:
-                continue
-            sizes = [
-                np.prod([int(d) for d in dims.split(",") if d])
-                for _, dims in _SHAPE.findall(m.group(1))
-            ]
-            if sizes and max(sizes) >= cache_elements:
-                count += 1
-    return count
-
 
 def _advance_copies(target, drafter, block: int, new: int, p: int) -> dict:
     """The cache copies in the loop of the advance program of a decode (AR when drafter is
