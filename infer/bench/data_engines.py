@@ -4,13 +4,15 @@ fixed padded batches (each run until its longest answer stops) against the slot 
 
   python -m infer.bench.data_engines --num_prompts=64 --batch_size=16 --max_new_tokens=256
 
-The prompts mix answer lengths on purpose: a quarter ask for one word, a quarter for a short
-answer, a quarter for an explanation, a quarter for a long essay (topics from
-`training.prompt_templates.TOPICS`). Both engines answer greedily with the same settings, so
-their answers must be the same (`same_answers`); every program each runs is compiled and run
-once first (`Answerer.warm_up`), so the timed runs hold no compilation. Prints one JSON object:
-per engine seconds (and this process's CPU seconds: the steadier figure on a shared machine),
-answer tokens and tokens/s, the answers' lengths, and the speed-ups.
+The prompts mix answer lengths on purpose: a quarter ask for one word, a quarter for a short answer,
+a quarter for an explanation, a quarter for a long essay (topics from
+`training.prompt_templates.TOPICS`); `--prompts=mtbench` answers MT-Bench's first turns instead
+(real prompts, whose answers' lengths are not tied to their prompts' as the mixed kinds' are). Both
+engines answer greedily with the same settings, so their answers must be the same (`same_answers`);
+every program each runs is compiled and run once first (`Answerer.warm_up`), so the timed runs hold
+no compilation. Prints one JSON object: per engine seconds (and this process's CPU seconds: the
+steadier figure on a shared machine), answer tokens and tokens/s, the answers' lengths, and the
+speed-ups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.io.assets import load_mtbench_questions
 from dflash_jax.io.target_loader import load_target
 from dflash_jax.training.continuous import CHUNK_STEPS
 from dflash_jax.training.generate import Answerer, ChatFormat, bucketed_batches
@@ -33,6 +36,13 @@ flags.DEFINE_string("target", "smollm2-135m-instruct", "Target that answers (as 
 flags.DEFINE_enum(
     "dtype", "auto", ["auto", "float32", "bfloat16"],
     "Dtype of the target: auto is bfloat16 on GPU/TPU, float32 on CPU.",
+)  # fmt: skip
+flags.DEFINE_enum(
+    "prompts", "mixed", ["mixed", "mtbench"],
+    "The prompt set: mixed (KINDS: one word to an essay, a quarter each; a kind's prompts have "
+    "similar lengths, so fixed batches sorted by prompt length hold one kind each) or mtbench "
+    "(the first turns of the MT-Bench questions, in order: real chat prompts, whose answer "
+    "lengths do not follow their prompts' lengths).",
 )  # fmt: skip
 flags.DEFINE_integer("num_prompts", 64, "Prompts answered by each engine.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Rows decoding together (both engines).", lower_bound=1)
@@ -65,14 +75,18 @@ def main(argv):
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     target = load_target(FLAGS.target, dtype=dtype)
     chat = ChatFormat(target.tokenizer, target.chat_template)
-    prompts = [chat.prompt_ids(p) for p in mixed_prompts(FLAGS.num_prompts)]
+    if FLAGS.prompts == "mtbench":
+        texts = [q["turns"][0] for q in load_mtbench_questions()][: FLAGS.num_prompts]
+    else:
+        texts = mixed_prompts(FLAGS.num_prompts)
+    prompts = [chat.prompt_ids(p) for p in texts]
     cfg = DecodeConfig(
         max_new_tokens=FLAGS.max_new_tokens,
         stop_token_ids=tuple(sorted(set(target.config.eos_token_ids))),
     )
     result = {
         "target": FLAGS.target, "dtype": dtype, "device": jax.devices()[0].device_kind,
-        "num_prompts": len(prompts), "batch_size": FLAGS.batch_size,
+        "prompts": FLAGS.prompts, "num_prompts": len(prompts), "batch_size": FLAGS.batch_size,
         "max_new_tokens": FLAGS.max_new_tokens, "engines": {},
     }  # fmt: skip
     answers = {}
