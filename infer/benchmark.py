@@ -13,6 +13,7 @@ speedup = mean(TPOT_AR) / mean(TPOT_DFlash), a ratio of means. tau counts the bo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import platform
@@ -188,6 +189,16 @@ def kind_mix(turns: list[dict]) -> dict:
     )
 
 
+def tau_by_kind(turns: list[dict]) -> dict:
+    """Mean tokens committed by the DFlash steps of each kind (`kind_label`): which kinds pay
+    for their cost (a plain step commits 1)."""
+    taus = collections.defaultdict(list)
+    for t in turns:
+        for tau, k in zip(t["taus"], t["block_sizes"], strict=False):
+            taus[kind_label(k)].append(tau)
+    return {k: float(np.mean(v)) for k, v in sorted(taus.items())}
+
+
 def fastest_ar(timed: list[dict], ar_tpot: float, df_tpot: float, dtype: str) -> dict:
     """`speedup` against the same precision's fastest AR (the reference AR, or the plain one
     when it is faster), and `speedup_vs_fastest_ar`: against the fastest AR of any precision
@@ -235,6 +246,7 @@ def aggregate(turns: list[dict], block_size: int, dtype: str = "float32") -> dic
         "step_cost_ratio": float(df_step / ar_step),
         "mean_new_tokens": float(np.mean([t["dflash_tokens"] for t in turns])),
         "step_kind_mix": kind_mix(turns),
+        "tau_by_kind": tau_by_kind(turns),
     }
 
 

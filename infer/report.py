@@ -89,6 +89,11 @@ def benchmark_summary(result: dict, output: str) -> str:
         ("tau", f"{agg['tau_mean']:.2f} tokens per step"),
         ("lookup tau", f"{agg['prompt_lookup_tau_mean']:.2f} (prompt lookup alone, offline)"),
         ("steps by kind", kind_mix(agg["step_kind_mix"], share=True)),
+        *(
+            [("tau by kind", ", ".join(f"{kind_words(k)} {v:.2f}" for k, v in tau.items()))]
+            if (tau := agg.get("tau_by_kind"))
+            else []
+        ),
         ("target alone", f"{agg['ar_tokens_per_s']:.1f} tok/s"),
         ("DFlash", f"{agg['dflash_tokens_per_s']:.1f} tok/s"),
         ("speedup", f"{agg['speedup']:.2f}x (mean TPOT of the target alone / DFlash's)"),

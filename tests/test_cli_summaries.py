@@ -41,8 +41,10 @@ def test_summaries_are_aligned_lines_of_each_figure():
 
     bench = json.loads((RESULTS / "tree_bench_dev24_fixed_t32.json").read_text())
     bench["aggregate"]["outputs_identical"] = False
+    bench["aggregate"]["tau_by_kind"] = {"-4": 1.468, "4": 1.58}
     rows = _rows(report.benchmark_summary(bench, "out.json"))
     assert rows["steps by kind"] == "100% tree 32"
+    assert rows["tau by kind"] == "copy 4 1.47, block 4 1.58"
     assert rows["speedup"].startswith("0.15x") and rows["one DFlash step"] == "12.92 AR steps"
     assert rows["outputs"] == "DIFFERENT from the target alone"
     assert report.kind_mix({"1": 0.7, "-8": 0.297, "16": 0.003}, share=True) == (
