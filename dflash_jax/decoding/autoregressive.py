@@ -51,8 +51,8 @@ _DRAFTING_FIELDS = (
 
 def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
     """`cfg` for the target alone: the drafting fields at their defaults, block size 1."""
-    defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
-    reset = {name: defaults[name] for name in _DRAFTING_FIELDS}
+    defaults = DecodeConfig()
+    reset = {name: getattr(defaults, name) for name in _DRAFTING_FIELDS}
     return dataclasses.replace(cfg, **{**reset, "block_size": 1})
 
 
