@@ -17,7 +17,7 @@ from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
-from dflash_jax.decoding.runner import precompile
+from dflash_jax.decoding.runner import plan_run, precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
 from dflash_jax.decoding.settings import GROUP_OF, DecodeConfig, group_of
 from dflash_jax.files import cache_root, read_json_table, write_json_atomic
@@ -660,10 +660,11 @@ def generate(
     budget = budget_bucket(max_new_tokens, room)
     cfg = generate_config(target, drafter, max_new_tokens=budget, **settings)
     prompt, lengths = pad_prompts(tokens)
-    kw = {}
+    # Checked and resolved once (`decoding.plan`): the calibration and the decode read it.
+    kw = {"plan": plan_run(target, drafter, cfg)}
     if cfg.adaptive:
         kw["step_costs"] = calibration.calibrate_step_costs(
-            target, drafter, prompt, lengths, cfg, traced_budget=True
+            target, drafter, prompt, lengths, cfg, traced_budget=True, plan=kw["plan"]
         )
     run = timed_decode(target, drafter, prompt, lengths, seed, cfg, max_new=max_new_tokens, **kw)
     out = run.output

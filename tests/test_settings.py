@@ -13,7 +13,14 @@ from _chat_tokenizer import CHATML, char_tokenizer
 
 from dflash_jax import api
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
-from dflash_jax.decoding.settings import Controller, DecodeConfig, Numerics, Sampling
+from dflash_jax.decoding.plan import make_plan
+from dflash_jax.decoding.settings import (
+    Controller,
+    DecodeConfig,
+    Numerics,
+    Sampling,
+    autoregressive_config,
+)
 
 
 def test_flat_and_grouped_spellings_are_one_config():
@@ -64,7 +71,7 @@ def test_generate_keywords_reach_the_decode_config(monkeypatch):
     seen = []
 
     def decode(target, drafter, prompt, lengths, seed, cfg, **kw):
-        seen.append(cfg)
+        seen.append((cfg, kw["plan"]))
         out = types.SimpleNamespace(tokens=np.full((1, 4), 5), lengths=np.array([2]))
         return types.SimpleNamespace(output=out)
 
@@ -76,9 +83,38 @@ def test_generate_keywords_reach_the_decode_config(monkeypatch):
         draft_window=32, probe_every=3, sampling=Sampling(top_k=7),
     )  # fmt: skip
     assert text == ["22"]  # id 5 is "2"; the fake decode kept two tokens
-    (cfg,) = seen
+    ((cfg, plan),) = seen
+    assert plan.decode_config == cfg and plan.target_config.invariant_rows is None  # fp32
     assert cfg.max_new_tokens == api.budget_bucket(40)
     assert cfg.sampling == Sampling(temperature=0.5, top_k=7, top_p=0.9)
     assert (cfg.block_size, cfg.adaptive, cfg.lookup_kinds, cfg.tree_nodes) == (8, True, (4,), 6)
     assert (cfg.probe_every, cfg.row_tile, cfg.draft_window) == (3, 4, 32)
     assert cfg.stop_token_ids == api.stop_token_ids(target)
+
+
+def test_a_plan_resolves_the_run_once():
+    """`make_plan` checks the pair and resolves what the programs read: the run's target config
+    (bf16: the row rule at the config's tile), the statics, the options; the target alone's
+    plan is the same resolution with the drafting fields reset."""
+    from dflash_jax.decoding.programs import executable_options, run_target_config
+
+    tcfg = TargetConfig(
+        arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+    )  # fmt: skip
+    dcfg = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=8, vocab_size=64, mask_token_id=0, target_layer_ids=(0, 1),
+        num_target_layers=2, block_size=8,
+    )  # fmt: skip
+    cfg = DecodeConfig(block_size=8, adaptive=True, row_tile=8)
+    plan = make_plan(tcfg, dcfg, cfg)
+    run = run_target_config(tcfg, cfg)
+    assert run.invariant_rows == (8, 8)
+    assert plan.statics == dict(target_config=run, drafter_config=dcfg, decode_config=cfg)
+    assert plan.compiler_options == executable_options(run)
+    alone = plan.target_alone()
+    assert alone.statics == dict(target_config=run, decode_config=autoregressive_config(cfg))
+    assert make_plan(tcfg, None, cfg) == alone
+    with pytest.raises(ConfigError, match="trained block size"):
+        make_plan(tcfg, dcfg, DecodeConfig(block_size=16))

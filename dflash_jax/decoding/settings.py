@@ -298,3 +298,27 @@ def _signature() -> inspect.Signature:
 
 
 DecodeConfig.__init__.__signature__ = _signature()
+
+
+# What only a drafting decode reads: the AR loop resets them (block_size to 1), so one compiled
+# AR loop serves every block size and mode; every other field (sampling, stops, lengths) is kept.
+_DRAFTING_FIELDS = (
+    "block_size",
+    "adaptive",
+    "step_kinds",
+    "adaptive_rate",
+    "adaptive_prior",
+    "probe_every",
+    "probe_backoff",
+    "lookup_kinds",
+    "lookup_ngram",
+    "tree_nodes",
+    "row_settings",  # the baseline of a row-settings decode runs its uniform settings
+)
+
+
+def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
+    """`cfg` for the target alone: the drafting fields at their defaults, block size 1."""
+    defaults = DecodeConfig()
+    reset = {name: getattr(defaults, name) for name in _DRAFTING_FIELDS}
+    return dataclasses.replace(cfg, **{**reset, "block_size": 1})
