@@ -13,6 +13,7 @@ from _chat_tokenizer import CHATML, char_tokenizer
 
 from dflash_jax import api
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.decoding import runner
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.settings import (
     Controller,
@@ -118,3 +119,10 @@ def test_a_plan_resolves_the_run_once():
     assert make_plan(tcfg, None, cfg) == alone
     with pytest.raises(ConfigError, match="trained block size"):
         make_plan(tcfg, dcfg, DecodeConfig(block_size=16))
+    # a plan given to a decode of other settings is refused, not run with the plan's
+    target, drafter = types.SimpleNamespace(config=tcfg), types.SimpleNamespace(config=dcfg)
+    hotter = dataclasses.replace(cfg, temperature=1.0)
+    prompt, lengths = np.ones((1, 4), np.int32), np.array([4], np.int32)
+    for d, p in ((drafter, alone), (None, plan), (drafter, plan)):
+        with pytest.raises(ValueError, match="made for another decode"):
+            runner.timed_decode(target, d, prompt, lengths, 0, hotter if p is plan else cfg, plan=p)

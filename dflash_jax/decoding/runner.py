@@ -25,7 +25,7 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.decoding import autoregressive, programs, speculative
 from dflash_jax.decoding.plan import Plan, make_plan
-from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.settings import DecodeConfig, autoregressive_config
 from dflash_jax.decoding.state import DecodeOutput, finish, max_steps
 
 # Steps per advance call while streaming: text shows up every few steps, and the round trips
@@ -290,6 +290,13 @@ def plan_run(target, drafter, cfg: DecodeConfig, mesh=None) -> Plan:
     return make_plan(target.config, dcfg, cfg, mesh)
 
 
+def _planned(drafter, cfg: DecodeConfig) -> dict:
+    """What a plan for decoding `cfg` with `drafter` (None: the target alone) holds of them."""
+    if drafter is None:
+        return dict(drafter_config=None, decode_config=autoregressive_config(cfg))
+    return dict(drafter_config=drafter.config, decode_config=cfg)
+
+
 def decode_halves(target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh):
     """(start, advance, head arguments (*params, prompt, lengths, rng), advance's inputs,
     statics, mesh) of the decode `timed_decode` runs; the inputs checked first."""
@@ -309,8 +316,11 @@ def plan_halves(
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
     if plan is None:
         plan = plan_run(target, drafter, cfg, mesh)
-    elif (plan.drafter_config is None) != (drafter is None):
-        raise ValueError("plan: a plan with a drafter for a decode without one, or back")
+    elif plan != dataclasses.replace(plan, **_planned(drafter, cfg)):
+        raise ValueError(
+            "plan= was made for another decode (its drafter or DecodeConfig differ): make it "
+            "with runner.plan_run(target, drafter, cfg) for this one"
+        )
     programs.check_prompt(prompt, lengths, target.config, cfg)
     if drafter is None:
         ar = autoregressive
