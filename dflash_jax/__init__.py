@@ -11,17 +11,20 @@ out = dj.speculative_decode(target.params, drafter.params, prompt, prompt_length
 from dflash_jax.api import generate
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding import DecodeOutput, autoregressive_decode, speculative_decode
-from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.settings import Controller, DecodeConfig, Numerics, Sampling
 from dflash_jax.io import LoadedTarget, load_target
 from dflash_jax.io.drafter_io import LoadedDrafter, load_drafter, restore_drafter, save_drafter
 
 __all__ = [
     "ConfigError",
+    "Controller",
     "DecodeConfig",
     "DecodeOutput",
     "DrafterConfig",
     "LoadedDrafter",
     "LoadedTarget",
+    "Numerics",
+    "Sampling",
     "TargetConfig",
     "autoregressive_decode",
     "generate",

@@ -17,9 +17,9 @@ from dflash_jax.decoding import calibration
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
-from dflash_jax.decoding.runner import precompile
+from dflash_jax.decoding.runner import plan_run, precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
-from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.settings import GROUP_OF, DecodeConfig, group_of
 from dflash_jax.files import cache_root, read_json_table, write_json_atomic
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
@@ -571,39 +571,28 @@ def decode_config(
     block_size: int,
     adaptive: bool,
     stop_token_ids: tuple[int, ...] = (),
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    step_kinds: tuple[int, ...] = (),
     lookup_kinds: tuple[int, ...] | None = None,
-    tree_nodes: int = 0,
-    batch_invariant: bool | None = None,
-    confidence_cut: float = 0.0,
-    row_tile: int = 0,
-    draft_window: int = 0,
+    **settings,
 ) -> DecodeConfig:
     """The DecodeConfig of a decode whose block size and mode are settled (`decode_mode`):
-    None lookup kinds are `DEFAULT_LOOKUP_KINDS` (those <= the block size); step and lookup
-    kinds only when adaptive; batch_invariant None: by dtype (`programs.run_target_config`).
-    `generate_config` and the CLIs' flags (`infer.common`) both build theirs here."""
-    if lookup_kinds is None:
+    `settings` are any other DecodeConfig keywords (flat names or groups); None lookup kinds
+    are `DEFAULT_LOOKUP_KINDS` (those <= the block size), or a `controller` group's when one
+    is given (its kinds kept as given); step and lookup kinds only when adaptive;
+    batch_invariant None: by dtype (`programs.run_target_config`). `generate_config` and the
+    CLIs' flags (`infer.common`) both build theirs here."""
+    if lookup_kinds is None and settings.get("controller") is None:
         lookup_kinds = default_lookup_kinds(block_size)
+    kinds = dict(lookup_kinds=lookup_kinds, step_kinds=settings.pop("step_kinds", None))
+    kinds = {k: tuple(v) for k, v in kinds.items() if v is not None}
+    controller = group_of("controller", {**settings, **kinds, "adaptive": adaptive})
+    if not adaptive:
+        controller = dataclasses.replace(controller, step_kinds=(), lookup_kinds=())
+    rest = {k: v for k, v in settings.items() if "controller" not in (k, GROUP_OF.get(k))}
     return DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
         block_size=block_size,
         stop_token_ids=tuple(stop_token_ids),
-        adaptive=adaptive,
-        step_kinds=tuple(step_kinds) if adaptive else (),
-        lookup_kinds=tuple(lookup_kinds) if adaptive else (),
-        batch_invariant=batch_invariant,
-        row_tile=row_tile,
-        tree_nodes=tree_nodes,
-        confidence_cut=confidence_cut,
-        draft_window=draft_window,
+        controller=controller,
+        **rest,
     )
 
 
@@ -611,38 +600,30 @@ def generate_config(
     target,
     drafter,
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     block_size: int | None = None,
     adaptive: bool | None = None,
     step_kinds: tuple[int, ...] = (),
-    lookup_kinds: tuple[int, ...] | None = None,
-    tree_nodes: int = 0,
-    batch_invariant: bool | None = None,
     platform: str | None = None,
-    confidence_cut: float = 0.0,
-    row_tile: int = 0,
-    draft_window: int = 0,
+    **settings,
 ) -> DecodeConfig:
     """The DecodeConfig `generate` decodes with (its arguments, `generate`'s docstring): None
     block size / adaptive are the measured defaults on `platform` (`decode_mode`; None: this
-    process's backend), no step kinds `default_step_kinds` (a plain step where
-    `plain_steps_pay`), None lookup kinds `DEFAULT_LOOKUP_KINDS`; the target's stop tokens
-    (`stop_token_ids`). The one builder of decode configs: `infer.generate`,
-    `infer.benchmark`, `infer.serve`, `infer.lower` and `infer.memory_plan` call it too.
-    `target` and `drafter` need only `.config` (and the target a `.tokenizer`, if any)."""
+    process's backend; a `controller` group's `adaptive` does not override them), no step
+    kinds `default_step_kinds` (a plain step where `plain_steps_pay`), None lookup kinds
+    `DEFAULT_LOOKUP_KINDS` (`decode_config`); the target's stop tokens (`stop_token_ids`);
+    `settings`: every other DecodeConfig keyword (max_new_tokens, temperature, row_tile, ...,
+    or a group: `sampling=Sampling(...)`), passed on as given. The one builder of decode
+    configs: `infer.generate`, `infer.benchmark`, `infer.serve`, `infer.lower` and
+    `infer.memory_plan` call it too. `target` and `drafter` need only `.config` (and the
+    target a `.tokenizer`, if any)."""
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
-    if adaptive and not step_kinds:
-        plain = plain_steps_pay(target, batch_invariant, platform, row_tile)
+    if adaptive and not (step_kinds or group_of("controller", settings).step_kinds):
+        numerics = group_of("numerics", settings)
+        plain = plain_steps_pay(target, numerics.batch_invariant, platform, numerics.row_tile)
         step_kinds = default_step_kinds(block_size, plain)
     return decode_config(
         block_size=block_size, adaptive=adaptive, stop_token_ids=stop_token_ids(target),
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        step_kinds=step_kinds, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
-        batch_invariant=batch_invariant, confidence_cut=confidence_cut, row_tile=row_tile,
-        draft_window=draft_window,
+        **({"step_kinds": step_kinds} if step_kinds else {}), **settings,
     )  # fmt: skip
 
 
@@ -652,29 +633,23 @@ def generate(
     prompts: list[str],
     *,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    block_size: int | None = None,
-    adaptive: bool | None = None,
-    lookup_kinds: tuple[int, ...] | None = None,
     seed: int = 0,
     chat: bool = True,
-    tree_nodes: int = 0,
-    confidence_cut: float = 0.0,
-    row_tile: int = 0,
+    **settings,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
-    and returns the generated texts (stop token removed). block_size / adaptive None: the
-    measured defaults (`decode_mode`); adaptive step costs are
-    calibrated on the first call for these shapes and cached on disk. lookup_kinds: the
-    prompt-lookup step kinds of an adaptive decode (None: `DEFAULT_LOOKUP_KINDS`).
-    tree_nodes: a step that verifies a token tree of this many tokens (`decoding.tree`): one
-    more step kind of an adaptive decode, else every step; 0: no tree. confidence_cut: a
-    DSpark drafter's drafts are offered while the product of their predicted acceptance stays
-    at or above it (`DecodeConfig.confidence_cut`); 0: all of them. row_tile: the rows every
-    GEMM of a batch-invariant decode runs at (`DecodeConfig.row_tile`; 0: 32); a large batch
-    runs faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits.
+    and returns the generated texts (stop token removed). `settings`: `generate_config`'s
+    keywords, so any DecodeConfig setting by name (or as a group, `sampling=Sampling(...)`):
+    block_size / adaptive None: the measured defaults (`decode_mode`); adaptive step costs
+    are calibrated on the first call for these shapes and cached on disk. temperature, top_k,
+    top_p: how tokens are drawn (0: greedy). lookup_kinds: the prompt-lookup step kinds of an
+    adaptive decode (None: `DEFAULT_LOOKUP_KINDS`). tree_nodes: a step that verifies a token
+    tree of this many tokens (`decoding.tree`): one more step kind of an adaptive decode,
+    else every step; 0: no tree. confidence_cut: a DSpark drafter's drafts are offered while
+    the product of their predicted acceptance stays at or above it
+    (`DecodeConfig.confidence_cut`); 0: all of them. row_tile: the rows every GEMM of a
+    batch-invariant decode runs at (`DecodeConfig.row_tile`; 0: 32); a large batch runs
+    faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits.
     max_new_tokens is an input of the compiled decode, its buffers a power of two
     (`budget_bucket`): a new budget within a bucket runs the programs already compiled."""
     prompts = check_text_prompts(prompts)
@@ -682,17 +657,14 @@ def generate(
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
     tokens = [render_prompt(target.tokenizer, p, chat) for p in prompts]
     room = target.config.max_position_embeddings - max(len(t) for t in tokens)
-    cfg = generate_config(
-        target, drafter, max_new_tokens=budget_bucket(max_new_tokens, room),
-        temperature=temperature, top_k=top_k, top_p=top_p, block_size=block_size,
-        adaptive=adaptive, lookup_kinds=lookup_kinds, tree_nodes=tree_nodes,
-        confidence_cut=confidence_cut, row_tile=row_tile,
-    )  # fmt: skip
+    budget = budget_bucket(max_new_tokens, room)
+    cfg = generate_config(target, drafter, max_new_tokens=budget, **settings)
     prompt, lengths = pad_prompts(tokens)
-    kw = {}
+    # Checked and resolved once (`decoding.plan`): the calibration and the decode read it.
+    kw = {"plan": plan_run(target, drafter, cfg)}
     if cfg.adaptive:
         kw["step_costs"] = calibration.calibrate_step_costs(
-            target, drafter, prompt, lengths, cfg, traced_budget=True
+            target, drafter, prompt, lengths, cfg, traced_budget=True, plan=kw["plan"]
         )
     run = timed_decode(target, drafter, prompt, lengths, seed, cfg, max_new=max_new_tokens, **kw)
     out = run.output

@@ -4,7 +4,9 @@ state.py           the loop state, its output and shardings; commit, finish, the
 phases.py          prefill, drafter context, draft, verify, accept: the pieces of a step
 autoregressive.py  the target alone, one token per step (`autoregressive_decode`)
 speculative.py     draft -> verify -> accept per step (`speculative_decode`)
+settings.py        DecodeConfig and its groups (Sampling, Controller, Numerics), step kinds
 programs.py        jitting, mesh placement and input checks shared by both decodes
+plan.py            a run's plan: its checks and resolved configs and options, made once
 adaptive.py        the on-device controller that picks each step's kind
 lookup.py          prompt lookup: drafts copied from the text so far
 tree.py            tree verification: a best-first token tree per step, one pass, a path

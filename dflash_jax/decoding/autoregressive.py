@@ -5,22 +5,21 @@ reference. Its halves `start_autoregressive` / `advance_autoregressive` are what
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.decoding.phases import next_token, prefill
+from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
     check_prompt,
     jit_decoder,
     run,
-    run_target_config,
     step_limit_array,
     typed_key,
 )
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.settings import autoregressive_config as autoregressive_config
 from dflash_jax.decoding.state import (
     DecodeOutput,
     LoopState,
@@ -31,29 +30,6 @@ from dflash_jax.decoding.state import (
     step_key,
 )
 from dflash_jax.models.target import Transformer, decoding_head
-
-# What only a drafting decode reads: the AR loop resets them (block_size to 1), so one compiled
-# AR loop serves every block size and mode; every other field (sampling, stops, lengths) is kept.
-_DRAFTING_FIELDS = (
-    "block_size",
-    "adaptive",
-    "step_kinds",
-    "adaptive_rate",
-    "adaptive_prior",
-    "probe_every",
-    "probe_backoff",
-    "lookup_kinds",
-    "lookup_ngram",
-    "tree_nodes",
-    "row_settings",  # the baseline of a row-settings decode runs its uniform settings
-)
-
-
-def autoregressive_config(cfg: DecodeConfig) -> DecodeConfig:
-    """`cfg` for the target alone: the drafting fields at their defaults, block size 1."""
-    defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
-    reset = {name: defaults[name] for name in _DRAFTING_FIELDS}
-    return dataclasses.replace(cfg, **{**reset, "block_size": 1})
 
 
 def _start_autoregressive(
@@ -158,10 +134,7 @@ def autoregressive_decode(
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
+    plan = make_plan(target_config, None, decode_config, mesh)
     limit = step_limit_array(decode_config, step_limit)
     args = (target_params, prompt, prompt_lengths, typed_key(rng), limit)
-    statics = dict(
-        target_config=run_target_config(target_config, decode_config),
-        decode_config=autoregressive_config(decode_config),
-    )
-    return run(autoregressive_jit, args, statics, mesh)
+    return run(autoregressive_jit, args, plan.statics, mesh)

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from dflash_jax.decoding import programs
-from dflash_jax.decoding.runner import timed_decode
+from dflash_jax.decoding.plan import Plan
+from dflash_jax.decoding.runner import plan_run, timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.files import cache_root, read_json_table, write_json_atomic
 from dflash_jax.ops.invariance import machine_name, software_name
@@ -37,14 +38,21 @@ def _cache_file() -> Path:
     return cache_root() / "step_costs.json"
 
 
-def calibration_key(target, drafter, prompt_shape, cfg: DecodeConfig) -> str:
+def calibration_key(
+    target, drafter, prompt_shape, cfg: DecodeConfig, plan: Plan | None = None
+) -> str:
     """What a step's cost depends on: both models, batch and buffer shapes, the kinds, the
-    sampling arithmetic, the row rule the run keeps to (batch-invariant or not), the device
-    (a CPU's GEMM features included) and how the products are computed (`COSTS_VERSION`)."""
+    sampling arithmetic, the row rule the run keeps to (batch-invariant or not: `plan`'s, the
+    decode's resolved plan; None: resolved here), the device (a CPU's GEMM features included)
+    and how the products are computed (`COSTS_VERSION`)."""
     device = jax.devices()[0]
+    if plan is None:
+        run_config = programs.run_target_config(target.config, cfg)
+    else:
+        run_config = plan.target_config
     parts = [
         f"costs{COSTS_VERSION}",
-        repr(programs.run_target_config(target.config, cfg).invariant_rows),
+        repr(run_config.invariant_rows),
         machine_name(),
         repr(target.config),
         repr(drafter.config),
@@ -72,6 +80,7 @@ def calibrate_step_costs(
     repeats: int = 2,
     steps: int = CALIBRATION_STEPS,
     traced_budget: bool = False,
+    plan: Plan | None = None,
 ) -> np.ndarray:
     """Measures each step kind's cost in AR steps on `prompt`, and caches the result under
     $DFLASH_JAX_CACHE or ~/.cache/dflash_jax.
@@ -85,11 +94,15 @@ def calibrate_step_costs(
     wider than `CALIBRATION_MAX_PROMPT` is calibrated on its first that many tokens.
     traced_budget: the start half takes the token budget as an input (`cfg.max_new_tokens`),
     as a decode given one does (`timed_decode(max_new=...)`, `api.generate`), so that the
-    calibration runs that decode's own programs."""
+    calibration runs that decode's own programs. plan: the decode's (`runner.plan_run`), when
+    the caller resolved it already; the target-alone runs take its `Plan.target_alone`."""
     if np.shape(prompt)[1] > CALIBRATION_MAX_PROMPT:
         prompt = np.asarray(prompt)[:, :CALIBRATION_MAX_PROMPT]
         prompt_lengths = np.minimum(np.asarray(prompt_lengths), CALIBRATION_MAX_PROMPT)
-    key = calibration_key(target, drafter, np.shape(prompt), cfg)
+    if plan is None:
+        plan = plan_run(target, drafter, cfg)
+    alone = plan.target_alone()
+    key = calibration_key(target, drafter, np.shape(prompt), cfg, plan)
     path = _cache_file()
     table = read_json_table(path) if use_cache else {}
     if key in table and len(table[key]) == len(cfg.all_kinds):
@@ -99,7 +112,7 @@ def calibrate_step_costs(
         budget = cfg.max_new_tokens if traced_budget else None
         run = timed_decode(
             target, drafter_or_none, prompt, prompt_lengths, 0, cfg, step_limit=steps,
-            max_new=budget, **kw,
+            max_new=budget, plan=plan if drafter_or_none is not None else alone, **kw,
         )  # fmt: skip
         taken = max(int(np.max(np.asarray(run.output.num_steps))), 1)
         return max(run.run_s - run.start_s, 1e-9) / taken

@@ -24,7 +24,8 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.decoding import autoregressive, programs, speculative
-from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.plan import Plan, make_plan
+from dflash_jax.decoding.settings import DecodeConfig, autoregressive_config
 from dflash_jax.decoding.state import DecodeOutput, finish, max_steps
 
 # Steps per advance call while streaming: text shows up every few steps, and the round trips
@@ -60,19 +61,22 @@ def place_half(jitted, args: tuple, statics: dict, mesh):
     return programs.on_mesh(jitted, mesh, args, statics)
 
 
-def compile_half(jitted, args: tuple, statics: dict, mesh):
+def compile_half(jitted, args: tuple, statics: dict, mesh, options: dict | None = None):
     """(executable, args placed for it, compile seconds); compiled once per function, shapes
     and statics in this process (and, through JAX's persistent cache, across processes), with
-    `programs.executable_options`; its `programs.fingerprint` kept in FINGERPRINTS."""
+    `options` (a plan's; None: `programs.executable_options`); its `programs.fingerprint`
+    kept in FINGERPRINTS."""
     t0 = time.perf_counter()
-    key, lowered, args = _lower_half(jitted, args, statics, mesh)
+    if options is None:
+        options = programs.executable_options(statics["target_config"])
+    key, lowered, args = _lower_half(jitted, args, statics, mesh, options)
     if lowered is None:
         return _COMPILED[key], args, 0.0
-    _finish_half(key, lowered, statics)
+    _finish_half(key, lowered, options)
     return _COMPILED[key], args, time.perf_counter() - t0
 
 
-def _lower_half(jitted, args: tuple, statics: dict, mesh):
+def _lower_half(jitted, args: tuple, statics: dict, mesh, options: dict):
     """(key, lowered program or None when already compiled, args placed for it)."""
     fn, args, run_statics = place_half(jitted, args, statics, mesh)
     shapes = tuple(
@@ -86,14 +90,11 @@ def _lower_half(jitted, args: tuple, statics: dict, mesh):
     avals = args if mesh is not None else jax.tree.map(programs.unplaced, args)
     with _LOWERING:
         lowered = fn.lower(*avals, **run_statics)
-    FINGERPRINTS[programs.program_name(jitted)] = programs.fingerprint(
-        lowered, programs.executable_options(statics["target_config"])
-    )
+    FINGERPRINTS[programs.program_name(jitted)] = programs.fingerprint(lowered, options)
     return key, lowered, args
 
 
-def _finish_half(key, lowered, statics: dict) -> None:
-    options = programs.executable_options(statics["target_config"])
+def _finish_half(key, lowered, options: dict) -> None:
     _COMPILED[key] = lowered.compile(compiler_options=options)
 
 
@@ -108,31 +109,33 @@ def precompile(decodes, pool: concurrent.futures.Executor) -> list[list[concurre
     running it (none when it was compiled already)."""
     pending = []
     for target, drafter, prompt, lengths, cfg in decodes:
-        start, advance, head, inputs, statics, mesh = decode_halves(
+        start, advance, head, inputs, plan = plan_halves(
             target, drafter, prompt, lengths, 0, cfg, None, -1, None
         )
-        if mesh is not None:
-            args = (start, advance, head, inputs, statics, mesh)
+        statics, options = plan.statics, plan.compiler_options
+        if plan.mesh is not None:
+            args = (start, advance, head, inputs, statics, plan.mesh, options)
             pending.append([pool.submit(_compile_both, *args)])
             continue
         futures = []
-        key, lowered, _ = _lower_half(start, head, statics, None)
+        key, lowered, _ = _lower_half(start, head, statics, None, options)
         if lowered is None:
             state_info = _COMPILED[key].out_info
         else:
             state_info = lowered.out_info
-            futures.append(pool.submit(_finish_half, key, lowered, statics))
+            futures.append(pool.submit(_finish_half, key, lowered, options))
         adv_head = (*head, *inputs, np.int32(0), state_info)
-        key, lowered, _ = _lower_half(advance, adv_head, statics, None)
+        key, lowered, _ = _lower_half(advance, adv_head, statics, None, options)
         if lowered is not None:
-            futures.append(pool.submit(_finish_half, key, lowered, statics))
+            futures.append(pool.submit(_finish_half, key, lowered, options))
         pending.append(futures)
     return pending
 
 
-def _compile_both(start, advance, head, inputs, statics, mesh) -> None:
-    start_x, _, _ = compile_half(start, head, statics, mesh)
-    compile_half(advance, (*head, *inputs, np.int32(0), start_x.out_info), statics, mesh)
+def _compile_both(start, advance, head, inputs, statics, mesh, options) -> None:
+    start_x, _, _ = compile_half(start, head, statics, mesh, options)
+    adv_args = (*head, *inputs, np.int32(0), start_x.out_info)
+    compile_half(advance, adv_args, statics, mesh, options)
 
 
 @functools.cache
@@ -160,6 +163,7 @@ def timed_run(
     on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
     chunk_steps: int = STREAM_CHUNK_STEPS,
     start_inputs: tuple = (),
+    options: dict | None = None,
 ) -> TimedRun:
     """Runs `start` then `advance` (the halves in `decoding.autoregressive` or
     `decoding.speculative`) on (*lead params, prompt, lengths, rng[, *inputs, step_limit,
@@ -167,13 +171,17 @@ def timed_run(
     counts [B]): called with the prefill's tokens and then after every `chunk_steps` steps with
     what each row committed since (row b's new tokens are tokens[b, :counts[b]]); without it
     the loop runs in one call. start_inputs: `start`'s arguments after the rng (a token
-    budget: `timed_decode`'s max_new)."""
+    budget: `timed_decode`'s max_new); options: the executables' (`compile_half`)."""
     cfg: DecodeConfig = statics["decode_config"]
     head = (*lead, prompt, lengths, programs.typed_key(rng))
-    start_x, start_args, start_compile = compile_half(start, (*head, *start_inputs), statics, mesh)
+    start_x, start_args, start_compile = compile_half(
+        start, (*head, *start_inputs), statics, mesh, options
+    )
     state_info = start_x.out_info
     adv_head = (*head, *inputs, np.int32(0))
-    advance_x, adv_args, adv_compile = compile_half(advance, (*adv_head, state_info), statics, mesh)
+    advance_x, adv_args, adv_compile = compile_half(
+        advance, (*adv_head, state_info), statics, mesh, options
+    )
     adv_args = adv_args[:-2]  # the step limit and the state change from call to call
     peek, finished = _readers(mesh)
 
@@ -230,6 +238,7 @@ def timed_decode(
     on_tokens=None,
     chunk_steps: int = STREAM_CHUNK_STEPS,
     max_new: int | None = None,
+    plan: Plan | None = None,
 ) -> TimedRun:
     """Runs the speculative decode (or the autoregressive one when drafter is None) as the
     jitted halves `decoding.runner` times, compilation apart from execution; executables are
@@ -241,9 +250,11 @@ def timed_decode(
     (loaded with one), else the one set by `jax.set_mesh`, else one device. max_new: each
     row's token budget, 1 to `cfg.max_new_tokens` (which sizes the buffers), as an input of
     the start half: every budget up to the buffer's runs one compiled pair of halves (the
-    output's buffers keep `cfg`'s length); None: `cfg.max_new_tokens`, as a constant."""
-    start, advance, head, inputs, statics, mesh = decode_halves(
-        target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh
+    output's buffers keep `cfg`'s length); None: `cfg.max_new_tokens`, as a constant.
+    plan: this decode's (`plan_run`), when the caller resolved it already (then `mesh` is
+    the plan's)."""
+    start, advance, head, inputs, plan = plan_halves(
+        target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh, plan
     )
     start_inputs = ()
     if max_new is not None:
@@ -257,35 +268,66 @@ def timed_decode(
         head[:-3],
         *head[-3:],
         inputs,
-        statics,
+        plan.statics,
         step_limit=limit,
-        mesh=mesh,
+        mesh=plan.mesh,
         on_tokens=on_tokens,
         chunk_steps=chunk_steps,
         start_inputs=start_inputs,
+        options=plan.compiler_options,
     )
+
+
+def plan_run(target, drafter, cfg: DecodeConfig, mesh=None) -> Plan:
+    """The checked, resolved plan (`decoding.plan`) of decoding `cfg` with `target` and
+    `drafter` (None: the target alone) on `mesh`: by default the target's (loaded with one),
+    else the one set by `jax.set_mesh`, else one device."""
+    if mesh is None:
+        mesh = getattr(target, "mesh", None)
+    if mesh is None:
+        mesh = sharding.current_mesh()
+    dcfg = None if drafter is None else drafter.config
+    return make_plan(target.config, dcfg, cfg, mesh)
+
+
+def _planned(drafter, cfg: DecodeConfig) -> dict:
+    """What a plan for decoding `cfg` with `drafter` (None: the target alone) holds of them."""
+    if drafter is None:
+        return dict(drafter_config=None, decode_config=autoregressive_config(cfg))
+    return dict(drafter_config=drafter.config, decode_config=cfg)
 
 
 def decode_halves(target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh):
     """(start, advance, head arguments (*params, prompt, lengths, rng), advance's inputs,
     statics, mesh) of the decode `timed_decode` runs; the inputs checked first."""
+    start, advance, head, inputs, plan = plan_halves(
+        target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh
+    )
+    return start, advance, head, inputs, plan.statics, plan.mesh
+
+
+def plan_halves(
+    target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh, plan=None
+):
+    """(start, advance, head arguments (*params, prompt, lengths, rng), advance's inputs,
+    plan) of the decode `timed_decode` runs: the inputs checked, the plan resolved
+    (`plan_run`) unless given."""
     rng = jax.random.key(seed)
     prompt, lengths = np.asarray(prompt, np.int32), np.asarray(lengths, np.int32)
-    check_inputs(target, drafter, prompt, lengths, cfg)
+    if plan is None:
+        plan = plan_run(target, drafter, cfg, mesh)
+    elif plan != dataclasses.replace(plan, **_planned(drafter, cfg)):
+        raise ValueError(
+            "plan= was made for another decode (its drafter or DecodeConfig differ): make it "
+            "with runner.plan_run(target, drafter, cfg) for this one"
+        )
+    programs.check_prompt(prompt, lengths, target.config, cfg)
     if drafter is None:
         ar = autoregressive
         halves, lead, inputs = (ar.start_autoregressive, ar.advance_autoregressive), (), ()
-        tcfg = programs.run_target_config(target.config, cfg)
-        statics = dict(target_config=tcfg, decode_config=ar.autoregressive_config(cfg))
     else:
         sp = speculative
         halves, lead = (sp.start_speculative, sp.advance_speculative), (drafter.params,)
         inputs = (sp.step_cost_array(cfg, step_costs), np.int32(forced_kind))
-        tcfg = programs.run_target_config(target.config, cfg)
-        statics = dict(target_config=tcfg, drafter_config=drafter.config, decode_config=cfg)
-    if mesh is None:
-        mesh = getattr(target, "mesh", None)
-    if mesh is None:
-        mesh = sharding.current_mesh()
     head = (target.params, *lead, prompt, lengths, rng)
-    return (*halves, head, inputs, statics, mesh)
+    return (*halves, head, inputs, plan)

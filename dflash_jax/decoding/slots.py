@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError
-from dflash_jax.decoding import programs, speculative
+from dflash_jax.decoding import speculative
 from dflash_jax.decoding.admission import Inserts, insert_rows, row_counts
+from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.runner import compile_half
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
@@ -121,7 +122,7 @@ class SlotDecoder:
             raise ConfigError("a SlotDecoder needs DecodeConfig(row_settings=True)")
         if drafter is None:
             raise ConfigError("a SlotDecoder decodes with a drafter (speculative rows)")
-        programs.check_decode_inputs(target.config, drafter.config, cfg)
+        self.plan = make_plan(target.config, drafter.config, cfg)  # checked, resolved once
         context = target.config.max_position_embeddings
         if max_prompt + cfg.max_new_tokens > context:
             raise ConfigError(
@@ -131,8 +132,7 @@ class SlotDecoder:
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.slots, self.max_prompt = slots, max_prompt
         self.buckets = prompt_buckets(max_prompt)
-        tcfg = programs.run_target_config(target.config, cfg)
-        self.statics = dict(target_config=tcfg, drafter_config=drafter.config, decode_config=cfg)
+        self.statics = self.plan.statics
         self.params = (target.params, drafter.params)
         width = self.buckets[-1]
         self.prompt = np.zeros((slots, width), np.int32)
@@ -167,8 +167,9 @@ class SlotDecoder:
             (*args, np.int32(-1), np.int32(0), self.state),
             self.statics,
             None,
+            self.plan.compiler_options,
         )
-        options = programs.executable_options(self.statics["target_config"])
+        options = self.plan.compiler_options
         insert = jax.jit(insert_rows, static_argnames=tuple(self.statics), donate_argnames="state")
         state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state

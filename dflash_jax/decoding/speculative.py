@@ -24,12 +24,11 @@ from dflash_jax.decoding.phases import (
     draft_tokens,
     init_speculative,
 )
+from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
-    check_decode_inputs,
     check_prompt,
     jit_decoder,
     run,
-    run_target_config,
     step_limit_array,
     typed_key,
 )
@@ -339,7 +338,7 @@ def speculative_decode(
     (`calibration.calibrate_step_costs` measures them; an array, so new costs never recompile).
     `mesh` as in `autoregressive_decode`.
     """
-    check_decode_inputs(target_config, drafter_config, decode_config)
+    plan = make_plan(target_config, drafter_config, decode_config, mesh)
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
     args = (
@@ -352,9 +351,4 @@ def speculative_decode(
         jnp.int32(-1),
         step_limit_array(decode_config, step_limit),
     )
-    statics = dict(
-        target_config=run_target_config(target_config, decode_config),
-        drafter_config=drafter_config,
-        decode_config=decode_config,
-    )
-    return run(speculative_jit, args, statics, mesh)
+    return run(speculative_jit, args, plan.statics, mesh)
