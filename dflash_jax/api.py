@@ -617,7 +617,9 @@ def generate_config(
     `infer.memory_plan` call it too. `target` and `drafter` need only `.config` (and the
     target a `.tokenizer`, if any)."""
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
-    if adaptive and not (step_kinds or group_of("controller", settings).step_kinds):
+    # None kinds are `decode_config`'s defaults (the CLIs' flags pass lookup_kinds=None).
+    given = {k: v for k, v in settings.items() if GROUP_OF.get(k) != "controller" or v is not None}
+    if adaptive and not (step_kinds or group_of("controller", given).step_kinds):
         numerics = group_of("numerics", settings)
         plain = plain_steps_pay(target, numerics.batch_invariant, platform, numerics.row_tile)
         step_kinds = default_step_kinds(block_size, plain)

@@ -91,6 +91,14 @@ def test_generate_keywords_reach_the_decode_config(monkeypatch):
     assert (cfg.block_size, cfg.adaptive, cfg.lookup_kinds, cfg.tree_nodes) == (8, True, (4,), 6)
     assert (cfg.probe_every, cfg.row_tile, cfg.draft_window) == (3, 4, 32)
     assert cfg.stop_token_ids == api.stop_token_ids(target)
+    # As the CLIs' flags give them (`infer.common`): None lookup kinds and no step kinds are
+    # the defaults, not values.
+    cli = api.generate_config(
+        target, drafter, block_size=8, adaptive=True, step_kinds=(), lookup_kinds=None,
+        batch_invariant=None, tree_nodes=0, max_new_tokens=16,
+    )  # fmt: skip
+    assert cli.lookup_kinds == api.default_lookup_kinds(8) and cli.step_kinds == (1, 4, 8)
+    assert cli.batch_invariant is None and cli.max_new_tokens == 16
 
 
 def test_a_plan_resolves_the_run_once():
