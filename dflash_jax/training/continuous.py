@@ -17,7 +17,7 @@ XLA:CPU copied every layer's K and V cache twice a step), a chunk of steps ends 
 stops while prompts wait (so a freed row idles for no step), and once no prompt waits the rows still
 decoding are gathered into a state of half the rows (down to `slots // 8`), whose steps cost less:
 the tail of long answers runs at the rows it needs. Programs: one advance and one gather per row
-count, one insert per prompt bucket (`slots.prompt_buckets`), each compiled at its first use
+count, one insert per prompt bucket (`insert_buckets`), each compiled at its first use
 (`warm_up` compiles them all).
 
 Letters: N rows (slots), P prompt buffer width, W generated-token buffer.
@@ -37,7 +37,6 @@ from dflash_jax.decoding.phases import next_token, prefill
 from dflash_jax.decoding.programs import LOOP_COMPILER_OPTIONS, run_target_config
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
-from dflash_jax.decoding.slots import prompt_buckets
 from dflash_jax.decoding.state import LoopState, commit, keep_going, step_key
 from dflash_jax.models.target import Transformer, decoding_head
 
@@ -120,6 +119,18 @@ def _peek(state: LoopState):
     return state.gen, state.n_gen, state.done, state.step
 
 
+def insert_buckets(max_prompt: int) -> tuple[int, ...]:
+    """The prompt widths an insert compiles for: powers of two from BUCKET and the midpoints
+    between them (48, 96, 192, ...), up to the first that holds `max_prompt` tokens, so that a
+    prompt's prefill pads it by at most a third (powers of two alone padded the mixed set's
+    36-51-token prompts to 64; a one-row prefill costs about its width on a CPU)."""
+    widths = [BUCKET]
+    while widths[-1] < max_prompt:
+        w = widths[-1]
+        widths.append(w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3)
+    return tuple(widths)
+
+
 def row_counts(slots: int) -> tuple[int, ...]:
     """The row counts a decoder of `slots` rows runs at: halves down to slots // SHRINK_FLOOR."""
     counts, floor = [slots], max(1, slots // SHRINK_FLOOR)
@@ -152,7 +163,7 @@ class ContinuousDecoder:
         # As a fixed batch: the prompt buffer is the widest prompt rounded up to BUCKET, so a
         # step reads a cache no longer than the fixed batch of those prompts would.
         self.room = -(-max_prompt // BUCKET) * BUCKET
-        self.buckets = tuple(sorted({min(w, self.room) for w in prompt_buckets(max_prompt)}))
+        self.buckets = tuple(sorted({min(w, self.room) for w in insert_buckets(max_prompt)}))
         self.max_prompt = max_prompt
         self.steps: dict[int, int] = {}  # loop steps run by `generate`, per row count
         self._statics = dict(tcfg=self.tcfg, cfg=self.cfg)

@@ -46,6 +46,12 @@ flags.DEFINE_enum(
 )  # fmt: skip
 flags.DEFINE_integer("num_prompts", 64, "Prompts answered by each engine.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 16, "Rows decoding together (both engines).", lower_bound=1)
+flags.DEFINE_integer(
+    "fixed_batch_size", None,
+    "The fixed batches' rows, when not --batch_size: each engine at the row count it runs "
+    "fastest at on this machine (fixed batches idle more as they grow, the slots do not).",
+    lower_bound=1,
+)  # fmt: skip
 flags.DEFINE_integer("max_new_tokens", 256, "Longest answer in tokens.", lower_bound=1)
 flags.DEFINE_integer(
     "chunk_steps", CHUNK_STEPS,
@@ -84,15 +90,18 @@ def main(argv):
         max_new_tokens=FLAGS.max_new_tokens,
         stop_token_ids=tuple(sorted(set(target.config.eos_token_ids))),
     )
+    fixed_rows = FLAGS.fixed_batch_size or FLAGS.batch_size
     result = {
         "target": FLAGS.target, "dtype": dtype, "device": jax.devices()[0].device_kind,
         "prompts": FLAGS.prompts, "num_prompts": len(prompts), "batch_size": FLAGS.batch_size,
+        "fixed_batch_size": fixed_rows,
         "max_new_tokens": FLAGS.max_new_tokens, "engines": {},
     }  # fmt: skip
     answers = {}
     for engine in ("fixed", "slots"):
+        n_rows = fixed_rows if engine == "fixed" else FLAGS.batch_size
         answerer = Answerer(
-            target, cfg, engine=engine, batch_size=FLAGS.batch_size, bucket=32,
+            target, cfg, engine=engine, batch_size=n_rows, bucket=32,
             max_prompt_tokens=max(map(len, prompts)), chunk_steps=FLAGS.chunk_steps,
         )  # fmt: skip
         answerer.warm_up(prompts)
@@ -103,9 +112,9 @@ def main(argv):
         if engine == "slots":
             steps = {str(rows): n for rows, n in answerer.slot_steps().items()}
         else:  # each batch runs until its longest answer ends (the prefill gave token 1)
-            batches = bucketed_batches([len(x) for x in prompts], FLAGS.batch_size)
-            longest = [max(len(answers[engine][i]) for i in rows) for rows in batches]
-            steps = {str(FLAGS.batch_size): sum(n - 1 for n in longest)}
+            batches = bucketed_batches([len(x) for x in prompts], n_rows)
+            longest = [max(len(answers[engine][i]) for i in batch) for batch in batches]
+            steps = {str(n_rows): sum(n - 1 for n in longest)}
         result["engines"][engine] = {
             "seconds": round(seconds, 2),
             "cpu_seconds": round(cpu, 2),
