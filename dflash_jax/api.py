@@ -617,9 +617,10 @@ def generate_config(
     `infer.memory_plan` call it too. `target` and `drafter` need only `.config` (and the
     target a `.tokenizer`, if any)."""
     block_size, adaptive = decode_mode(target, drafter, block_size, adaptive, platform)
-    # None kinds are `decode_config`'s defaults (the CLIs' flags pass lookup_kinds=None).
-    given = {k: v for k, v in settings.items() if GROUP_OF.get(k) != "controller" or v is not None}
-    if adaptive and not (step_kinds or group_of("controller", given).step_kinds):
+    # Step kinds come as the keyword or inside a `controller` group; the other controller
+    # settings (the CLIs' lookup_kinds=None included) are `decode_config`'s to resolve.
+    group_kinds = getattr(settings.get("controller"), "step_kinds", ())
+    if adaptive and not (step_kinds or group_kinds):
         numerics = group_of("numerics", settings)
         plain = plain_steps_pay(target, numerics.batch_invariant, platform, numerics.row_tile)
         step_kinds = default_step_kinds(block_size, plain)
