@@ -35,9 +35,10 @@ from etils import epath
 
 from dflash_jax.decoding import autoregressive_decode
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.slots import prompt_buckets
 from dflash_jax.io import paths
 from dflash_jax.io.tokenizer import resolved_thinking, thinking_kwargs
-from dflash_jax.training.continuous import BUCKET, CHUNK_STEPS, ContinuousDecoder
+from dflash_jax.training.continuous import CHUNK_STEPS, ContinuousDecoder
 from dflash_jax.training.data import FORMATS, SHARD_PREFIX, read_shard, write_shard
 from dflash_jax.training.prompts import Prompt, answer_points, dedupe
 
@@ -305,11 +306,11 @@ class Answerer:
 
     def _decoder(self, prompts: list[list[int]]) -> ContinuousDecoder:
         """The slot decoder whose prompt buffer fits these prompts' longest, rounded up to a
-        power of two from `continuous.BUCKET` (a decoder compiles an advance per row count, so
-        few widths; a fixed batch of the widest prompts pads to a multiple of `bucket`)."""
-        longest, width = max(len(x) for x in prompts), BUCKET
-        while width < longest:
-            width *= 2
+        power of two from 32 (`slots.prompt_buckets`, as the server's inserts: a decoder
+        compiles an advance per row count, so few widths; a fixed batch of the widest prompts
+        pads to a multiple of `bucket`)."""
+        longest = max(len(x) for x in prompts)
+        width = prompt_buckets(longest)[-1]
         room = self.target.config.max_position_embeddings - self.cfg.max_new_tokens
         width = max(min(width, room), longest)  # within the context where the prompts are
         if width not in self._slots:
