@@ -359,7 +359,7 @@ def choose_decode(
         [f"choice{floors_lib.FLOORS_VERSION}r{FLOOR_ROUNDS}", machine_name(), software_name(),
          *(repr(getattr(target.config, f)) for f in
            ("num_layers", "hidden_size", "intermediate_size", "vocab_size", "quantize")),
-         repr(drafter.config.num_layers), repr(settings)]
+         _drafter_shape(drafter), repr(settings)]
     )  # fmt: skip
     table = read_json_table(path)
     if key not in table:
@@ -382,6 +382,13 @@ def choose_decode(
         table[_remembered_key(remember)] = choice.dtype
         write_json_atomic(path, table)
     return choice
+
+
+def _drafter_shape(drafter) -> str:
+    """What of a drafter its floors depend on, for the floor caches' keys: its layers, and its
+    head's width when it drafts over a vocabulary of its own (a head ~6x narrower)."""
+    words = drafter.config.draft_vocab_size
+    return repr(drafter.config.num_layers) + (f"/draft_vocab{words}" if words else "")
 
 
 def _measure_floors(target, drafter, settings) -> dict:
@@ -451,7 +458,7 @@ def fastest_dtype(
         [f"floors{floors_lib.FLOORS_VERSION}", machine_name(), software_name(),
          repr(target.config.num_layers), repr(target.config.hidden_size),
          repr(target.config.intermediate_size), repr(target.config.vocab_size),
-         repr(drafter.config.num_layers), f"served{slots}v{floors_lib.SERVED_VERSION}",
+         _drafter_shape(drafter), f"served{slots}v{floors_lib.SERVED_VERSION}",
          *(f"{d}:{c.invariant_rows}" for d, c in settings.items()),
          *([f"quantize:{target.config.quantize}"] if target.config.quantize else [])]
     )  # fmt: skip
