@@ -89,6 +89,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|/)hidden_projection/kernel$", ("embed", None)),
     # A draft vocabulary's target ids (int32 [draft vocab]): every device maps every draft id.
     (r"^draft_to_target$", (None,)),
+    # A corpus table (`io.corpus_table`): n-gram hashes, their continuations, the n's.
+    (r"^corpus_ngrams/(keys|orders)$", (None,)),
+    (r"^corpus_ngrams/next$", (None, None)),
     (r"(^|/)[a-z_]*norm/scale$", ("norm",)),
 )
 

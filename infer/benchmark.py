@@ -29,7 +29,7 @@ from dflash_jax.decoding import breakdown, calibration, programs
 from dflash_jax.decoding.lookup import prompt_lookup_taus
 from dflash_jax.decoding.settings import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.io import jsonl, load_target
-from dflash_jax.ops import invariance
+from dflash_jax.ops import invariance, ngrams
 from infer import cli, common, report
 
 FLAGS = flags.FLAGS
@@ -88,6 +88,11 @@ HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n"
     "```python\n{prompt}\n```"
 )
+
+
+def _corpus_size(drafter) -> int:
+    table = ngrams.table_of(drafter.params) if drafter is not None else None
+    return 0 if table is None else int(table["keys"].shape[0])
 
 
 def load_conversations(dataset: str, limit: int) -> list[list[str]]:
@@ -541,6 +546,9 @@ def main(argv):
             "block_size": block,
             "target": FLAGS.target,
             "drafter": FLAGS.drafter,
+            # n-grams in the drafter's corpus table, which the copy steps also copy from
+            # (`decoding.corpus`; 0: none, copies come from the text alone)
+            "corpus_ngrams": _corpus_size(drafter),
             "batch_size": 1,
             "mesh": dict(target.mesh.shape) if target.mesh is not None else None,
             "devices": jax.device_count(),

@@ -90,6 +90,11 @@ def benchmark_summary(result: dict, output: str) -> str:
         ("lookup tau", f"{agg['prompt_lookup_tau_mean']:.2f} (prompt lookup alone, offline)"),
         ("steps by kind", kind_mix(agg["step_kind_mix"], share=True)),
         *(
+            [("copies from", f"the text, else the target's answers ({corpus:,} n-grams)")]
+            if (corpus := env.get("corpus_ngrams"))
+            else []
+        ),
+        *(
             [("tau by kind", ", ".join(f"{kind_words(k)} {v:.2f}" for k, v in tau.items()))]
             if (tau := agg.get("tau_by_kind"))
             else []

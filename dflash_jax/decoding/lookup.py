@@ -6,7 +6,9 @@ that occurred earlier, and proposes what followed its latest earlier occurrence.
 runs into the end of the text continues periodically (the span between the match and the end
 repeats), which is what a loop of repeated lines does next. `proposal` is the host version
 (the benchmark's offline baseline on the target's own greedy answer), `device_proposal` the
-jitted one the loop drafts with (`DecodeConfig.lookup_kinds`); both follow the same rule.
+jitted one the loop drafts with (`DecodeConfig.lookup_kinds`); both follow the same rule. The
+jitted one also copies from a corpus of the target's answers where the text has no match of two
+or more tokens, when the drafter ships one (`decoding.corpus`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from dflash_jax.decoding import corpus
 
 
 def proposal(context: Sequence[int], length: int, max_ngram: int) -> list[int]:
@@ -52,10 +56,14 @@ def prompt_lookup_taus(
     return taus
 
 
-def device_proposal(prompt_bp, prompt_len_b, gen_bw, n_gen_b, length: int, max_ngram: int):
+def device_proposal(
+    prompt_bp, prompt_len_b, gen_bw, n_gen_b, length: int, max_ngram: int, corpus_table=None
+):
     """`proposal` for every row on device. The text of row b is prompt[b, :prompt_len] then
     gen[b, :n_gen]. -> (proposal [B, length] int32, found [B] bool; rows without a match
-    propose zeros)."""
+    propose zeros). With a `corpus_table` (`decoding.corpus`), a row whose text matches
+    nowhere or only on its last token copies from the corpus instead, where the corpus holds
+    one of its last tokens (found then too)."""
     b, p = prompt_bp.shape
     n = p + gen_bw.shape[1]
     i_n = jnp.arange(n, dtype=jnp.int32)
@@ -83,7 +91,15 @@ def device_proposal(prompt_bp, prompt_len_b, gen_bw, n_gen_b, length: int, max_n
     m_l = jnp.arange(length, dtype=jnp.int32)
     idx_bl = last_b[:, None] + 1 + m_l[None, :] % period_b[:, None]
     prop_bl = jnp.take_along_axis(text_bn, jnp.clip(idx_bl, 0, n - 1), 1)
-    return jnp.where(found_b[:, None], prop_bl, 0).astype(jnp.int32), found_b
+    prop_bl = jnp.where(found_b[:, None], prop_bl, 0).astype(jnp.int32)
+    if corpus_table is None:
+        return prop_bl, found_b
+    # The text's own match when it spans 2+ tokens (copies of a repeated span are the surest),
+    # else the corpus's, else the one-token match.
+    run_b = jnp.where(found_b, jnp.take_along_axis(run_bn, last_b[:, None], 1)[:, 0], 0)
+    corpus_bl, corpus_n_b = corpus.device_proposal(corpus_table, text_bn, end_b, length)
+    use_b = (corpus_n_b > 0) & (run_b < 2)
+    return jnp.where(use_b[:, None], corpus_bl, prop_bl), found_b | (corpus_n_b > 0)
 
 
 def one_hot_logp(proposal_bg: jax.Array, vocab: int) -> jax.Array:

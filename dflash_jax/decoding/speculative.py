@@ -44,6 +44,7 @@ from dflash_jax.decoding.state import (
 )
 from dflash_jax.decoding.step import Proposal, verify
 from dflash_jax.models.target import Head, commit_states, decoding_head
+from dflash_jax.ops import ngrams
 from dflash_jax.ops.caches import write_rows
 
 
@@ -241,8 +242,9 @@ def _advance_speculative(
             copy_bg = found_b = None
             if cfg.lookup_kinds:  # what a copy would propose now (cheap: token compares)
                 copy_bg, found_b = lookup.device_proposal(
-                    prompt, prompt_lengths, s.gen, s.n_gen, width - 1, cfg.lookup_ngram
-                )
+                    prompt, prompt_lengths, s.gen, s.n_gen, width - 1, cfg.lookup_ngram,
+                    ngrams.table_of(drafter_params),
+                )  # fmt: skip
             k = adaptive.choose_kind(
                 s.alpha,
                 ~s.done,

@@ -25,13 +25,14 @@ from absl import logging
 
 from dflash_jax import sharding
 from dflash_jax.config import DrafterConfig
-from dflash_jax.io import paths
+from dflash_jax.io import corpus_table, paths
 from dflash_jax.io.drafter_config import drafter_from_zlab, drafter_to_zlab
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.io.speculators import is_speculators, read_config_json, read_speculators
 from dflash_jax.io.tokenizer import TRAINING_DATA_FILE, resolved_thinking, takes_thinking
 from dflash_jax.io.zlab import CONFIG_FILE, read_zlab
 from dflash_jax.models.drafter import check_fits, init_drafter_params
+from dflash_jax.ops import ngrams
 
 ORBAX_CONFIG_FILE = "drafter_config.json"
 ORBAX_PARAMS_DIR = "params"
@@ -63,7 +64,8 @@ def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: di
     checkpointer = ocp.StandardCheckpointer(
         **({"multiprocessing_options": alone} if jax.process_count() > 1 else {})
     )
-    checkpointer.save(directory / ORBAX_PARAMS_DIR, params)
+    # A corpus table (`load_drafter` adds one) is its own file, not an Orbax param.
+    checkpointer.save(directory / ORBAX_PARAMS_DIR, ngrams.without_table(params))
     checkpointer.wait_until_finished()
     config_json = json.dumps(drafter_to_zlab(config), indent=2, sort_keys=True)
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
@@ -153,11 +155,9 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from e
 
 
-def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -> LoadedDrafter:
-    """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
-    HF or `speculators` dir (local or a URL such as `gs://bucket/drafter`), a hub id
-    (`owner/name`) or "default" (the drafter shipped in the repository). With a `mesh`, params
-    are placed on their table shardings."""
+def drafter_directory(source: str | os.PathLike):
+    """The directory a drafter `source` names (see `read_drafter`): "default", a local path or
+    URL, or a hub id (fetched to the hub's cache)."""
     source = str(source)
     if source == "default":
         if not DEFAULT_DRAFTER.is_dir():
@@ -165,13 +165,21 @@ def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -
                 f"the default drafter is missing: {DEFAULT_DRAFTER} does not exist (reinstall "
                 "dflash-jax from its repository); pass a drafter directory or hub id instead"
             )
-        path = DEFAULT_DRAFTER
-    elif paths.path(source).exists():
-        path = paths.path(source)
-    elif source.count("/") == 1 and not source.startswith((".", "/")):
-        path = _hub_snapshot(source)
-    else:
-        raise CheckpointError(f"drafter {source!r}: no such directory (nor a hub id owner/name)")
+        return DEFAULT_DRAFTER
+    if paths.path(source).exists():
+        return paths.path(source)
+    if source.count("/") == 1 and not source.startswith((".", "/")):
+        return _hub_snapshot(source)
+    raise CheckpointError(f"drafter {source!r}: no such directory (nor a hub id owner/name)")
+
+
+def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -> LoadedDrafter:
+    """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
+    HF or `speculators` dir (local or a URL such as `gs://bucket/drafter`), a hub id
+    (`owner/name`) or "default" (the drafter shipped in the repository). With a `mesh`, params
+    are placed on their table shardings."""
+    source = str(source)
+    path = drafter_directory(source)
     if (path / ORBAX_CONFIG_FILE).is_file():
         loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
@@ -196,11 +204,16 @@ def load_drafter(
 ) -> LoadedDrafter:
     """Reads a drafter (see `read_drafter`) in the target's dtype unless `dtype` is given, and
     refuses one that does not fit `target` (anything with `.config`: a TargetConfig). `mesh`
-    defaults to the target's (`load_target(..., mesh=...)`)."""
+    defaults to the target's (`load_target(..., mesh=...)`). A corpus table in the drafter's
+    directory (`io.corpus_table`) joins its params: the decodes' copy steps read it."""
     if mesh is None:
         mesh = getattr(target, "mesh", None)
     loaded = read_drafter(source, dtype or target.config.dtype, mesh)
     check_fits(loaded.config, target.config, loaded.params)
+    params = corpus_table.attach(
+        loaded.params, drafter_directory(source), target.config.vocab_size, mesh
+    )
+    loaded = dataclasses.replace(loaded, params=params)
     warn_thinking_mismatch(source, target)
     return loaded
 
