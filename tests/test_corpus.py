@@ -18,6 +18,7 @@ from dflash_jax.config import ConfigError
 from dflash_jax.decoding import corpus, lookup
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.io import corpus_table
+from dflash_jax.io.drafter_io import restore_drafter, save_drafter
 from dflash_jax.io.hf import CheckpointError
 from dflash_jax.ops.ngrams import CORPUS_FILE, PARAMS_KEY, without_table
 
@@ -144,6 +145,10 @@ def test_corpus_copies_keep_greedy_output(tmp_path):
     )  # fmt: skip
     np.testing.assert_array_equal(out.tokens, ar.tokens)
     np.testing.assert_array_equal(out.lengths, ar.lengths)
+    # An Orbax export of those params leaves the table out (it is a file of its own).
+    save_drafter(tmp_path / "export", dcfg, _attached(dp, table, tmp_path))
+    assert PARAMS_KEY not in (tmp_path / "export" / "params" / "_METADATA").read_text()
+    assert PARAMS_KEY not in restore_drafter(tmp_path / "export").params
     assert (np.asarray(out.block_sizes)[:, 0] == -4).all()
     assert (np.asarray(out.acceptance_lengths)[:, 0] == 4).all()
     assert (np.asarray(out.num_steps) < np.asarray(ar.lengths) - 1).all()

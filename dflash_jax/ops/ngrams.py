@@ -25,14 +25,13 @@ def ngram_hash(tokens, n: int, xp=np):
 
 
 def table_of(drafter_params) -> dict | None:
-    """The corpus table arrays in a drafter's params ({"keys", "next"}), or None."""
-    if isinstance(drafter_params, dict) or hasattr(drafter_params, "get"):
-        return drafter_params.get(PARAMS_KEY)
-    return None
+    """The corpus table arrays in a drafter's params ({"keys", "next", "orders"}), or None."""
+    return drafter_params.get(PARAMS_KEY) if hasattr(drafter_params, "get") else None
 
 
 def without_table(drafter_params):
-    """A drafter's params without its corpus table (what training and the exporters take)."""
+    """A drafter's params without its corpus table (what an Orbax export saves: the table is a
+    file of its own)."""
     if table_of(drafter_params) is None:
         return drafter_params
     return {k: v for k, v in drafter_params.items() if k != PARAMS_KEY}
