@@ -387,7 +387,7 @@ def choose_decode(
 def _drafter_shape(drafter) -> str:
     """What of a drafter its floors depend on, for the floor caches' keys: its layers, and its
     head's width when it drafts over a vocabulary of its own (a head ~6x narrower)."""
-    words = getattr(drafter.config, "draft_vocab_size", 0)  # stand-ins in tests lack it
+    words = drafter.config.draft_vocab_size
     return repr(drafter.config.num_layers) + (f"/draft_vocab{words}" if words else "")
 
 

@@ -215,7 +215,8 @@ def test_dtype_auto_picks_the_fastest_predicted_decode_and_remembers_it(tmp_path
     monkeypatch.setattr(api, "cache_root", lambda: tmp_path)  # the table alone
     pair = (
         types.SimpleNamespace(config=TargetConfig("qwen3", 64, 32, 64, 2, 2, 1, 16), params={}),
-        types.SimpleNamespace(config=types.SimpleNamespace(num_layers=1, block_size=16),
+        types.SimpleNamespace(config=types.SimpleNamespace(num_layers=1, block_size=16,
+                                                            draft_vocab_size=0),
                               params={}),
     )  # fmt: skip
     # ms: (one row, a step of the tile's rows; 4 rows without a rule), by (dtype, tile)

@@ -13,15 +13,13 @@ most often followed it. The shipped drafter's table (`--drafter=default`) was co
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 from absl import app, flags
 
 from dflash_jax.io import corpus_table
-from dflash_jax.io.drafter_io import ORBAX_CONFIG_FILE, drafter_directory
-from dflash_jax.io.zlab import CONFIG_FILE
+from dflash_jax.io.drafter_io import drafter_directory, read_drafter
 from dflash_jax.ops.ngrams import CORPUS_FILE
 from dflash_jax.training import data
 from infer import cli
@@ -35,7 +33,7 @@ flags.DEFINE_list(
 flags.DEFINE_string(
     "drafter", None,
     "Drafter directory to write the table into (corpus_ngrams.npz), or 'default' (the shipped "
-    "one); its config gives the vocabulary size.",
+    "one); the drafter gives the vocabulary size.",
     required=True,
 )  # fmt: skip
 flags.DEFINE_integer("max_ngram", corpus_table.MAX_NGRAM, "Longest n-gram counted.", lower_bound=1)
@@ -50,26 +48,11 @@ flags.DEFINE_integer(
 )
 
 
-def vocab_size(directory) -> int:
-    """The vocabulary size in a drafter directory's config (ours or a z-lab / speculators one)."""
-    for name in (ORBAX_CONFIG_FILE, CONFIG_FILE):
-        path = directory / name
-        if path.is_file():
-            config = json.loads(path.read_text())
-            size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-            if size:
-                return int(size)
-    raise app.UsageError(
-        f"--drafter={FLAGS.drafter}: no {ORBAX_CONFIG_FILE} or {CONFIG_FILE} with a vocab_size "
-        "in it; pass a drafter directory"
-    )
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     directory = drafter_directory(FLAGS.drafter)
-    vocab = vocab_size(directory)
+    vocab = read_drafter(FLAGS.drafter).config.vocab_size  # any format the decodes read
     try:
         shards = data.expand_paths(FLAGS.data)
     except FileNotFoundError as e:

@@ -178,8 +178,11 @@ def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -
     HF or `speculators` dir (local or a URL such as `gs://bucket/drafter`), a hub id
     (`owner/name`) or "default" (the drafter shipped in the repository). With a `mesh`, params
     are placed on their table shardings."""
-    source = str(source)
-    path = drafter_directory(source)
+    return _read_at(drafter_directory(source), str(source), dtype, mesh)
+
+
+def _read_at(path, source: str, dtype: str, mesh) -> LoadedDrafter:
+    """`read_drafter` of the drafter in directory `path` (`drafter_directory(source)`)."""
     if (path / ORBAX_CONFIG_FILE).is_file():
         loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
@@ -208,11 +211,10 @@ def load_drafter(
     directory (`io.corpus_table`) joins its params: the decodes' copy steps read it."""
     if mesh is None:
         mesh = getattr(target, "mesh", None)
-    loaded = read_drafter(source, dtype or target.config.dtype, mesh)
+    path = drafter_directory(source)  # once: a hub id is looked up on the hub
+    loaded = _read_at(path, str(source), dtype or target.config.dtype, mesh)
     check_fits(loaded.config, target.config, loaded.params)
-    params = corpus_table.attach(
-        loaded.params, drafter_directory(source), target.config.vocab_size, mesh
-    )
+    params = corpus_table.attach(loaded.params, path, target.config.vocab_size, mesh)
     loaded = dataclasses.replace(loaded, params=params)
     warn_thinking_mismatch(source, target)
     return loaded
