@@ -16,12 +16,13 @@ from dflash_jax.io.drafter_io import warn_thinking_mismatch
 from dflash_jax.io.loaded_target import LoadedTarget
 from dflash_jax.io.tokenizer import TRAINING_DATA_FILE
 from dflash_jax.training import data
-from dflash_jax.training.continuous import ContinuousDecoder
+from dflash_jax.training.continuous import ContinuousDecoder, shared_prefix
 from dflash_jax.training.generate import ChatFormat, generate_records, mixture
 from dflash_jax.training.prompt_templates import chat_prompts, math_prompts
 from dflash_jax.training.prompts import (
     OverlapFilter,
     Prompt,
+    answer_points,
     dedupe,
     read_prompt_file,
     stdlib_code_prompts,
@@ -333,12 +334,19 @@ def test_slot_engine_answers_as_the_target_alone(tmp_path, target, chat):
     """Guards the slot engine's answers (only this test): greedy, every conversation's records
     equal the fixed batches' (whose rows are the target's own greedy decode, checked by
     test_records_mask_only_the_response_and_resume), chunks ending at each stop and the tail's
-    rows gathered into fewer (2 slots to 1) included; sampled, a request's answer depends on its
-    seed alone, not on the rows beside it (1 slot or 3, gathered to 1); and its loop updates
-    the cache in place (no cache-sized copy a step: a 1.35x step without the loop options)."""
+    rows gathered into fewer (2 slots to 1) included, the prompts prefilled in stages after
+    the tokens all of them begin with (the template's system prompt, prefilled once); sampled,
+    a request's answer depends on its seed alone, not on the rows beside it (1 slot or 3,
+    gathered to 1, stages of 1 or 3 rows); and its loop updates the cache in place (no
+    cache-sized copy a step: a 1.35x step without the loop options)."""
     prompts = read_prompt_file(_write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT))
     prompts += read_prompt_file(_write_jsonl(tmp_path / "messages.jsonl", MESSAGES))
     kw = dict(fmt="jsonl", max_new_tokens=8, min_loss_tokens=1)
+    # The first round's prompts (as `answer_conversations` builds them) share a prefix to reuse:
+    first = [m.chat()[: answer_points(m.chat())[0]] for m in prompts]
+    first = [chat.conversation_ids([m for m in c if m["role"] != "assistant"])[0] for c in first]
+    assert chat.tokenizer.decode(shared_prefix(first)).startswith("<|im_start|>system\n")
+    assert shared_prefix([[1, 2, 3], [1, 2]]) == [1] and shared_prefix([[1, 2]]) == []
 
     def records(name, **more):
         generate_records(target, chat, prompts, tmp_path / name, **kw, **more)

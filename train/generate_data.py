@@ -75,8 +75,9 @@ flags.DEFINE_enum(
     "How answers are batched: slots (continuous batching: a row whose answer stops takes the "
     "next prompt at once; one device), fixed (padded batches, each run until its longest answer "
     "stops; spreads over --mesh), or auto: slots on one device, fixed on a mesh of several. "
-    "On 64 prompts of mixed answer lengths (2-core CPU) the slots gave 1.28x fixed batches' "
-    "tokens/s at 16 rows and 1.60x at 32 (docs/training.md).",
+    "On 64 prompts of mixed answer lengths (2-core CPU) the slots gave 1.43x fixed batches' "
+    "tokens/s at 16 rows each, 1.74x at 32 each, 1.52x with each at its fastest row count "
+    "(slots 32, fixed 16; docs/training.md).",
 )  # fmt: skip
 flags.DEFINE_enum(
     "quantize", None, ["int8", "int4", "fp8", "mxfp4"],

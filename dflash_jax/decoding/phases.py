@@ -53,19 +53,28 @@ def prefill(
     rows: RowSettings | None = None,
     max_new=None,
     sink=None,
+    prefix=None,
 ) -> tuple[LoopState, jax.Array | None]:
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
     replace `rng`). max_new: a traced token budget (at most `cfg.max_new_tokens`, which sizes
     the buffers) kept in the state as every row's limit, so one program serves every budget
     up to the buffer's; None: `cfg.max_new_tokens`; with `rows`, each row's own limit instead.
-    sink: see `prompt_pass`. -> (state without drafter fields, prompt taps [B,P,F] or None;
-    with a sink, its result instead of the taps)."""
+    sink: see `prompt_pass`. prefix: None, or the cache (one row of C slots) of C tokens every
+    prompt begins with, which `prompt_bp` leaves out and `prompt_lengths_b` count: each row's
+    cache starts from it and the pass runs over the rest (a plain target's, without taps).
+    -> (state without drafter fields, prompt taps [B,P,F] or None; with a sink, its result
+    instead of the taps)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
         cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
     # A sliding layer keeps a ring of its window + the widest verify (`sliding.cache_slots`).
     cache = init_cache(tcfg, b, cache_len, verify=max(cfg.block_size, cfg.tree_nodes, 1))
+    offset = 0
+    if prefix is not None:
+        if tap_layers or sink is not None or tcfg.sliding or tcfg.layered:
+            raise ValueError("a shared prefix serves a plain target's prefill without taps")
+        offset, cache = prefix.k[0].shape[2], cache.with_prefix(prefix)
     # Under a row rule, at a tile as wide as the buffer allows (`prefill_rows`): every decode
     # of this prompt runs this same prefill, the target alone's too.
     rule = prefill_rows(tcfg.invariant_rows, p)
@@ -76,9 +85,10 @@ def prefill(
         prompt_bp,
         cache,
         tap_layers,
-        prompt_lengths_b - 1,
+        prompt_lengths_b - offset - 1,
         cfg.prefill_chunk,
         sink,
+        offset,
     )
     budget_b = None if max_new is None or rows is not None else jnp.full((b,), max_new, jnp.int32)
     if rows is None:
@@ -118,16 +128,19 @@ def prefill(
     return state, taps_bpf
 
 
-def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk: int, sink=None):
+def prompt_pass(
+    target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk: int, sink=None, offset=0
+):
     """The target over the right-padded prompt [B,P], its K/V written into the empty `cache`
-    from slot 0. -> (final-normed hidden at each row's `last_b` position [B,1,D], taps [B,P,F]
-    or None, cache). A prompt longer than `chunk` tokens (the MoE / hybrid families excepted)
-    runs as a scan over chunks of `chunk` tokens, the last one ending at P (overlapping its
-    predecessor, whose rows it rewrites), each attending to the cache written before it and to
-    itself (`cached_attention`, as a verify does): a layer then holds chunk x P scores instead
-    of P x P, on every platform. Chunks past every row's last position (the padding of a
-    power-of-two buffer) are skipped: their taps are zeros and their cache rows unwritten,
-    which nothing reads.
+    from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
+    before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
+    position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
+    tokens (the MoE / hybrid families excepted) runs as a scan over chunks of `chunk` tokens,
+    the last one ending at P (overlapping its predecessor, whose rows it rewrites), each
+    attending to the cache written before it and to itself (`cached_attention`, as a verify
+    does): a layer then holds chunk x P scores instead of P x P, on every platform. Chunks
+    past every row's last position (the padding of a power-of-two buffer) are skipped: their
+    taps are zeros and their cache rows unwritten, which nothing reads.
 
     sink: None, or (fn, init): the taps are folded as they come, acc = fn(acc, taps [B,C,F],
     start) from acc = init, C taps at positions start.. (a chunk, or the whole prompt at 0),
@@ -136,9 +149,10 @@ def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
     if not chunk or p <= chunk or tcfg.layered:
-        positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        positions_bp = jnp.broadcast_to(jnp.arange(offset, offset + p, dtype=jnp.int32), (b, p))
         # cache_lengths None: an empty cache, written from slot 0
-        args = (prompt_bp, positions_bp, cache, None, tap_layers, last_b[:, None])
+        held_b = jnp.full((b,), offset, jnp.int32) if offset else None
+        args = (prompt_bp, positions_bp, cache, held_b, tap_layers, last_b[:, None])
         hidden_b1d, taps_bpf, cache = model.apply(params, *args, method="hidden")
         if sink is not None:
             taps_bpf = sink[0](sink[1], taps_bpf, jnp.int32(0))
@@ -147,9 +161,10 @@ def prompt_pass(target_params, tcfg, prompt_bp, cache, tap_layers, last_b, chunk
 
     def run(cache, acc, start):
         tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
-        positions_bc = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        at = offset + start  # the chunk's first position
+        positions_bc = jnp.broadcast_to(at + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
         index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
-        start_b = jnp.full((b,), start, jnp.int32)
+        start_b = jnp.full((b,), at, jnp.int32)
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
         hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden")
         if sink is not None:

@@ -59,6 +59,18 @@ class KVCache:
         )
         return self.replace(k=write(self.k, k_rows), v=write(self.v, v_rows))
 
+    def with_prefix(self, prefix: KVCache) -> KVCache:
+        """The cache with every row's first C slots a copy of `prefix`'s one row of C slots (the
+        K/V of tokens every row begins with: `phases.prefill(prefix=...)`); flat buffers."""
+
+        def put(big, one):
+            rows = jnp.broadcast_to(one, (big.shape[0], *one.shape[1:])).astype(big.dtype)
+            return jax.lax.dynamic_update_slice(big, rows, (0,) * big.ndim)
+
+        return self.replace(
+            k=tuple(map(put, self.k, prefix.k)), v=tuple(map(put, self.v, prefix.v))
+        )
+
     @classmethod
     def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype) -> KVCache:
         shape = (batch, num_kv_heads, max_len, head_dim)

@@ -331,7 +331,7 @@ class Answerer:
         """Compiles (and runs a step of) every program answering `prompts` would run, so that
         a timed call runs compiled programs only (`infer.bench.data_engines`)."""
         if self.engine == "slots":
-            self._decoder(prompts).warm_up([len(x) for x in prompts])
+            self._decoder(prompts).warm_up(prompts)
             return
         for rows in bucketed_batches([len(x) for x in prompts], self.batch_size):
             _decode_batch(
