@@ -328,14 +328,13 @@ class ContinuousDecoder:
         every row: what `generate` then runs is compiled."""
         self._reset()
         prefix_ids, stages = self._plan(prompts)
-        prefix = self._prefill_prefix(prefix_ids)
-        seeds = [0] * len(prompts)
+        prefix, c = self._prefill_prefix(prefix_ids), len(prefix_ids)
         shapes = set()
-        for members in stages:
-            staged = self._stage(members, prompts, seeds, prefix)
-            shape = staged.gen.shape + staged.cache.k[0].shape
+        for members in stages:  # one stage of each shape (not every prompt's prefill)
+            shape = (self._stage_rows(len(members)), self._width(len(prompts[members[0]]) - c, c))
             if shape not in shapes:
                 shapes.add(shape)
+                staged = self._stage(members, prompts, [0] * len(prompts), prefix)
                 self._insert(staged, 0, 0, len(prompts[members[0]]))
         for n in self.counts:
             if n != self.slots:
