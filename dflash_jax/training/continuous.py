@@ -267,18 +267,17 @@ class ContinuousDecoder:
         return None
 
     def _plan(self, prompts: Sequence[Sequence[int]]):
-        """How `generate` prefills these prompts: (the shared prefix's tokens, the stages: lists
-        of prompt indices in the order they enter, longest first, a stage holding up to `slots`
-        prompts of one width (`_width`), so that it pads none to a far longer one's)."""
+        """How `generate` prefills these prompts: (the shared prefix's tokens, the stages: each
+        (prompt indices in the order they enter, longest first, its width), a stage holding up
+        to `slots` prompts of one width (`_width`), so that it pads none to a far longer one's)."""
         prefix = shared_prefix(prompts) if self.reuse_prefix else []
-        stages, widths = [], []
+        stages: list[tuple[list[int], int]] = []
         for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
             width = self._width(len(prompts[i]) - len(prefix), len(prefix))
-            if stages and widths[-1] == width and len(stages[-1]) < self.slots:
-                stages[-1].append(i)
+            if stages and stages[-1][1] == width and len(stages[-1][0]) < self.slots:
+                stages[-1][0].append(i)
             else:
-                stages.append([i])
-                widths.append(width)
+                stages.append(([i], width))
         return prefix, stages
 
     def _width(self, n: int, c: int) -> int:
@@ -301,14 +300,13 @@ class ContinuousDecoder:
             **self._statics,
         )  # fmt: skip
 
-    def _stage(self, members, prompts, seeds, prefix: KVCache | None):
-        """Prefills prompts `members` (indices into `prompts`, longest first) in one pass of
-        `_stage_rows` rows (the spare rows repeat the first prompt, then are dropped). -> the
+    def _stage(self, members, width: int, prompts, seeds, prefix: KVCache | None):
+        """Prefills prompts `members` (indices into `prompts`) at `width` (`_plan`'s) in one pass
+        of `_stage_rows` rows (the spare rows repeat the first prompt, then are dropped). -> the
         staged state."""
         c = 0 if prefix is None else prefix.k[0].shape[2]
         rows = self._stage_rows(len(members))
         picks = list(members) + [members[0]] * (rows - len(members))
-        width = self._width(len(prompts[members[0]]) - c, c)
         suffix = np.zeros((rows, width), np.int32)
         for r, i in enumerate(picks):
             suffix[r, : len(prompts[i]) - c] = prompts[i][c:]
@@ -328,13 +326,13 @@ class ContinuousDecoder:
         every row: what `generate` then runs is compiled."""
         self._reset()
         prefix_ids, stages = self._plan(prompts)
-        prefix, c = self._prefill_prefix(prefix_ids), len(prefix_ids)
+        prefix = self._prefill_prefix(prefix_ids)
         shapes = set()
-        for members in stages:  # one stage of each shape (not every prompt's prefill)
-            shape = (self._stage_rows(len(members)), self._width(len(prompts[members[0]]) - c, c))
+        for members, width in stages:  # one stage of each shape (not every prompt's prefill)
+            shape = (self._stage_rows(len(members)), width)
             if shape not in shapes:
                 shapes.add(shape)
-                staged = self._stage(members, prompts, [0] * len(prompts), prefix)
+                staged = self._stage(members, width, prompts, [0] * len(prompts), prefix)
                 self._insert(staged, 0, 0, len(prompts[members[0]]))
         for n in self.counts:
             if n != self.slots:
@@ -370,8 +368,8 @@ class ContinuousDecoder:
                 if slot in busy or not (stages or staged):
                     continue
                 if not staged:
-                    members = stages.popleft()
-                    stage = self._stage(members, prompts, seeds, prefix)
+                    members, width = stages.popleft()
+                    stage = self._stage(members, width, prompts, seeds, prefix)
                     staged.extend((i, stage, j) for j, i in enumerate(members))
                 i, stage, j = staged.popleft()
                 self._insert(stage, j, slot, len(prompts[i]))
