@@ -18,7 +18,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from dflash_jax.io import corpus_table
+from dflash_jax.io import corpus_table, paths
 from dflash_jax.io.drafter_io import drafter_directory, read_drafter
 from dflash_jax.ops.ngrams import CORPUS_FILE
 from dflash_jax.training import data
@@ -52,7 +52,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     directory = drafter_directory(FLAGS.drafter)
-    vocab = read_drafter(FLAGS.drafter).config.vocab_size  # any format the decodes read
+    vocab = read_drafter(directory).config.vocab_size  # any format the decodes read
     try:
         shards = data.expand_paths(FLAGS.data)
     except FileNotFoundError as e:
@@ -72,7 +72,7 @@ def main(argv):
     print(
         f"wrote {out}: {table.keys.size:,} n-grams (1-{table.max_ngram} tokens, "
         f"{table.continuation} after each) from {len(shards)} shards in "
-        f"{time.perf_counter() - t0:.1f} s, {out.stat().st_size / 1e6:.1f} MB"
+        f"{time.perf_counter() - t0:.1f} s, {paths.path(out).stat().length / 1e6:.1f} MB"
     )
 
 
