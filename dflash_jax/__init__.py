@@ -3,7 +3,7 @@
 import dflash_jax as dj
 target = dj.load_target("smollm2-135m-instruct")
 drafter = dj.load_drafter("default", target)
-out = dj.speculative_decode(target.params, drafter.params, prompt, prompt_lengths, rng,
+out = dj.speculative_decode(target.params, drafter.decode_params, prompt, prompt_lengths, rng,
                             target_config=target.config, drafter_config=drafter.config,
                             decode_config=dj.DecodeConfig(max_new_tokens=128))
 """

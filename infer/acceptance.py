@@ -32,7 +32,13 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.decoding import autoregressive_decode, calibration, programs, speculative_decode
+from dflash_jax.decoding import (
+    autoregressive_decode,
+    calibration,
+    programs,
+    proposers,
+    speculative_decode,
+)
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops.invariance import machine_name, row_tile_for, software_name
 from infer import benchmark, cli, common, keep
@@ -174,7 +180,7 @@ def main(argv):
                 target, drafter, prompt, lengths, cfg
             )
         out = speculative_decode(
-            target.params, drafter.params, prompt, lengths, key, **kw,
+            target.params, drafter.decode_params, prompt, lengths, key, **kw,
             drafter_config=drafter.config, decode_config=cfg, **extra,
         )  # fmt: skip
         toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -196,6 +202,8 @@ def main(argv):
             "outputs_identical": int(sum(same)),
             # row-steps by recorded kind (a cut run: the batch's verify width)
             "steps_by_kind": {int(k): int(c) for k, c in zip(kinds, counts, strict=True) if k},
+            # steps and committed tokens by proposer, and the drafted blocks' own tau
+            **proposers.report(out.block_sizes, out.acceptance_lengths),
             "seconds": time.perf_counter() - t_run,  # compile and calibration included
         }
         keep.save(partial, kept)

@@ -25,11 +25,11 @@ from absl import app, flags
 from tqdm import tqdm
 
 from dflash_jax import api
-from dflash_jax.decoding import breakdown, calibration, programs
+from dflash_jax.decoding import breakdown, calibration, programs, proposers
 from dflash_jax.decoding.lookup import prompt_lookup_taus
 from dflash_jax.decoding.settings import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.io import jsonl, load_target
-from dflash_jax.ops import invariance, ngrams
+from dflash_jax.ops import invariance
 from infer import cli, common, report
 
 FLAGS = flags.FLAGS
@@ -79,6 +79,14 @@ flags.register_validator(
     lambda ds: bool(ds) and all(d in ("float32", "bfloat16") for d in ds),
     "--fastest_ar_dtypes: a non-empty list of float32, bfloat16",
 )
+flags.DEFINE_bool(
+    "drafter_alone",
+    True,
+    "When the decode copies (lookup kinds: text and corpus copies), also run it on every "
+    "prompt with the lookups off (the drafter's blocks and plain steps only, the same step "
+    "costs), in the same run: the aggregate's `drafter_alone` gives the drafter's own "
+    "speedup_vs_fastest_ar and tau_mean beside the full decode's.",
+)
 flags.mark_flag_as_required("output")
 # A precision whose AR step (on the first prompt) costs more than this times the fastest one's
 # is not timed on every prompt.
@@ -91,8 +99,8 @@ HUMANEVAL_TEMPLATE = (
 
 
 def _corpus_size(drafter) -> int:
-    table = ngrams.table_of(drafter.params) if drafter is not None else None
-    return 0 if table is None else int(table["keys"].shape[0])
+    table = getattr(drafter, "corpus_table", None)
+    return 0 if table is None else int(table.keys.size)
 
 
 def load_conversations(dataset: str, limit: int) -> list[list[str]]:
@@ -136,9 +144,20 @@ def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
     return api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
 
 
-def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None):
-    """AR (the lossless reference: the same config, target alone), DFlash, and each target in
-    `plain_ars` {dtype: target} decoding alone without batch invariance (the fastest ARs)."""
+def drafter_alone_config(cfg: DecodeConfig, step_costs) -> tuple[DecodeConfig, object] | None:
+    """The decode with the lookups off (no copy kinds) and its step costs (the same kinds'
+    costs: `all_kinds` leads with the drafter's), or None when `cfg` copies nothing."""
+    if not cfg.lookup_kinds:
+        return None
+    alone = dataclasses.replace(cfg, lookup_kinds=())
+    costs = None if step_costs is None else np.asarray(step_costs)[: len(alone.all_kinds)]
+    return alone, costs
+
+
+def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None, alone=None):
+    """AR (the lossless reference: the same config, target alone), DFlash, each target in
+    `plain_ars` {dtype: target} decoding alone without batch invariance (the fastest ARs) and,
+    with `alone` (`drafter_alone_config`), DFlash with the lookups off."""
     prompt, lengths = api.pad_prompts([ids])
     ar_cfg = api.baseline_config(cfg)
     ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
@@ -163,6 +182,21 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None)
     ar_answer = np.asarray(ar.output.tokens[0, :n_ar]).tolist()
     lookup = prompt_lookup_taus(ids, ar_answer, cfg.block_size)
     tpot = lambda run, n: (max(run.run_s - prefill_s, 1e-9) / (n - 1)) if n > 1 else None
+    alone_stats = {}
+    if alone is not None:
+        solo = _timed(target, drafter, prompt, lengths, *alone[:1], warmed, alone[1])
+        n_solo, solo_steps = int(solo.output.lengths[0]), int(solo.output.num_steps[0])
+        alone_stats["drafter_alone"] = {
+            "tokens": n_solo,
+            "tpot_s": tpot(solo, n_solo),
+            "steps": solo_steps,
+            "taus": np.asarray(solo.output.acceptance_lengths[0, :solo_steps]).tolist(),
+            "block_sizes": np.asarray(solo.output.block_sizes[0, :solo_steps]).tolist(),
+            "outputs_identical": bool(
+                n_ar == n_solo
+                and np.array_equal(ar.output.tokens[0, :n_ar], solo.output.tokens[0, :n_solo])
+            ),
+        }
     return {
         "prompt_tokens": len(ids),
         "ar_tokens": n_ar,
@@ -182,12 +216,14 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None)
             n_ar == n_df and np.array_equal(ar.output.tokens[0, :n_ar], df.output.tokens[0, :n_df])
         ),
         "plain_ar_tpot_s": plain,
+        **alone_stats,
     }, np.asarray(df.output.tokens[0, :n_df]).tolist()
 
 
 def kind_mix(turns: list[dict]) -> dict:
     """Share of DFlash steps run at each block size (adaptive mode: 1 = plain target steps,
-    -b = prompt-lookup steps of block b, treeN = tree steps of N tokens; `kind_label`)."""
+    -b = blocks of b copied from the text, corpusb = from the corpus table, treeN = tree
+    steps of N tokens; `kind_label`)."""
     kinds = np.asarray([k for t in turns for k in t["block_sizes"]], int)
     return (
         {kind_label(k): float(np.mean(kinds == k)) for k in np.unique(kinds)} if kinds.size else {}
@@ -252,6 +288,38 @@ def aggregate(turns: list[dict], block_size: int, dtype: str = "float32") -> dic
         "mean_new_tokens": float(np.mean([t["dflash_tokens"] for t in turns])),
         "step_kind_mix": kind_mix(turns),
         "tau_by_kind": tau_by_kind(turns),
+        # The loop's steps and the tokens they committed (each answer's first token comes from
+        # the prefill, not a step), and those by proposer, which sum to them.
+        "steps": int(sum(t["steps"] for t in turns)),
+        "committed_tokens": int(sum(all_taus)),
+        **proposers.report(
+            [k for t in turns for k in t["block_sizes"]], [x for t in turns for x in t["taus"]]
+        ),
+    }
+
+
+def drafter_alone(turns: list[dict], dtype: str) -> dict | None:
+    """The run with the lookups off, aggregated as the full decode is: its speedups, its tau
+    and its steps and tokens by proposer; None when it did not run."""
+    solo = [t["drafter_alone"] for t in turns if "drafter_alone" in t]
+    if not solo:
+        return None
+    timed = [t for t in turns if t["ar_tpot_s"] and t["drafter_alone"]["tpot_s"]]
+    ar_tpot = float(np.mean([t["ar_tpot_s"] for t in timed]))
+    tpot = float(np.mean([t["drafter_alone"]["tpot_s"] for t in timed]))
+    taus = [np.mean(s["taus"]) for s in solo if s["taus"]]
+    speed = fastest_ar(timed, ar_tpot, tpot, dtype)
+    return {
+        "tau_mean": float(np.mean(taus)) if taus else None,
+        "tokens_per_s": 1.0 / tpot,
+        "speedup": speed["speedup"],
+        "speedup_vs_fastest_ar": speed["speedup_vs_fastest_ar"],
+        "outputs_identical": all(s["outputs_identical"] for s in solo),
+        "steps": int(sum(s["steps"] for s in solo)),
+        "committed_tokens": int(sum(x for s in solo for x in s["taus"])),
+        **proposers.report(
+            [k for s in solo for k in s["block_sizes"]], [x for s in solo for x in s["taus"]]
+        ),
     }
 
 
@@ -448,7 +516,7 @@ def plot(path: str, result: dict, turns: list[dict], block_size: int):
         turn = max(turns, key=lambda t: t["steps"])
         steps = range(len(turn["taus"]))
         ax4.bar(steps, turn["taus"], color="#4477aa", label="tau (tokens committed)")
-        kinds = np.asarray(turn["block_sizes"])
+        kinds = np.asarray([proposers.chosen_kind(k) for k in turn["block_sizes"]], int)
         tree_steps = kinds >= TREE_KIND_BASE  # drawn at the block size, marked
         ax4.step(
             steps, np.where(tree_steps, block_size, kinds), where="mid", color="#ee6677",
@@ -489,7 +557,7 @@ def main(argv):
     block = cfg.block_size
     breakdown_on = FLAGS.breakdown and drafter is not None
     floors_before = gemm_floors(target, drafter, cfg) if breakdown_on else None
-    warmed, turns, step_costs, plain_ars, ar_probe = set(), [], None, None, {}
+    warmed, turns, step_costs, plain_ars, ar_probe, alone = set(), [], None, None, {}, None
     for conv_id, user_turns in enumerate(
         tqdm(
             convs,
@@ -503,9 +571,12 @@ def main(argv):
             ids = api.render_prompt(target.tokenizer, messages, chat=True)
             if cfg.adaptive and step_costs is None:
                 step_costs = calibrate(target, drafter, ids, cfg)
+                alone = drafter_alone_config(cfg, step_costs) if FLAGS.drafter_alone else None
             if plain_ars is None:
                 plain_ars, ar_probe = pick_plain_ars(target, ids, cfg)
-            stats, answer = run_turn(target, drafter, ids, cfg, warmed, step_costs, plain_ars)
+            stats, answer = run_turn(
+                target, drafter, ids, cfg, warmed, step_costs, plain_ars, alone
+            )
             stats.update(conversation=conv_id, turn=turn_id)
             turns.append(stats)
             messages.append(
@@ -516,6 +587,8 @@ def main(argv):
             )
     agg = aggregate(turns, block, dtype)
     agg["fastest_ar_probe"] = ar_probe
+    if (solo := drafter_alone(turns, dtype)) is not None:
+        agg["drafter_alone"] = solo
     if step_costs is not None:
         agg["step_kinds"] = list(cfg.all_kinds)
         agg["step_costs"] = [float(c) for c in step_costs]

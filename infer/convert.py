@@ -7,7 +7,10 @@ format (any of them in; `load_drafter` reads all three).
       --verifier=HuggingFaceTB/SmolLM2-135M-Instruct
 
 The z-lab export loads with `dflash.DFlashDraftModel.from_pretrained`, vLLM and SGLang; the
-speculators export with `speculators`' `SpeculatorModel.from_pretrained` (docs/models.md).
+speculators export with `speculators`' `SpeculatorModel.from_pretrained` (docs/models.md). A
+corpus table beside the source's params (`corpus_ngrams.npz`, `train.build_corpus`) is written
+beside the output's in every format: `load_drafter` reads it there; the other loaders ignore
+the side file.
 Library logs (Orbax) show from warnings up; --verbosity=0 shows their INFO lines too.
 """
 
@@ -15,9 +18,12 @@ from __future__ import annotations
 
 from absl import flags
 
+from dflash_jax.io import paths
+from dflash_jax.io.corpus_table import save_table
 from dflash_jax.io.drafter_io import read_drafter, save_drafter
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
+from dflash_jax.ops.ngrams import CORPUS_FILE
 from infer import cli
 from infer.logs import quiet_library_logs
 
@@ -64,6 +70,7 @@ def main(argv):
     del argv
     quiet_library_logs()
     drafter = read_drafter(_SOURCE.value, _DTYPE.value)
+    table = drafter.corpus_table
     if _FORMAT.value == "zlab":
         write_zlab(_OUTPUT.value, drafter.config, drafter.params, _DTYPE.value)
     elif _FORMAT.value == "speculators":
@@ -71,8 +78,15 @@ def main(argv):
             _OUTPUT.value, drafter.config, drafter.params, _DTYPE.value, _VERIFIER.value
         )
     else:
-        save_drafter(_OUTPUT.value, drafter.config, drafter.params)
+        save_drafter(_OUTPUT.value, drafter.config, drafter.params, table)
+    if table is not None and _FORMAT.value != "orbax":  # a side file the other formats ignore
+        save_table(table, paths.path(_OUTPUT.value) / CORPUS_FILE)
     print(f"wrote {_FORMAT.value} drafter ({drafter.config.num_layers} layers) to {_OUTPUT.value}")
+    if table is not None:
+        print(
+            f"with its corpus table ({table.keys.size:,} n-grams) beside it: {CORPUS_FILE}, "
+            "which load_drafter reads (other loaders ignore it)"
+        )
     if _FORMAT.value == "speculators" and not _VERIFIER.value:
         print(
             "no --verifier: speculators and vLLM read the target's embedding and lm_head from "

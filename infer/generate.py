@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.decoding import calibration, programs, runner
+from dflash_jax.decoding import calibration, programs, proposers, runner
 from dflash_jax.decoding.settings import kind_label
 from infer import cli, common, report
 
@@ -104,6 +104,8 @@ def main(argv):
         # what `python -m infer.lower --platform=cpu` prints for the same config and shapes
         "program_fingerprints": dict(sorted(runner.FINGERPRINTS.items())),
     }
+    if drafter is not None:  # steps and tokens by proposer, the drafted blocks' own tau
+        result.update(proposers.report(run.output.block_sizes[0, :steps], acc[:steps]))
     if cfg.adaptive:
         kinds = np.asarray(run.output.block_sizes[0, :steps])
         result["step_kind_mix"] = {kind_label(k): int((kinds == k).sum()) for k in np.unique(kinds)}

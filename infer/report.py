@@ -19,12 +19,15 @@ def emit_json(result: dict, output: str | None) -> None:
 
 
 def kind_words(label: str) -> str:
-    """A step kind's label (`settings.kind_label`: "1", "8", "-8", "tree16") in words: "plain",
-    "block 8", "copy 8" (a block copied by prompt lookup), "tree 16"."""
+    """A step kind's label (`settings.kind_label`: "1", "8", "-8", "corpus8", "tree16") in
+    words: "plain", "block 8", "copy 8" (a block copied from the text by prompt lookup),
+    "corpus copy 8" (copied from the corpus table), "tree 16"."""
     if label == "1":
         return "plain"
     if label.startswith("tree"):
         return f"tree {label[4:]}"
+    if label.startswith("corpus"):
+        return f"corpus copy {label[6:]}"
     if label.startswith("-"):
         return f"copy {label[1:]}"
     return f"block {label}"
@@ -36,6 +39,15 @@ def kind_mix(mix: dict[str, float], share: bool = False) -> str:
     ranked = sorted(mix.items(), key=lambda kv: -kv[1])
     count = (lambda v: f"{100 * v:.0f}%" if v >= 0.005 else "<1%") if share else str
     return ", ".join(f"{count(v)} {kind_words(k)}" for k, v in ranked)
+
+
+def proposer_shares(tokens: dict[str, int]) -> str:
+    """{proposer: committed tokens} as one line of shares, the largest first: "61% corpus
+    copy, 30% text copy, 6% plain, 3% drafted"."""
+    total = max(sum(tokens.values()), 1)
+    ranked = sorted(((v, k) for k, v in tokens.items() if v), reverse=True)
+    words = lambda k: k.replace("_", " ")
+    return ", ".join(f"{100 * v / total:.1f}% {words(k)}" for v, k in ranked)
 
 
 def block(title: str, rows: list[tuple[str, str]]) -> str:
@@ -55,6 +67,8 @@ def generate_summary(result: dict) -> str:
     rows = [("tau", f"{tau} tokens per step")]
     if "step_kind_mix" in result:
         rows.append(("steps by kind", kind_mix(result["step_kind_mix"])))
+    if "tokens_by_proposer" in result:
+        rows.append(("tokens from", proposer_shares(result["tokens_by_proposer"])))
     speed = "speed" if result["mode"] == "autoregressive" else "DFlash"
     rows.append((speed, f"{result['tokens_per_s']:.1f} tok/s"))
     if "speedup" in result:
@@ -107,6 +121,23 @@ def benchmark_summary(result: dict, output: str) -> str:
             f"{agg['speedup_vs_fastest_ar']:.2f}x ({fastest['dtype']}, "
             f"{fastest['tokens_per_s']:.1f} tok/s)",
         ),
+        *(
+            [("tokens from", proposer_shares(tokens))]
+            if (tokens := agg.get("tokens_by_proposer"))
+            else []
+        ),
+        *(
+            [
+                (
+                    "drafter alone",
+                    f"{solo['speedup_vs_fastest_ar']:.2f}x the fastest AR, tau "
+                    f"{solo['tau_mean']:.2f} (the lookups off; "
+                    f"{identical(solo['outputs_identical'])})",
+                )
+            ]
+            if (solo := agg.get("drafter_alone"))
+            else []
+        ),  # fmt: skip
         ("one DFlash step", f"{agg['step_cost_ratio']:.2f} AR steps"),
         ("outputs", identical(agg["outputs_identical"])),
         ("dtype", env["dtype"] + invariant + (", chosen by --dtype=auto" if auto else "")),

@@ -268,14 +268,34 @@ DEFAULT_VS_FASTEST_AR = (
 )
 
 
-def _default_vs_fastest_ar() -> str:
-    names = ("dev 24", "HumanEval 24", "MT-Bench 12")
-    aggs = [load(f)["aggregate"] for f in DEFAULT_VS_FASTEST_AR]
+def _by_proposer(a: dict) -> str:
+    """A benchmark aggregate's drafter-alone figure and its shares of tokens by proposer, where
+    the file has them (runs before issue 69 do not): ", drafter alone 0.85× (τ 1.31); tokens:
+    62% corpus copy, ..."."""
+    out = ""
+    if solo := a.get("drafter_alone"):
+        out += (
+            f"; drafter alone (lookups off) {solo['speedup_vs_fastest_ar']:.2f}× "
+            f"(τ {solo['tau_mean']:.2f})"
+        )
+    if tokens := a.get("tokens_by_proposer"):
+        total = max(sum(tokens.values()), 1)
+        shares = sorted(((v, k) for k, v in tokens.items() if v), reverse=True)
+        out += "; tokens: " + ", ".join(
+            f"{100 * v / total:.1f}% {k.replace('_', ' ')}" for v, k in shares
+        )
+    return out
+
+
+def _default_vs_fastest_ar(files=DEFAULT_VS_FASTEST_AR, names=None) -> str:
+    names = names or ("dev 24", "HumanEval 24", "MT-Bench 12")
+    aggs = [load(f)["aggregate"] for f in files]
     figures = ", ".join(
-        f"{n} **{a['speedup_vs_fastest_ar']:.2f}×** (τ {a['tau_mean']:.2f})"
+        f"{n} **{a['speedup_vs_fastest_ar']:.2f}×** (τ {a['tau_mean']:.2f}{_by_proposer(a)})"
         for n, a in zip(names, aggs, strict=True)
     )
     same = all(a["outputs_identical"] for a in aggs)
+    same &= all(a.get("drafter_alone", {}).get("outputs_identical", True) for a in aggs)
     return f"{figures} against plain bf16 AR in the same run; {identical(same)}"
 
 

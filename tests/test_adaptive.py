@@ -8,7 +8,7 @@ import pytest
 from _decode import LENS, PROMPT, make_pair, run_both
 
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
-from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode
+from dflash_jax.decoding import adaptive, autoregressive_decode, proposers, speculative_decode
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.drafter import init_drafter_params
 from dflash_jax.models.target import Transformer, init_params
@@ -27,6 +27,14 @@ def test_config_kinds_and_validation():
         DecodeConfig(adaptive=True, probe_backoff=0)
 
 
+def choose(alpha, active, plain_run, costs, forced, cfg, probe_wait=None):
+    """proposers.choose_kind with the chain's estimates `alpha` and its probe clock."""
+    control = list(proposers.init_control(cfg, alpha.shape[0]))
+    wait = cfg.probe_every if probe_wait is None else probe_wait
+    control[1] = {"alpha": alpha, "plain_run": jnp.int32(plain_run), "probe_wait": wait}
+    return proposers.choose_kind(tuple(control), active, costs, forced, cfg, {})
+
+
 def test_expected_tokens_and_choice():
     alpha = jnp.array([[0.9, 0.8, 0.5, 0.5, 0.5, 0.5, 0.5], [0.1] * 7])
     e = np.asarray(adaptive.expected_tokens(alpha, (1, 4, 8)))
@@ -36,10 +44,10 @@ def test_expected_tokens_and_choice():
     both = jnp.array([True, True])
     # Row 0 alone would draft at 4; with row 1 (hopeless) in the batch the mean favours plain.
     only0 = jnp.array([True, False])
-    assert int(adaptive.choose_kind(alpha, only0, 0, costs, -1, cfg)) == 1
-    assert int(adaptive.choose_kind(alpha, both, 0, costs, -1, cfg)) == 0
-    assert int(adaptive.choose_kind(alpha, both, 3, costs, -1, cfg)) == 1  # probe
-    assert int(adaptive.choose_kind(alpha, both, 0, costs, 2, cfg)) == 2  # forced
+    assert int(choose(alpha, only0, 0, costs, -1, cfg)) == 1
+    assert int(choose(alpha, both, 0, costs, -1, cfg)) == 0
+    assert int(choose(alpha, both, 3, costs, -1, cfg)) == 1  # probe
+    assert int(choose(alpha, both, 0, costs, 2, cfg)) == 2  # forced
     # Tried positions move toward hit/miss; untried and finished rows keep their estimates.
     new = adaptive.update_estimates(alpha, jnp.array([1, 0]), jnp.array([2, 0]), 4, 0.5)
     np.testing.assert_allclose(new[0, :4], [0.95, 0.4, 0.5, 0.5])
@@ -267,8 +275,8 @@ def test_failed_probes_back_off_and_a_hit_resets_the_wait():
     alpha = jnp.zeros((1, 7))
     one = jnp.array([True])
     costs = jnp.array([1.0, 2.0, 3.0])
-    assert int(adaptive.choose_kind(alpha, one, 11, costs, -1, cfg, jnp.int32(12))) == 0
-    assert int(adaptive.choose_kind(alpha, one, 12, costs, -1, cfg, jnp.int32(12))) == 1
+    assert int(choose(alpha, one, 11, costs, -1, cfg, jnp.int32(12))) == 0
+    assert int(choose(alpha, one, 12, costs, -1, cfg, jnp.int32(12))) == 1
 
 
 @pytest.mark.slow  # the back-off rule: test_failed_probes_back_off_and_a_hit_resets_the_wait
@@ -304,7 +312,7 @@ def test_device_lookup_proposal_equals_the_host_rule():
         gens.append(text[plen:] + [0] * (10 - ngen))
         plens.append(plen)
         ngens.append(ngen)
-    prop, found = lookup.device_proposal(
+    prop, found, _ = lookup.device_proposal(
         jnp.array(prompts), jnp.array(plens), jnp.array(gens), jnp.array(ngens), 7, 3
     )
     for b in range(40):

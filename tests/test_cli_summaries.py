@@ -47,6 +47,13 @@ def test_summaries_are_aligned_lines_of_each_figure():
     assert rows["tau by kind"] == "copy 4 1.47, block 4 1.58"
     assert rows["speedup"].startswith("0.15x") and rows["one DFlash step"] == "12.92 AR steps"
     assert rows["outputs"] == "DIFFERENT from the target alone"
+    bench["aggregate"]["tokens_by_proposer"] = {"corpus_copy": 60, "drafted": 1, "plain": 39}
+    bench["aggregate"]["drafter_alone"] = {
+        "speedup_vs_fastest_ar": 0.81, "tau_mean": 1.2, "outputs_identical": True
+    }  # fmt: skip
+    rows = _rows(report.benchmark_summary(bench, "out.json"))
+    assert rows["tokens from"] == "60.0% corpus copy, 39.0% plain, 1.0% drafted"
+    assert rows["drafter alone"].startswith("0.81x the fastest AR, tau 1.20")
     assert report.kind_mix({"1": 0.7, "-8": 0.297, "16": 0.003}, share=True) == (
         "70% plain, 30% copy 8, <1% block 16"
     )

@@ -1,8 +1,9 @@
 """Corpus lookup (`decoding.corpus`, `io.corpus_table`): the table counts what it should, the
 jitted lookup follows the host rule, the copy steps take the corpus only where the text has no
-match of two tokens, a table travels with its drafter (and never into an Orbax export), bad
-tables are refused with the fix, and a decode that copies from the corpus is still the target's
-own greedy output, in fewer steps."""
+match of two tokens, counting in chunks and shards gives the same table, a table travels beside
+its drafter's params (saved beside an export, never in its params), bad tables are refused
+with the fix, and a decode that copies from the corpus is still the target's own greedy output,
+in fewer steps, its corpus copies recorded apart from text copies."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from _decode import LENS, PROMPT, make_pair
 
 from dflash_jax.config import ConfigError
 from dflash_jax.decoding import corpus, lookup
-from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.settings import CORPUS_KIND_BASE, DecodeConfig
 from dflash_jax.io import corpus_table
-from dflash_jax.io.drafter_io import restore_drafter, save_drafter
+from dflash_jax.io.drafter_io import read_drafter, restore_drafter, save_drafter
 from dflash_jax.io.hf import CheckpointError
-from dflash_jax.ops.ngrams import CORPUS_FILE, PARAMS_KEY, without_table
+from dflash_jax.ops.ngrams import CORPUS_FILE, PARAMS_KEY, with_table
 
 VOCAB = 16
 
@@ -64,16 +65,29 @@ def test_table_counts_the_most_frequent_continuation_of_answer_tokens(tmp_path):
     np.testing.assert_array_equal(back.keys, table.keys)
     np.testing.assert_array_equal(back.next, table.next)
     assert (back.vocab_size, back.max_ngram) == (VOCAB, 2)
-    # min_count drops the n-grams seen once.
+    # min_count drops the n-grams seen once; one that drops them all is refused.
     rare = corpus_table.build_table(_records(), VOCAB, 2, 2, min_count=2)
     assert rare.keys.size < table.keys.size
+    with pytest.raises(ConfigError, match="empty; lower --min_count"):
+        corpus_table.build_table(_records(), VOCAB, 2, 2, min_count=9)
+
+
+def test_counting_in_chunks_and_shards_gives_the_same_table():
+    rng = np.random.default_rng(1)
+    records = [(rng.integers(0, 5, 30), rng.integers(0, 2, 30)) for _ in range(20)]
+    whole = corpus_table.build_table(records, VOCAB, 3, 3)
+    parts = corpus_table.build_table(records, VOCAB, 3, 3, chunk_rows=7, shards=3)
+    for field in ("keys", "next", "counts"):
+        np.testing.assert_array_equal(getattr(parts, field), getattr(whole, field))
 
 
 def _attached(params, table, directory: Path) -> dict:
-    """`params` with `table` attached as `load_drafter` attaches a drafter directory's."""
+    """The params a decode takes from a drafter whose directory holds `table` (as
+    `LoadedDrafter.decode_params` gives them)."""
     directory.mkdir(exist_ok=True)
     corpus_table.save_table(table, directory / CORPUS_FILE)
-    return corpus_table.attach(params, directory, table.vocab_size)
+    back = corpus_table.read(directory, table.vocab_size, table.vocab_hash)
+    return with_table(params, corpus_table.device_arrays(back))
 
 
 def test_device_lookup_follows_the_host_rule_and_defers_to_longer_text_matches(tmp_path):
@@ -97,11 +111,11 @@ def test_device_lookup_follows_the_host_rule_and_defers_to_longer_text_matches(t
     prompts = jnp.array([[3, 4, 5, 6], [3, 11, 12, 13], [10, 11, 12, 13]])
     gens = jnp.array([[3, 4, 0], [3, 0, 0], [14, 0, 0]])
     n_gen = jnp.array([2, 1, 1])
-    copy, found = lookup.device_proposal(prompts, plen, gens, n_gen, 2, 3, arrays)
+    copy, found, corpus_b = lookup.device_proposal(prompts, plen, gens, n_gen, 2, 3, arrays)
     assert np.asarray(copy[0]).tolist() == [5, 6]  # the text's own 2-token match
     assert np.asarray(copy[1]).tolist() == _host_rule(table, [3, 11, 12, 13, 3], 2)
     assert bool(found[1])
-    plain_copy, plain_found = lookup.device_proposal(prompts, plen, gens, n_gen, 2, 3)
+    plain_copy, plain_found, _ = lookup.device_proposal(prompts, plen, gens, n_gen, 2, 3)
     assert not bool(plain_found[2]) and bool(found[2]) == bool(
         _host_rule(table, [10, 11, 12, 13, 14], 2)
     )
@@ -109,15 +123,25 @@ def test_device_lookup_follows_the_host_rule_and_defers_to_longer_text_matches(t
 
 
 def test_bad_tables_are_refused_with_the_fix(tmp_path):
-    table = corpus_table.build_table(_records(), VOCAB, 2, 2)
+    table = corpus_table.build_table(_records(), VOCAB, 2, 2, vocab_hash="aaaa")
     corpus_table.save_table(table, tmp_path / CORPUS_FILE)
-    with pytest.raises(ConfigError, match="another target.*build_corpus"):
-        corpus_table.attach({}, tmp_path, VOCAB + 1)
+    assert corpus_table.read(tmp_path, VOCAB, "aaaa").keys.size == table.keys.size
+    # Another tokenizer: of another size, or of this size with other ids (its hash).
+    with pytest.raises(ConfigError, match="another tokenizer.*build_corpus"):
+        corpus_table.read(tmp_path, VOCAB + 1)
+    with pytest.raises(ConfigError, match="vocabulary aaaa of 16 tokens.*bbbb of 16"):
+        corpus_table.read(tmp_path, VOCAB, "bbbb")
+    empty = corpus_table.CorpusTable(
+        keys=np.zeros(0, np.uint32), next=np.zeros((0, 2), np.int32),
+        counts=np.zeros(0, np.int32), vocab_size=VOCAB, max_ngram=2,
+    )  # fmt: skip
+    corpus_table.save_table(empty, tmp_path / CORPUS_FILE)
+    with pytest.raises(CheckpointError, match="is empty: rebuild it"):
+        corpus_table.read(tmp_path, VOCAB)
     (tmp_path / CORPUS_FILE).write_bytes(b"not a table")
     with pytest.raises(CheckpointError, match="cannot read the corpus table.*build_corpus"):
-        corpus_table.attach({}, tmp_path, VOCAB)
-    assert corpus_table.attach({"a": 1}, tmp_path / "none", VOCAB) == {"a": 1}  # no table
-    assert without_table({"a": 1, PARAMS_KEY: {}}) == {"a": 1}
+        corpus_table.read(tmp_path, VOCAB)
+    assert corpus_table.read(tmp_path / "none", VOCAB) is None  # no table
 
 
 def test_corpus_copies_keep_greedy_output(tmp_path):
@@ -145,10 +169,49 @@ def test_corpus_copies_keep_greedy_output(tmp_path):
     )  # fmt: skip
     np.testing.assert_array_equal(out.tokens, ar.tokens)
     np.testing.assert_array_equal(out.lengths, ar.lengths)
-    # An Orbax export of those params leaves the table out (it is a file of its own).
-    save_drafter(tmp_path / "export", dcfg, _attached(dp, table, tmp_path))
+    # An Orbax export keeps the table beside its params (a file of its own, never a param),
+    # and reading the export reads it back.
+    save_drafter(tmp_path / "export", dcfg, dp, table)
     assert PARAMS_KEY not in (tmp_path / "export" / "params" / "_METADATA").read_text()
     assert PARAMS_KEY not in restore_drafter(tmp_path / "export").params
-    assert (np.asarray(out.block_sizes)[:, 0] == -4).all()
+    back = read_drafter(tmp_path / "export").corpus_table
+    np.testing.assert_array_equal(back.keys, table.keys)
+    np.testing.assert_array_equal(back.next, table.next)
+    assert (np.asarray(out.block_sizes)[:, 0] == -(CORPUS_KIND_BASE + 4)).all()  # corpus copies
     assert (np.asarray(out.acceptance_lengths)[:, 0] == 4).all()
     assert (np.asarray(out.num_steps) < np.asarray(ar.lengths) - 1).all()
+
+
+@pytest.mark.slow  # guards alone that sampled corpus copies keep the target's law (~80 s)
+def test_sampling_with_corpus_copies_is_lossless():
+    """Sampled decoding whose second token comes from a corpus copy step (a deterministic
+    proposal, accepted with the target's probability of its token) keeps the target's exact
+    law of the first two tokens (`two_token_tv`, as test_decoding's check of drafted blocks)."""
+    from _decode import two_token_tv
+
+    from dflash_jax.decoding import speculative_decode
+
+    vocab = 12
+    tcfg, tp, dcfg, dp = make_pair(vocab=vocab, zero_boost=1.0, seed=4, block_size=4)
+    rng = np.random.default_rng(0)
+    # Token-0-heavy answers: copies of 0s the target often takes, and other tokens it rejects.
+    p = np.full(vocab, 0.5 / (vocab - 1))
+    p[0] = 0.5
+    records = [(rng.choice(vocab, 30, p=p), np.ones(30, int)) for _ in range(40)]
+    table = corpus_table.build_table(records, vocab, max_ngram=2, continuation=3)
+    params = with_table(dp, corpus_table.device_arrays(table))
+    prompt = np.array([3, 1, 4], np.int32)
+    n = 6000
+    cfg = DecodeConfig(
+        max_new_tokens=2, block_size=4, temperature=1.0, adaptive=True, step_kinds=(1, 4),
+        lookup_kinds=(4,),
+    )  # fmt: skip
+    out = speculative_decode(
+        tp, params, np.tile(prompt, (n, 1)), np.full((n,), 3, np.int32), jax.random.key(11),
+        target_config=tcfg, drafter_config=dcfg, decode_config=cfg, step_costs=(1.0, 5.0, 0.1),
+    )  # fmt: skip
+    # Every row's one step copied from the corpus (the text has no match of two tokens).
+    assert (np.asarray(out.block_sizes)[:, 0] == -(CORPUS_KIND_BASE + 4)).all()
+    tv = two_token_tv(tcfg, tp, prompt, 1.0, out.tokens)
+    # Sampling noise of the TV distance over 144 cells at n=6000 is about 0.05.
+    assert tv < 0.09, tv

@@ -132,6 +132,9 @@ def test_round_trips_keep_config_and_params(pair, tmp_path):
     again = read_drafter(tmp_path / "default", dtype="bfloat16")
     assert again.config == shipped.config
     assert_same_params(again.params, shipped.params)
+    # The shipped corpus table travels beside the export as a side file.
+    table = read_drafter(DEFAULT_DRAFTER).corpus_table
+    np.testing.assert_array_equal(again.corpus_table.keys, table.keys)
 
 
 def test_a_speculators_checkpoint_decodes_as_the_same_weights_in_zlab_format(pair, tmp_path):

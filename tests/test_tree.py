@@ -13,10 +13,9 @@ import pytest
 from _decode import LENS, PROMPT, assert_greedy_equals_ar, make_pair, run_both, two_token_tv
 
 from dflash_jax.config import ConfigError
-from dflash_jax.decoding import adaptive, autoregressive_decode, speculative_decode, tree
+from dflash_jax.decoding import adaptive, autoregressive_decode, proposers, speculative_decode, tree
 from dflash_jax.decoding.settings import DecodeConfig, kind_label, tree_kind
 from dflash_jax.decoding.speculative import Proposal
-from dflash_jax.decoding.state import LoopState
 from dflash_jax.ops import attention, dispatch
 from dflash_jax.ops.invariance import RowRule
 
@@ -208,32 +207,35 @@ def test_controller_values_and_learns_the_tree_kind():
     e = float(adaptive.tree_expected_tokens(tree_alpha, alpha, sampled)[0])
     np.testing.assert_allclose(e, 1 + 0.5 + 0.25 + 0.125, rtol=1e-6)  # its own only
     one = jnp.array([True])
+
     # chain 8: E = 5.70; tree: E = 3.44 -> the tree wins only where the chain costs > 1.66x it.
-    choose = lambda costs: int(
-        adaptive.choose_kind(alpha, one, 0, jnp.array(costs), -1, cfg, tree_alpha_bg=tree_alpha)
-    )
+    def control(chain, tree_bg):  # the chain's and the tree's estimates in the loop state
+        c = list(proposers.init_control(cfg, 1))
+        c[1], c[3] = {**c[1], "alpha": chain}, {"alpha": tree_bg}
+        return tuple(c)
+
+    choose = lambda costs, c=None: int(proposers.choose_kind(
+        c or control(alpha, tree_alpha), one, jnp.array(costs), -1, cfg, {}
+    ))  # fmt: skip
     assert choose([1.0, 1.5, 1.0]) == 1 and choose([1.0, 1.8, 1.0]) == 2
     assert choose([1.0, 3.0, 5.0]) == 1
     low = jnp.full((1, 7), 0.1)
-    assert int(adaptive.choose_kind(low, one, 0, jnp.array([1.0, 1.5, 1.5]), -1, cfg,
-                                    tree_alpha_bg=low)) == 0  # fmt: skip
-    state = LoopState(
-        gen=None, n_gen=None, done=None, step=None, num_steps=None, acc=None, kinds=None,
-        cache=None, alpha=alpha, plain_run=jnp.int32(0), probe_wait=jnp.int32(cfg.probe_every),
-        tree_alpha=tree_alpha,
-    )  # fmt: skip
+    assert choose([1.0, 1.5, 1.5], control(low, low)) == 0
     step = lambda kind, a: Proposal(
         new=None, accepted=jnp.array([a]), kind=jnp.int32(kind), k=(), v=(), ctx_k=(), ctx_v=()
     )
-    after = adaptive.update(state, step(tree_kind(4), 2), jnp.array([3]), one, cfg)
-    np.testing.assert_array_equal(after.alpha, alpha)
+    learn = lambda kind, a, produced: proposers.learn(
+        control(alpha, tree_alpha), step(kind, a), jnp.array([produced]), one, {}, cfg
+    )
+    after = learn(tree_kind(4), 2, 3)
+    np.testing.assert_array_equal(after[1]["alpha"], alpha)
     r = cfg.adaptive_rate
     hit, miss = 0.5 + r * 0.5, 0.5 - r * 0.5
-    np.testing.assert_allclose(after.tree_alpha[0], [hit, hit, miss, 0.5, 0.5, 0.5, 0.5])
-    assert int(after.plain_run) == 0  # a tree step is a drafting step for the probe clock
-    after = adaptive.update(state, step(8, 1), jnp.array([2]), one, cfg)
-    np.testing.assert_array_equal(after.tree_alpha, tree_alpha)
-    assert float(after.alpha[0, 0]) > 0.9 and float(after.alpha[0, 1]) < 0.9
+    np.testing.assert_allclose(after[3]["alpha"][0], [hit, hit, miss, 0.5, 0.5, 0.5, 0.5])
+    assert int(after[1]["plain_run"]) == 0  # a tree step is a drafting step for the probe clock
+    after = learn(8, 1, 2)
+    np.testing.assert_array_equal(after[3]["alpha"], tree_alpha)
+    assert float(after[1]["alpha"][0, 0]) > 0.9 and float(after[1]["alpha"][0, 1]) < 0.9
     # Default costs: a tree of N is costed as the chain of N rows it verifies.
     costs = adaptive.default_step_costs((1, 8, tree_kind(12)), platform="cpu")
     np.testing.assert_allclose(costs, [1.0, 1.84, 2.32], rtol=1e-6)

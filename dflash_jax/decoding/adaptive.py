@@ -39,8 +39,9 @@ cost(b) is one step of kind b in AR-step units. `decoding.calibration` measures 
 target, drafter, batch, shape and platform (cached on disk); the costs enter the jitted function
 as an array, so recalibrating never recompiles. `default_step_costs` is the fallback.
 
-Inside the loop the controller chooses before a step (`choose_kind`) and learns after it
-(`update`: every estimate, the plain-step run and the probe wait, in one function).
+Each rule here belongs to one proposer of `decoding.proposers`, whose registry entries hold
+their estimates in the loop state, value their kinds before a step (`proposers.choose_kind`)
+and learn after it (`proposers.learn`).
 """
 
 from __future__ import annotations
@@ -88,41 +89,6 @@ def tree_expected_tokens(tree_alpha_bg, alpha_bg, cfg: DecodeConfig) -> jax.Arra
     docstring)."""
     a_bg = jnp.maximum(tree_alpha_bg, alpha_bg) if cfg.greedy else tree_alpha_bg
     return 1.0 + jnp.sum(jnp.cumprod(a_bg[:, : tree_reach(cfg)], axis=-1), axis=-1)
-
-
-def choose_kind(
-    alpha_bg,
-    active_b,
-    plain_run,
-    costs_k,
-    forced_kind,
-    cfg: DecodeConfig,
-    probe_wait=None,
-    lookup_alpha_bg=None,
-    found_b=None,
-    tree_alpha_bg=None,
-):
-    """Index into cfg.all_kinds of the kind to run now (see the module docstring): a probe
-    once `plain_run` reaches `probe_wait` (default cfg.probe_every); `forced_kind` >= 0
-    overrides the choice (calibration). Lookup kinds are valued with `lookup_alpha_bg`, and
-    only for rows where a copy was `found_b`; the tree kind (last) with `tree_alpha_bg`."""
-    probe_wait = cfg.probe_every if probe_wait is None else probe_wait
-    kinds = cfg.step_kinds
-    value_bk = expected_tokens(alpha_bg, kinds)
-    if cfg.lookup_kinds:
-        gain_bk = expected_tokens(lookup_alpha_bg, cfg.lookup_kinds) - 1.0
-        value_bk = jnp.concatenate([value_bk, 1.0 + gain_bk * found_b[:, None]], axis=-1)
-    if cfg.tree_nodes:
-        tree_b = tree_expected_tokens(tree_alpha_bg, alpha_bg, cfg)
-        value_bk = jnp.concatenate([value_bk, tree_b[:, None]], axis=-1)
-    value_bk = value_bk / costs_k[None, :]
-    weight_b = active_b.astype(jnp.float32)
-    value_k = jnp.sum(value_bk * weight_b[:, None], 0) / jnp.maximum(jnp.sum(weight_b), 1.0)
-    k = jnp.argmax(value_k).astype(jnp.int32)
-    plain = kinds.index(1) if 1 in kinds else -1
-    smallest_draft = min(i for i, b in enumerate(kinds) if b > 1)
-    k = jnp.where((k == plain) & (plain_run >= probe_wait), smallest_draft, k)
-    return jnp.where(forced_kind >= 0, forced_kind, k)
 
 
 def next_probe_wait(probe_wait, block, accepted_b, active_b, cfg: DecodeConfig):
@@ -174,41 +140,3 @@ def update_lookup_estimates(alpha_bg, proposal_bg, new_bt, produced_b, found_b, 
     beyond_bg = (j_g[None, :] > produced_b[:, None]) & (a_b >= produced_b)[:, None]
     beyond_bg &= found_b[:, None] & (produced_b > 0)[:, None]
     return jnp.where(beyond_bg, jnp.maximum(alpha_bg, last_alpha_b), alpha_bg)
-
-
-def update(state, step, produced_b, active_b, cfg: DecodeConfig):
-    """The controller's in-loop state after one step, everything it learns in one place.
-
-    state: the loop state (`LoopState`) after the step's commit, its controller fields
-    (alpha, plain_run, probe_wait, lookup_alpha, tree_alpha) still as the step found them; step:
-    the step's `Proposal` (kind: bs, -bs for a copied block, 1 for a plain step, `tree_kind(N)`
-    for a tree; accepted [B]: drafts accepted, a tree's accepted depth;
-    new [B,W] the committed tokens; copy [B,W-1] and found [B]: the copy proposed before the
-    step, when there are lookup kinds); produced_b [B]: tokens the step committed; active_b [B]:
-    the rows still decoding when the step ran. -> the state with the drafter's estimates moved
-    on what a drafting step tried (`update_estimates`: the chain's after a chain step, the
-    tree's after a tree step), the plain-step run and the probe wait advanced
-    (`next_probe_wait`; a tree step counts as drafting), and the lookup estimates moved on what
-    the step committed (`update_lookup_estimates`)."""
-    block = jnp.maximum(step.kind, 1)  # the probe clock counts a copied step as plain
-    tried_b = jnp.where(active_b, step.accepted + 1, 0)
-    is_tree = step.kind >= TREE_KIND_BASE
-    chain = jnp.where(is_tree, 0, step.kind)  # 0: the chain's estimates stay
-    alpha = update_estimates(state.alpha, step.accepted, tried_b, chain, cfg.adaptive_rate)
-    if cfg.tree_nodes:  # depths 1..tree_reach tried, each as far as the path got
-        reach = jnp.where(is_tree, tree_reach(cfg) + 1, 0)
-        tree_alpha = update_estimates(
-            state.tree_alpha, step.accepted, tried_b, reach, cfg.adaptive_rate
-        )
-        state = state.replace(tree_alpha=tree_alpha)
-    state = state.replace(
-        alpha=alpha,
-        plain_run=jnp.where(block == 1, state.plain_run + 1, 0),
-        probe_wait=next_probe_wait(state.probe_wait, block, step.accepted, active_b, cfg),
-    )
-    if cfg.lookup_kinds:
-        lookup_alpha = update_lookup_estimates(
-            state.lookup_alpha, step.copy, step.new, produced_b, step.found, cfg.adaptive_rate
-        )
-        state = state.replace(lookup_alpha=lookup_alpha)
-    return state

@@ -61,9 +61,9 @@ def device_proposal(
 ):
     """`proposal` for every row on device. The text of row b is prompt[b, :prompt_len] then
     gen[b, :n_gen]. -> (proposal [B, length] int32, found [B] bool; rows without a match
-    propose zeros). With a `corpus_table` (`decoding.corpus`), a row whose text matches
-    nowhere or only on its last token copies from the corpus instead, where the corpus holds
-    one of its last tokens (found then too)."""
+    propose zeros; corpus [B] bool: the proposal is the corpus's). With a `corpus_table`
+    (`decoding.corpus`), a row whose text matches nowhere or only on its last token copies
+    from the corpus instead, where the corpus holds one of its last tokens (found then too)."""
     b, p = prompt_bp.shape
     n = p + gen_bw.shape[1]
     i_n = jnp.arange(n, dtype=jnp.int32)
@@ -93,13 +93,13 @@ def device_proposal(
     prop_bl = jnp.take_along_axis(text_bn, jnp.clip(idx_bl, 0, n - 1), 1)
     prop_bl = jnp.where(found_b[:, None], prop_bl, 0).astype(jnp.int32)
     if corpus_table is None:
-        return prop_bl, found_b
+        return prop_bl, found_b, jnp.zeros_like(found_b)
     # The text's own match when it spans 2+ tokens (copies of a repeated span are the surest),
     # else the corpus's, else the one-token match.
     run_b = jnp.where(found_b, jnp.take_along_axis(run_bn, last_b[:, None], 1)[:, 0], 0)
     corpus_bl, corpus_n_b = corpus.device_proposal(corpus_table, text_bn, end_b, length)
     use_b = (corpus_n_b > 0) & (run_b < 2)
-    return jnp.where(use_b[:, None], corpus_bl, prop_bl), found_b | (corpus_n_b > 0)
+    return jnp.where(use_b[:, None], corpus_bl, prop_bl), found_b | (corpus_n_b > 0), use_b
 
 
 def one_hot_logp(proposal_bg: jax.Array, vocab: int) -> jax.Array:

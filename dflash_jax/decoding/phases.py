@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decoding import markov, selector
+from dflash_jax.decoding import markov, proposers, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
     accept_greedy_choices,
@@ -387,13 +387,5 @@ def init_speculative(
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         drf_len=jnp.asarray(prompt_lengths, jnp.int32),
-        alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
-        plain_run=jnp.int32(0),
-        probe_wait=jnp.int32(cfg.probe_every),
-        lookup_alpha=jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32),
-        tree_alpha=(
-            jnp.full((b, max(bs - 1, 1)), cfg.adaptive_prior, jnp.float32)
-            if cfg.adaptive and cfg.tree_nodes
-            else None
-        ),
+        control=proposers.init_control(cfg, b),
     )

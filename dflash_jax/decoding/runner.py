@@ -52,6 +52,12 @@ _LOWERING = threading.Lock()
 FINGERPRINTS: dict[str, str] = {}
 
 
+def decode_params(drafter) -> dict:
+    """The params a decode takes from a drafter: `LoadedDrafter.decode_params` (its corpus table
+    beside its params), or the params of any object with `.params`."""
+    return getattr(drafter, "decode_params", drafter.params)
+
+
 def place_half(jitted, args: tuple, statics: dict, mesh):
     """(the function a run compiles for `jitted`, a `jit_decoder` function, args placed for it,
     the statics to call it with): on `mesh`, `programs.on_mesh`; without one, as it is.
@@ -327,7 +333,7 @@ def plan_halves(
         halves, lead, inputs = (ar.start_autoregressive, ar.advance_autoregressive), (), ()
     else:
         sp = speculative
-        halves, lead = (sp.start_speculative, sp.advance_speculative), (drafter.params,)
+        halves, lead = (sp.start_speculative, sp.advance_speculative), (decode_params(drafter),)
         inputs = (sp.step_cost_array(cfg, step_costs), np.int32(forced_kind))
     head = (target.params, *lead, prompt, lengths, rng)
     return (*halves, head, inputs, plan)

@@ -23,6 +23,10 @@ from dflash_jax.config import ConfigError
 # TREE_KIND_BASE + N: above every block size (a drafting kind is its block size, a copy its
 # negative), so one int still names any step kind. `kind_label` names it "treeN".
 TREE_KIND_BASE = 1000
+# A copied block of b tokens is recorded per row as -b when the text so far proposed it (prompt
+# lookup), -(CORPUS_KIND_BASE + b) when the drafter's corpus table did (`decoding.proposers`);
+# the controller chooses (and costs) both as the copy kind -b.
+CORPUS_KIND_BASE = 1000
 
 
 def tree_kind(num_nodes: int) -> int:
@@ -31,10 +35,15 @@ def tree_kind(num_nodes: int) -> int:
 
 
 def kind_label(kind: int) -> str:
-    """A step kind as text: its block size ("8"; "1" a plain step), "-8" for a copied block,
-    "tree16" for a tree of 16 tokens."""
+    """A step kind as text: its block size ("8"; "1" a plain step), "-8" for a block copied
+    from the text, "corpus8" for one copied from the corpus table, "tree16" for a tree of 16
+    tokens."""
     kind = int(kind)
-    return f"tree{kind - TREE_KIND_BASE}" if kind >= TREE_KIND_BASE else str(kind)
+    if kind >= TREE_KIND_BASE:
+        return f"tree{kind - TREE_KIND_BASE}"
+    if kind <= -CORPUS_KIND_BASE:
+        return f"corpus{-kind - CORPUS_KIND_BASE}"
+    return str(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,10 +279,11 @@ class DecodeConfig:
         """Every adaptive step kind, in the order of the controller's costs and of a forced
         kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes,
         then the tree kind `tree_kind(tree_nodes)` when there is a tree (how
-        `DecodeOutput.block_sizes` records them)."""
-        c = self.controller
-        tree = (tree_kind(c.tree_nodes),) if c.adaptive and c.tree_nodes else ()
-        return c.step_kinds + tuple(-b for b in c.lookup_kinds) + tree
+        `DecodeOutput.block_sizes` records them): the kinds `decoding.proposers`' entries
+        offer, in registry order."""
+        from dflash_jax.decoding import proposers  # the registry reads this module
+
+        return proposers.all_kinds(self)
 
     @property
     def greedy(self) -> bool:

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError
-from dflash_jax.decoding import speculative
+from dflash_jax.decoding import proposers, speculative
 from dflash_jax.decoding.admission import Inserts, insert_rows, row_counts
 from dflash_jax.decoding.plan import make_plan
-from dflash_jax.decoding.runner import compile_half
+from dflash_jax.decoding.runner import compile_half, decode_params
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps
@@ -133,7 +133,7 @@ class SlotDecoder:
         self.slots, self.max_prompt = slots, max_prompt
         self.buckets = prompt_buckets(max_prompt)
         self.statics = self.plan.statics
-        self.params = (target.params, drafter.params)
+        self.params = (target.params, decode_params(drafter))
         width = self.buckets[-1]
         self.prompt = np.zeros((slots, width), np.int32)
         self.lengths = np.ones((slots,), np.int32)
@@ -154,9 +154,10 @@ class SlotDecoder:
             *self.params, self.prompt, self.lengths, self._rng, **self.statics
         )
         state = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
-        return state.replace(
-            done=jnp.ones((self.slots,), bool), probe_wait=jnp.int32(self.cfg.probe_every)
-        )
+        control = list(state.control)  # the probe clock starts at its wait
+        drafted = [e.name for e in proposers.REGISTRY].index("drafted")
+        control[drafted] = {**control[drafted], "probe_wait": jnp.int32(self.cfg.probe_every)}
+        return state.replace(done=jnp.ones((self.slots,), bool), control=tuple(control))
 
     def _compile_all(self) -> None:
         """The advance and the release now; the inserts on their first use (`Inserts`)."""

@@ -18,12 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.decoding import adaptive, cut, lookup, tree
-from dflash_jax.decoding.phases import (
-    draft_hidden,
-    draft_tokens,
-    init_speculative,
-)
+from dflash_jax.decoding import adaptive, cut, proposers, tree
+from dflash_jax.decoding.phases import init_speculative
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
     check_prompt,
@@ -60,17 +56,19 @@ class _StepContext:
     head: Head
     rng: jax.Array
     prompt_lengths: jax.Array  # [B]
+    prompt: jax.Array | None = None  # [B, P]
+    corpus: dict | None = None  # the drafter's corpus table (`decoding.corpus`), or None
 
 
 def _propose(
     s: LoopState,
-    copy_bg=None,
-    copy_flag=None,
+    view=None,
+    source=None,
     *,
     bs: int,
     width: int,
     ctx: _StepContext,
-    sources=("draft",),
+    sources=(proposers.REGISTRY[1],),
 ) -> Proposal:
     """The part of one loop step with block size `bs` that writes no carried buffer: draft bs-1
     tokens, verify them (the target's K/V rows returned, not written), accept, and the drafter
@@ -79,47 +77,32 @@ def _propose(
     cache, XLA:CPU copies none into or out of the branches (it copied all 66 SmolLM2 cache
     buffers per step when the branches wrote them, ~1.2 ms of a 12 ms plain step). bs == 1 is a
     plain target step (no drafting; its taps still feed the context, so drafting can resume at
-    any step). `sources`: where the drafts come from, "draft" (the drafter) and/or "copy" (a
-    prompt-lookup step: copy_bg's first bs-1 tokens); with both, the traced `copy_flag` picks
-    one, so a drafting kind and a lookup kind of one block size share one compiled verify."""
-    tcfg, dcfg, cfg = ctx.tcfg, ctx.dcfg, ctx.cfg
-    tparams, dparams, head = ctx.target_params, ctx.drafter_params, ctx.head
+    any step). `sources`: the proposers (`proposers.Entry`) whose drafts this verify checks,
+    the drafter's by default; with several, the traced `source` (an index into them) picks
+    one, so a drafted and a copied block of one size share one compiled verify. `view`: what
+    the proposers saw before the step (`proposers.look`)."""
+    cfg = ctx.cfg
     draw, k_draft, k_accept = step_sampling(s, cfg, ctx.rng)
     start_b = ctx.prompt_lengths + s.n_gen - 1
     anchor_b1 = jnp.take_along_axis(s.gen, (s.n_gen - 1)[:, None], 1)
-    if sources == ("copy",):
-        copy_flag = jnp.bool_(True)
-    elif sources == ("draft",):
-        copy_flag = jnp.bool_(False)
-
     cut = cfg.confidence_cut > 0
-
-    def copied():
-        drafts_bg = copy_bg[:, : bs - 1]
-        logp = None if draw.greedy else lookup.one_hot_logp(drafts_bg, tcfg.vocab_size)
-        return (drafts_bg, logp) + ((jnp.full_like(start_b, bs - 1),) if cut else ())
-
-    def drafted():
-        # Draft [anchor, MASK x (bs-1)] non-causally over the context (which ends at start).
-        hidden_bgd = draft_hidden(
-            dparams, tparams, tcfg, dcfg, anchor_b1, s.ctx_k, s.ctx_v, s.drf_len, start_b, bs
-        )
-        return draft_tokens(
-            head, tcfg, dcfg, draw, hidden_bgd, k_draft, dparams, anchor_b1, kept=cut
-        )
-
     kept_b = drafts_bg = draft_logp_bgv = None
     if bs > 1:
-        if sources == ("copy",):
-            proposal = copied()
-        elif sources == ("draft",):
-            proposal = drafted()
+        fns = [
+            functools.partial(e.drafts, s, view, bs, ctx, draw, k_draft, anchor_b1, start_b, cut)
+            for e in sources
+        ]
+        if len(fns) == 1:
+            proposal = fns[0]()
+        elif len(fns) == 2:  # a two-way switch as a cond, as before the registry
+            proposal = jax.lax.cond(source == 1, fns[1], fns[0])
         else:
-            proposal = jax.lax.cond(copy_flag, copied, drafted)
+            proposal = jax.lax.switch(source, fns)
         drafts_bg, draft_logp_bgv = proposal[:2]
         if cut:
             kept_b = proposal[2]
-    kind = jnp.where(copy_flag, -bs, bs).astype(jnp.int32)
+    kinds = [e.kind_at(bs) for e in sources]
+    kind = jnp.asarray(kinds, jnp.int32)[source] if len(kinds) > 1 else jnp.int32(kinds[0])
     return verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width, kind)
 
 
@@ -130,7 +113,8 @@ def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> Lo
     start_b = prompt_lengths + s.n_gen - 1
     active_b = ~s.done
     # Commit; the target cache length is implied by n_gen (rollback = lower length).
-    s, produced_b = commit(s, out.new, out.accepted + 1, cfg, out.kind, out.logprobs)
+    kind = out.kind if out.record is None else out.record
+    s, produced_b = commit(s, out.new, out.accepted + 1, cfg, kind, out.logprobs)
     cache = s.cache.written(out.k, out.v, start_b)
     ctx_k = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_k, out.ctx_k, strict=True))
     ctx_v = tuple(write_rows(c, r, s.drf_len) for c, r in zip(s.ctx_v, out.ctx_v, strict=True))
@@ -138,7 +122,7 @@ def _apply(s: LoopState, out: Proposal, cfg: DecodeConfig, prompt_lengths) -> Lo
         cache = cache.replace(state=commit_states(s.cache.state, out.state, produced_b))
     s = s.replace(cache=cache, ctx_k=ctx_k, ctx_v=ctx_v, drf_len=s.drf_len + produced_b)
     if cfg.adaptive:
-        s = adaptive.update(s, out, produced_b, active_b, cfg)
+        s = s.replace(control=proposers.learn(s.control, out, produced_b, active_b, out.view, cfg))
     return s
 
 
@@ -173,18 +157,6 @@ def _start_speculative(
     return constrain(state, mesh)
 
 
-def step_branches(cfg: DecodeConfig) -> tuple[tuple[int, tuple[str, ...]], ...]:
-    """The compiled step variants of an adaptive decode: one per block size among its kinds,
-    (block size, draft sources), a drafting and a lookup kind of one size sharing one (one
-    target verify compiled per block size, not per kind)."""
-    sizes = sorted(set(cfg.step_kinds) | set(cfg.lookup_kinds))
-    return tuple(
-        (b, tuple(src for src, kinds in (("draft", cfg.step_kinds), ("copy", cfg.lookup_kinds))
-                  if b in kinds))
-        for b in sizes
-    )  # fmt: skip
-
-
 def _advance_speculative(
     target_params,
     drafter_params,
@@ -215,50 +187,39 @@ def _advance_speculative(
         head=decoding_head(target_params, target_config),
         rng=rng,
         prompt_lengths=prompt_lengths,
+        prompt=prompt,
+        corpus=ngrams.table_of(drafter_params),
     )
     width = cfg.block_size
-    tree_k = jnp.int32(tree_kind(cfg.tree_nodes))  # a tree's accepted path is applied as a block
-    tree_step = lambda s, *_: Proposal(kind=tree_k, **tree.propose(s, ctx, width))
-    if cfg.tree_nodes and not cfg.adaptive:  # every step a tree
-        propose = tree_step
+    if cfg.tree_nodes and not cfg.adaptive:  # every step a tree, applied as a block
+        tree_k = jnp.int32(tree_kind(cfg.tree_nodes))
+        propose = lambda s: Proposal(kind=tree_k, **tree.propose(s, ctx, width))
     elif cfg.confidence_cut and not cfg.adaptive:  # drafts the block, verifies up to the cut
         propose = functools.partial(cut.propose, bs=cfg.block_size, ctx=ctx)
     elif not cfg.adaptive:
         propose = functools.partial(_propose, bs=cfg.block_size, width=width, ctx=ctx)
-    else:
-        variants = step_branches(cfg)
+    else:  # one branch per verify width and per proposer with a step of its own
+        variants = proposers.branches(cfg)
         branches = [
-            functools.partial(_propose, bs=b, width=width, ctx=ctx, sources=src)
-            for b, src in variants
-        ]
-        sizes = [b for b, _ in variants]
-        branches += [tree_step] * bool(cfg.tree_nodes)  # the tree kind (last): one branch more
-        # kind index (cfg.all_kinds order) -> its compiled variant (or the tree's); if it copies
-        branch_of = [sizes.index(abs(b)) if abs(b) in sizes else len(sizes) for b in cfg.all_kinds]
-        branch_of = jnp.asarray(branch_of, jnp.int32)
-        copies = jnp.asarray([b < 0 for b in cfg.all_kinds])
+            functools.partial(
+                _propose, bs=w, width=width, ctx=ctx,
+                sources=tuple(proposers.REGISTRY[i] for i in entries),
+            ) if w else (lambda s, view, _, i=entries[0]: Proposal(
+                kind=jnp.int32(cfg.all_kinds[proposers.entry_of_kinds(cfg).index(i)]),
+                **proposers.REGISTRY[i].step(s, view, width, ctx)))
+            for w, entries in variants
+        ]  # fmt: skip
+        # kind index (cfg.all_kinds order) -> its branch, and its source there
+        branch_of, source_of = (
+            jnp.asarray(x, jnp.int32) for x in zip(*proposers.branch_of_kinds(cfg), strict=True)
+        )
 
         def propose(s: LoopState) -> Proposal:
-            copy_bg = found_b = None
-            if cfg.lookup_kinds:  # what a copy would propose now (cheap: token compares)
-                copy_bg, found_b = lookup.device_proposal(
-                    prompt, prompt_lengths, s.gen, s.n_gen, width - 1, cfg.lookup_ngram,
-                    ngrams.table_of(drafter_params),
-                )  # fmt: skip
-            k = adaptive.choose_kind(
-                s.alpha,
-                ~s.done,
-                s.plain_run,
-                step_costs,
-                forced_kind,
-                cfg,
-                s.probe_wait,
-                s.lookup_alpha,
-                found_b,
-                s.tree_alpha,
-            )
-            out = jax.lax.switch(branch_of[k], branches, s, copy_bg, copies[k])
-            return out.replace(copy=copy_bg, found=found_b)
+            view = proposers.look(s, ctx)
+            k = proposers.choose_kind(s.control, ~s.done, step_costs, forced_kind, cfg, view)
+            out = jax.lax.switch(branch_of[k], branches, s, view, source_of[k])
+            record = proposers.record(out.kind, view, cfg, s.done.shape[0])
+            return out.replace(view=view, record=record)
 
     def body(s: LoopState) -> LoopState:
         return constrain(_apply(s, propose(s), cfg, prompt_lengths), mesh)

@@ -53,11 +53,9 @@ class LoopState:
     ctx_k: tuple | None = None  # L x [B, Kv, S, H] drafter context cache
     ctx_v: tuple | None = None
     drf_len: jax.Array | None = None  # [B], = start after every step
-    alpha: jax.Array | None = None  # [B, T-1] adaptive: per-position acceptance estimates
-    plain_run: jax.Array | None = None  # [] adaptive: plain steps in a row
-    probe_wait: jax.Array | None = None  # [] adaptive: plain steps before the next probe
-    lookup_alpha: jax.Array | None = None  # [B, T-1] adaptive: the same for prompt lookup
-    tree_alpha: jax.Array | None = None  # [B, T-1] adaptive with a tree kind: per tree depth
+    # Adaptive: the controller's state, one share per proposer (`proposers.REGISTRY` order,
+    # None where an entry keeps none): per-row arrays [B, ...], scalars shared by the rows.
+    control: tuple | None = None
     rows: object | None = None  # `sampling.RowSettings` [B] with `DecodeConfig.row_settings`
     # [B] each row's token limit when the start half was given one (a traced budget up to
     # max_new_tokens, the buffer's length: `phases.prefill`); None: max_new_tokens itself.
@@ -83,11 +81,7 @@ _CARRY_AXES = {
     "ctx_k": sharding.KV_CACHE_AXES,
     "ctx_v": sharding.KV_CACHE_AXES,
     "drf_len": ("batch",),
-    "alpha": ("batch", None),
-    "plain_run": (),
-    "probe_wait": (),
-    "lookup_alpha": ("batch", None),
-    "tree_alpha": ("batch", None),
+    "control": ("batch",),  # a scalar leaf (shared by the rows) is replicated
     "rows": ("batch",),  # each field [B] or [B, 2] (a key's data)
     "limit": ("batch",),
     "logp": ("batch", "length"),
@@ -102,7 +96,7 @@ def carry_shardings(state: LoopState, mesh) -> LoopState:
         **{
             name: jax.tree.map(
                 lambda x, axes=axes: sharding.logical_sharding(
-                    (*axes, *(None,) * (x.ndim - len(axes))), x.shape, mesh
+                    (*axes, *(None,) * (x.ndim - len(axes)))[: x.ndim], x.shape, mesh
                 ),
                 getattr(state, name),
             )

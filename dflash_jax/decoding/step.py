@@ -20,12 +20,13 @@ class Proposal:
     new [B,W]: the tokens to commit (accepted drafts, then the bonus); accepted [B]: drafts
     accepted; kind []: the step's recorded kind (bs, -bs for a copy, 1 plain, `tree_kind(N)` a
     tree); k, v: the target's K/V rows per layer [B,Kv,W,H] for the anchor's slot on; ctx_k,
-    ctx_v: the drafter's context rows of the verified tokens, likewise; copy [B,W-1], found
-    [B]: the copy proposed before the step (adaptive mode with lookup kinds, else None), which
-    the controller learns from; state: a hybrid target's per-linear-layer `LinearRows`
-    [B,W,...] (else None), from which `_apply` commits each row's recurrent state at its
-    accepted length; logprobs: with `DecodeConfig.logprobs`, `sampling.token_logprobs` of new
-    ([B,W], [B,W,K], [B,W,K]), else None."""
+    ctx_v: the drafter's context rows of the verified tokens, likewise; view: what the
+    proposers saw before the step (adaptive mode: `proposers.look`, e.g. the copy a copy kind
+    would propose, which the controller learns from; else None); record [B]: what each row
+    records for the step (`proposers.record`; None: the kind); state: a hybrid target's
+    per-linear-layer `LinearRows` [B,W,...] (else None), from which `_apply` commits each
+    row's recurrent state at its accepted length; logprobs: with `DecodeConfig.logprobs`,
+    `sampling.token_logprobs` of new ([B,W], [B,W,K], [B,W,K]), else None."""
 
     new: jax.Array
     accepted: jax.Array
@@ -34,8 +35,8 @@ class Proposal:
     v: tuple
     ctx_k: tuple
     ctx_v: tuple
-    copy: jax.Array | None = None
-    found: jax.Array | None = None
+    view: dict | None = None
+    record: jax.Array | None = None
     state: tuple | None = None
     logprobs: tuple | None = None
 

@@ -43,14 +43,28 @@ DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "assets/drafters/smollm2
 
 @dataclasses.dataclass
 class LoadedDrafter:
+    """A drafter: its config and params, and the corpus table held beside them (never in the
+    params): `corpus_table` the host table (`io.corpus_table`, what is saved with it), `corpus`
+    its device arrays once `load_drafter` checked it against a target (what decodes read)."""
+
     config: DrafterConfig
     params: dict
     source: str
+    corpus_table: corpus_table.CorpusTable | None = None
+    corpus: dict | None = None
+
+    @property
+    def decode_params(self) -> dict:
+        """The params a decode takes: with the corpus table's arrays when there is one."""
+        return ngrams.with_table(self.params, self.corpus)
 
 
-def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: dict) -> None:
-    """Writes params with Orbax and the config as JSON beside them (`directory` local or a URL);
-    never overwrites one."""
+def save_drafter(
+    directory: str | os.PathLike, config: DrafterConfig, params: dict, corpus=None
+) -> None:
+    """Writes params with Orbax and the config as JSON beside them (`directory` local or a URL)
+    and, given a `corpus` table (`LoadedDrafter.corpus_table`), its file beside them; never
+    overwrites one."""
     directory = paths.path(directory)
     if (directory / ORBAX_PARAMS_DIR).exists():
         raise CheckpointError(
@@ -64,11 +78,12 @@ def save_drafter(directory: str | os.PathLike, config: DrafterConfig, params: di
     checkpointer = ocp.StandardCheckpointer(
         **({"multiprocessing_options": alone} if jax.process_count() > 1 else {})
     )
-    # A corpus table (`load_drafter` adds one) is its own file, not an Orbax param.
-    checkpointer.save(directory / ORBAX_PARAMS_DIR, ngrams.without_table(params))
+    checkpointer.save(directory / ORBAX_PARAMS_DIR, params)
     checkpointer.wait_until_finished()
     config_json = json.dumps(drafter_to_zlab(config), indent=2, sort_keys=True)
     (directory / ORBAX_CONFIG_FILE).write_text(config_json + "\n")
+    if corpus is not None:  # the table is a file of its own, not an Orbax param
+        corpus_table.save_table(corpus, directory / ngrams.CORPUS_FILE)
 
 
 def _closed_loop(e: BaseException | None) -> bool:
@@ -173,16 +188,29 @@ def drafter_directory(source: str | os.PathLike):
     raise CheckpointError(f"drafter {source!r}: no such directory (nor a hub id owner/name)")
 
 
-def read_drafter(source: str | os.PathLike, dtype: str = "float32", mesh=None) -> LoadedDrafter:
+def read_drafter(
+    source: str | os.PathLike, dtype: str = "float32", mesh=None, corpus: bool = True
+) -> LoadedDrafter:
     """Reads a drafter without checking it against a target. `source`: our Orbax dir, a z-lab
     HF or `speculators` dir (local or a URL such as `gs://bucket/drafter`), a hub id
     (`owner/name`) or "default" (the drafter shipped in the repository). With a `mesh`, params
-    are placed on their table shardings."""
-    return _read_at(drafter_directory(source), str(source), dtype, mesh)
+    are placed on their table shardings. `corpus`: also read the corpus table beside them
+    (False: leave it, e.g. to count a new one)."""
+    return _read_at(drafter_directory(source), str(source), dtype, mesh, corpus)
 
 
-def _read_at(path, source: str, dtype: str, mesh) -> LoadedDrafter:
-    """`read_drafter` of the drafter in directory `path` (`drafter_directory(source)`)."""
+def _read_at(path, source: str, dtype: str, mesh, corpus: bool = True) -> LoadedDrafter:
+    """`read_drafter` of the drafter in directory `path` (`drafter_directory(source)`), with
+    the corpus table beside its params (`corpus_table`: checked against the drafter's
+    vocabulary size only; `load_drafter` checks it against the target's tokenizer)."""
+    loaded = _read_params(path, source, dtype, mesh)
+    if not corpus:
+        return loaded
+    table = corpus_table.read(path, loaded.config.vocab_size)
+    return dataclasses.replace(loaded, corpus_table=table)
+
+
+def _read_params(path, source: str, dtype: str, mesh) -> LoadedDrafter:
     if (path / ORBAX_CONFIG_FILE).is_file():
         loaded = restore_drafter(path, dtype, mesh)
         return dataclasses.replace(loaded, source=source)
@@ -208,14 +236,18 @@ def load_drafter(
     """Reads a drafter (see `read_drafter`) in the target's dtype unless `dtype` is given, and
     refuses one that does not fit `target` (anything with `.config`: a TargetConfig). `mesh`
     defaults to the target's (`load_target(..., mesh=...)`). A corpus table in the drafter's
-    directory (`io.corpus_table`) joins its params: the decodes' copy steps read it."""
+    directory (`io.corpus_table`) is read beside its params, refused when it counts another
+    tokenizer's ids: the decodes' copy steps read it (`LoadedDrafter.decode_params`)."""
     if mesh is None:
         mesh = getattr(target, "mesh", None)
     path = drafter_directory(source)  # once: a hub id is looked up on the hub
     loaded = _read_at(path, str(source), dtype or target.config.dtype, mesh)
     check_fits(loaded.config, target.config, loaded.params)
-    params = corpus_table.attach(loaded.params, path, target.config.vocab_size, mesh)
-    loaded = dataclasses.replace(loaded, params=params)
+    tokenizer = getattr(target, "tokenizer", None)
+    vocab_hash = corpus_table.vocabulary_hash(tokenizer) if tokenizer is not None else None
+    table = corpus_table.read(path, target.config.vocab_size, vocab_hash)
+    arrays = None if table is None else corpus_table.device_arrays(table, mesh)
+    loaded = dataclasses.replace(loaded, corpus_table=table, corpus=arrays)
     warn_thinking_mismatch(source, target)
     return loaded
 

@@ -1,13 +1,13 @@
 """N-gram hashing for corpus lookup (`decoding.corpus`, `io.corpus_table`): one 32-bit hash of
 a token n-gram, the same in numpy (building a table) and in jax.numpy (looking it up inside the
-decode loop), and where a drafter's params keep the table."""
+decode loop), and how the table reaches a decode beside a drafter's params."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# The table's key in a drafter's params (`io.corpus_table.attach`) and its file in a drafter
-# directory.
+# The table's key in the params a decode takes (`with_table`; a drafter's own params never
+# hold it: `io.drafter_io.LoadedDrafter`) and its file in a drafter directory.
 PARAMS_KEY = "corpus_ngrams"
 CORPUS_FILE = "corpus_ngrams.npz"
 _FNV_OFFSET, _FNV_PRIME, _N_SALT = 2166136261, 16777619, 0x9E3779B9
@@ -24,14 +24,12 @@ def ngram_hash(tokens, n: int, xp=np):
     return h.reshape(lead)
 
 
+def with_table(drafter_params, arrays):
+    """The params a decode takes: a drafter's params and its corpus table's arrays (None: the
+    params alone). The table is the decode's input, not the drafter's weight."""
+    return drafter_params if arrays is None else {**drafter_params, PARAMS_KEY: arrays}
+
+
 def table_of(drafter_params) -> dict | None:
-    """The corpus table arrays in a drafter's params ({"keys", "next", "orders"}), or None."""
+    """The corpus table arrays in a decode's params ({"keys", "next", "orders"}), or None."""
     return drafter_params.get(PARAMS_KEY) if hasattr(drafter_params, "get") else None
-
-
-def without_table(drafter_params):
-    """A drafter's params without its corpus table (what an Orbax export saves: the table is a
-    file of its own)."""
-    if table_of(drafter_params) is None:
-        return drafter_params
-    return {k: v for k, v in drafter_params.items() if k != PARAMS_KEY}

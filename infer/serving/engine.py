@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from dflash_jax.decoding.settings import TREE_KIND_BASE, kind_label
+from dflash_jax.decoding import proposers
+from dflash_jax.decoding.settings import kind_label
 from dflash_jax.decoding.slots import Admit
 from infer.serving.metrics import Metrics
 
@@ -124,6 +125,8 @@ class Engine:
         self.started = time.time()
         self.stats = collections.Counter()
         self.kinds = collections.Counter()
+        # row-steps and committed tokens by proposer (`decoding.proposers.NAMES`)
+        self.by_proposer = {"steps": collections.Counter(), "tokens": collections.Counter()}
         self.busy_s = 0.0
 
     # -- the HTTP side --------------------------------------------------------------------
@@ -197,6 +200,8 @@ class Engine:
             ),
             "loop_steps": self.stats["steps"],
             "steps_by_kind": dict(self.kinds),
+            "steps_by_proposer": {n: self.by_proposer["steps"][n] for n in proposers.NAMES},
+            "tokens_by_proposer": {n: self.by_proposer["tokens"][n] for n in proposers.NAMES},
             "insert_programs": self._insert_programs(),
             "step_costs": self._step_costs("step_costs"),
             "sampled_step_costs": self._step_costs("sampled_step_costs"),
@@ -318,12 +323,14 @@ class Engine:
         for j in range(steps):
             col = chunk.kinds[:, j]
             if col.any():
-                self.kinds[kind_label(int(col[col != 0][0]))] += 1
+                self.kinds[kind_label(proposers.chosen_kind(col[col != 0][0]))] += 1
         self.prom.record_steps(chunk.acc, chunk.kinds)
         self.stats["step_tokens"] += int(chunk.acc.sum())
         self.stats["row_steps"] += int((chunk.kinds != 0).sum())
-        block = np.abs(chunk.kinds)
-        drafted = np.where((block > 1) & (block < TREE_KIND_BASE), block - 1, 0)
+        steps_by, tokens_by = proposers.by_proposer(chunk.kinds, chunk.acc)
+        self.by_proposer["steps"].update(steps_by)
+        self.by_proposer["tokens"].update(tokens_by)
+        drafted = proposers.chain_drafts(chunk.kinds)
         accepted = np.where(drafted > 0, chunk.acc - 1, 0)
         self.stats["drafted"] += int(drafted.sum())
         self.stats["accepted"] += int(accepted.sum())

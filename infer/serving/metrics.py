@@ -10,15 +10,18 @@ chunk that gave it any, as vLLM's per step), `e2e_request_latency_seconds`,
 `request_queue_time_seconds`. Speculative decoding: `spec_decode_num_drafts_total` (drafted
 steps of a row), `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`,
 `spec_decode_num_accepted_tokens_per_pos_total` by `position` (1 = the first drafted token),
-and `spec_decode_steps_total` by step `kind` (`config.kind_label`: "1" a plain step, "8" a
-block of 8, "-8" a copied block)."""
+`spec_decode_steps_total` by step `kind` (`settings.kind_label` of the kind chosen: "1" a
+plain step, "8" a block of 8, "-8" a copied block), and `spec_decode_proposer_steps_total`,
+`spec_decode_proposer_tokens_total` by `proposer` (`decoding.proposers.NAMES`: text_copy,
+corpus_copy, drafted, tree, plain): row-steps and the tokens they committed."""
 
 from __future__ import annotations
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dflash_jax.decoding.settings import TREE_KIND_BASE, kind_label
+from dflash_jax.decoding import proposers
+from dflash_jax.decoding.settings import kind_label
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets as vLLM's: latencies from milliseconds (a chunk) to minutes (a long answer).
@@ -84,6 +87,17 @@ class Metrics:
             ("kind",),
         )  # fmt: skip
 
+        self.proposer_steps = metric(
+            Counter, "spec_decode_proposer_steps",
+            "Row-steps by proposer (text_copy, corpus_copy, drafted, tree, plain).",
+            ("proposer",),
+        )  # fmt: skip
+        self.proposer_tokens = metric(
+            Counter, "spec_decode_proposer_tokens",
+            "Tokens committed by the row-steps of each proposer (the bonus token included).",
+            ("proposer",),
+        )  # fmt: skip
+
     def of(self, metric, **labels):
         return metric.labels(model_name=self.model, **labels)
 
@@ -93,16 +107,21 @@ class Metrics:
         for j in range(kinds.shape[1]):
             col = kinds[:, j]
             if col.any():
-                self.of(self.steps, kind=kind_label(int(col[col != 0][0]))).inc()
-        block = np.abs(kinds)
-        drafted = (block > 1) & (block < TREE_KIND_BASE)  # trees are not served
+                kind = proposers.chosen_kind(col[col != 0][0])
+                self.of(self.steps, kind=kind_label(kind)).inc()
+        steps, tokens = proposers.by_proposer(kinds, acc)
+        for name in proposers.NAMES:
+            self.of(self.proposer_steps, proposer=name).inc(steps[name])
+            self.of(self.proposer_tokens, proposer=name).inc(tokens[name])
+        offered = proposers.chain_drafts(kinds)  # trees are not served
+        drafted = offered > 0
         if not drafted.any():
             return
         accepted = np.where(drafted, acc - 1, 0)
         self.of(self.drafts).inc(int(drafted.sum()))
-        self.of(self.draft_tokens).inc(int(np.where(drafted, block - 1, 0).sum()))
+        self.of(self.draft_tokens).inc(int(offered.sum()))
         self.of(self.accepted).inc(int(accepted.sum()))
-        for pos in range(1, int(block[drafted].max())):
+        for pos in range(1, int(offered.max()) + 1):
             n = int((accepted >= pos).sum())
             if n:
                 self.of(self.accepted_per_pos, position=str(pos)).inc(n)
