@@ -7,7 +7,8 @@ speculative.py     draft -> verify -> accept per step (`speculative_decode`)
 settings.py        DecodeConfig and its groups (Sampling, Controller, Numerics), step kinds
 programs.py        jitting, mesh placement and input checks shared by both decodes
 plan.py            a run's plan: its checks and resolved configs and options, made once
-adaptive.py        the on-device controller that picks each step's kind
+adaptive.py        the on-device controller's rules: step values, estimates, the probe clock
+proposers.py       the proposers (plain, drafted, copy, tree): one registry entry each
 lookup.py          prompt lookup: drafts copied from the text so far
 tree.py            tree verification: a best-first token tree per step, one pass, a path
 sampling.py        logit processing, sampling, greedy and rejection acceptance

@@ -25,6 +25,7 @@ import time
 
 import jax
 
+from dflash_jax.decoding import proposers
 from dflash_jax.decoding.phases import init_speculative
 from dflash_jax.decoding.state import LoopState
 from dflash_jax.models.target import decoding_head
@@ -62,6 +63,7 @@ def insert_rows(
     new = init_speculative(
         target_params, drafter_params, head, target_config, drafter_config, decode_config,
         prompt_kp, length_k, None, rows=rows_k, cache_len=prompt_kp.shape[1],
+        control=proposers.init_control(decode_config, prompt_kp.shape[0]),
     )  # fmt: skip
 
     def put(big, small):  # rows slot_k of big [N, ...] from small [K, ...] (no wider)

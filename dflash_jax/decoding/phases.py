@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decoding import markov, proposers, selector
+from dflash_jax.decoding import markov, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
     accept_greedy_choices,
@@ -349,8 +349,10 @@ def init_speculative(
     rows: RowSettings | None = None,
     cache_len: int | None = None,
     max_new=None,
+    control=None,
 ) -> LoopState:
-    """Prefill, then the prompt's drafter context K/V (block-independent: all appended now).
+    """Prefill, then the prompt's drafter context K/V (block-independent: all appended now);
+    `control`: the controller's state (`proposers.init_control`), carried as given.
     -> the speculative loop's state before any step (the adaptive controller at its prior).
     rows: each row's own settings (`DecodeConfig.row_settings`; None there: `cfg`'s for every
     row). cache_len: the caches' length (None: room for the prompt, the new tokens and a step).
@@ -387,5 +389,5 @@ def init_speculative(
         ctx_k=ctx_k,
         ctx_v=ctx_v,
         drf_len=jnp.asarray(prompt_lengths, jnp.int32),
-        control=proposers.init_control(cfg, b),
+        control=control,
     )

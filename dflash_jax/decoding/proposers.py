@@ -345,6 +345,8 @@ def branches(cfg: DecodeConfig) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The compiled step variants of an adaptive decode: (verify width, the entries that draft
     a chain of it) per width, then (0, (i,)) per entry with a step of its own. -> the list,
     and each kind's branch index [num_kinds]."""
+    if all_kinds(cfg) != cfg.all_kinds:  # DecodeConfig lists them without the registry
+        raise AssertionError(f"registry kinds {all_kinds(cfg)} != {cfg.all_kinds}")
     of_kind = entry_of_kinds(cfg)
     widths = sorted({abs(k) for k, i in zip(all_kinds(cfg), of_kind, strict=True)
                      if REGISTRY[i].step is None})  # fmt: skip

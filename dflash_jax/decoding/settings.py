@@ -280,10 +280,11 @@ class DecodeConfig:
         kind index: the drafter's `step_kinds`, then the lookup kinds as negative block sizes,
         then the tree kind `tree_kind(tree_nodes)` when there is a tree (how
         `DecodeOutput.block_sizes` records them): the kinds `decoding.proposers`' entries
-        offer, in registry order."""
-        from dflash_jax.decoding import proposers  # the registry reads this module
-
-        return proposers.all_kinds(self)
+        offer, in registry order (plain, drafted, copy, tree; `proposers.all_kinds`, which
+        the loop checks against this)."""
+        c = self.controller
+        tree = (tree_kind(c.tree_nodes),) if c.adaptive and c.tree_nodes else ()
+        return c.step_kinds + tuple(-b for b in c.lookup_kinds) + tree
 
     @property
     def greedy(self) -> bool:

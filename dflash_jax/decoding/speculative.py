@@ -153,6 +153,7 @@ def _start_speculative(
         prompt_lengths,
         rng,
         max_new=max_new,
+        control=proposers.init_control(decode_config, prompt.shape[0]),
     )
     return constrain(state, mesh)
 
