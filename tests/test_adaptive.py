@@ -428,3 +428,20 @@ def test_decode_mode_defaults_and_overrides():
     assert api.decode_mode(None, drafter, block_size=8, adaptive=False) == (8, False)
     assert api.decode_mode(None, drafter, block_size=1, adaptive=True) == (1, False)
     assert api.decode_mode(None, drafter, adaptive=True) == (16, True)
+
+
+def test_reports_count_steps_and_tokens_by_proposer():
+    """Every recorded kind names its proposer; the counts by proposer sum to the steps and the
+    tokens they committed, and the drafted blocks' tau is theirs alone."""
+    from dflash_jax.decoding.settings import kind_label
+
+    kinds = np.array([[8, -8, -1008, 1, 1012, 0], [4, 4, -4, 1, 0, 0]])
+    taus = np.array([[3, 5, 4, 1, 6, 0], [2, 1, 3, 1, 0, 0]])
+    steps, tokens = proposers.by_proposer(kinds, taus)
+    assert steps == {"text_copy": 2, "corpus_copy": 1, "drafted": 3, "tree": 1, "plain": 2}
+    assert tokens == {"text_copy": 8, "corpus_copy": 4, "drafted": 6, "tree": 6, "plain": 2}
+    assert sum(steps.values()) == (kinds != 0).sum() and sum(tokens.values()) == taus.sum()
+    assert proposers.drafted_tau(kinds, taus) == 2.0
+    assert [kind_label(k) for k in (-1008, -8, 1012)] == ["corpus8", "-8", "tree12"]
+    assert proposers.chosen_kind(-1008) == -8 and proposers.chosen_kind(8) == 8
+    np.testing.assert_array_equal(proposers.chain_drafts(kinds[0]), [7, 7, 7, 0, 0, 0])
