@@ -1,8 +1,10 @@
 """`speculative_decode`: DFlash in one jitted `while_loop`. Each step drafts a block (the
 drafter, or a copy of the text so far), verifies it with the target in one pass, commits the
 longest valid prefix plus one target token and appends the committed tokens' context for the
-next draft. In adaptive mode the step's kind is chosen on device (`adaptive.choose_kind`) among
-one compiled variant per block size and, with `tree_nodes`, a tree step (`lax.switch`).
+next draft. In adaptive mode the step's kind is chosen on device (`proposers.choose_kind`) among
+the kinds the proposers' registry offers (`decoding.proposers`), run by a `lax.switch` built from
+it: one compiled verify per block size (shared by a drafted and a copied block) and one branch per
+proposer with a step of its own (the tree).
 
 A step is two halves: `_propose` writes no carried buffer (it returns a `Proposal`), `_apply`
 writes it (one in-place scatter per buffer, outside any branch). The halves of the decode,
