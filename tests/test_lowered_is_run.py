@@ -132,6 +132,8 @@ def test_acceptance_measures_chains_alone(pair, tmp_path):
     report = json.loads(out.read_text())
     assert list(report["results"]) == ["chain4"], report
     assert report["results"]["chain4"]["outputs_identical"] == 1, report
+    chain = report["results"]["chain4"]  # every step a drafted block, counted by proposer
+    assert chain["steps_by_proposer"]["drafted"] == sum(chain["steps_by_proposer"].values()) > 0
 
 
 def test_decisions_follow_the_platform_compiled_for(monkeypatch):
