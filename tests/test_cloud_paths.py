@@ -189,3 +189,17 @@ def test_zlab_drafter_and_target_from_gcs_are_read_from_a_local_copy(bucket, mon
     target_loader.load_target("gs://bucket/zlab")  # any directory: `_load` is what reads it
     assert seen == [copy]
     assert bucket.leaked() == []
+
+
+def test_corpus_table_on_gcs(bucket):
+    """A corpus table is written and read through the checkpoints' file layer (no local path
+    taken for the URL)."""
+    from dflash_jax.io import corpus_table
+
+    table = corpus_table.build_table([(np.arange(1, 9), np.ones(8, int))], 16, 2, 2)
+    corpus_table.save_table(table, "gs://bucket/drafter/corpus_ngrams.npz")
+    back = corpus_table.read("gs://bucket/drafter", 16)
+    np.testing.assert_array_equal(back.keys, table.keys)
+    np.testing.assert_array_equal(back.next, table.next)
+    assert (bucket.disk / "drafter" / "corpus_ngrams.npz").is_file()
+    assert bucket.leaked() == []
