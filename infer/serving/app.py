@@ -414,7 +414,7 @@ def make_app(
                     job.cancel()
                     return JSONResponse({}, 499)
         if job.error is not None:
-            return _error(500, job.error)
+            return _error(job.error_status, job.error)
         return _response(job, rid, chat)
 
     def _head(rid, chat):
@@ -459,8 +459,9 @@ def make_app(
                     break
                 yield sse(delta(*event))
             if job.error is not None:  # the status line is sent: the error is an event
-                yield sse({"error": {"message": job.error, "type": "server_error",
-                                     "param": None, "code": 500}})  # fmt: skip
+                kind = "server_error" if job.error_status >= 500 else "invalid_request_error"
+                yield sse({"error": {"message": job.error, "type": kind,
+                                     "param": None, "code": job.error_status}})  # fmt: skip
                 yield "data: [DONE]\n\n"
                 return
             last = delta("", job.finish_reason, job.counted)
@@ -493,10 +494,10 @@ def _logprobs_of(job: Job, lo: int, hi: int, chat: bool, tokenizer) -> dict | No
                 for t, (lp, ids, lps) in zip(tokens, entries, strict=True)
             ]
         }
-    offsets, at = [], len("".join(text(t) for t in job.tokens[:lo])) if lo else 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
+    # Where each token's text starts in the answer (the incremental decode's ends: no
+    # decode of the answer before it).
+    ends = job.detok.ends if job.detok is not None else []
+    offsets = [ends[i - 1] if 0 < i <= len(ends) else 0 for i in range(lo, hi)]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _, _ in entries],
