@@ -341,7 +341,7 @@ def test_prometheus_metrics(served):
     drafted = value("dflash:spec_decode_num_draft_tokens")
     assert drafted >= value("dflash:spec_decode_num_accepted_tokens") >= 0
     assert value("dflash:time_to_first_token_seconds", "_count") >= 1
-    assert value("dflash:request_success") >= 1 and value("dflash:generation_tokens") >= 1
+    assert value("dflash:request_success") >= 1 and value("dflash:generation_tokens") >= 8
     assert {s.labels["kind"] for s in families["dflash:spec_decode_steps"].samples} >= {"8"}
 
 
@@ -536,6 +536,16 @@ def test_a_request_that_fails_ends_alone():
         assert s.post("/v1/completions", body(2)).json()["choices"][0]["text"] == "00"
         assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
         assert s.engine.error is None
+        from prometheus_client.parser import text_string_to_metric_families
+
+        metrics = httpx.get(f"{s.url}/metrics").text
+        count = lambda name: {
+            x.labels.get("reason", x.labels.get("finished_reason")): x.value
+            for f in text_string_to_metric_families(metrics) for x in f.samples
+            if x.name == name
+        }  # fmt: skip
+        assert count("dflash:request_failure_total") == {"error": 3.0}
+        assert count("dflash:request_success_total") == {"length": 4.0}
 
 
 def test_api_key_and_body_cap():

@@ -1,4 +1,4 @@
-r"""The server's host time per streamed token as an answer grows: the engine thread's work
+r"""The server's host time per streamed token as an answer grows: the engine thread's CPU time
 between two advance calls (handing each row its tokens, decoding their text, searching stop
 strings, logprobs), divided by the tokens the chunk gave, at answer lengths around --short
 and --long tokens. Flat (linear streaming) means the ratio long/short is near 1.
@@ -9,7 +9,7 @@ No model runs: a stand-in decoder commits --tokens_per_chunk tokens of a real te
 embedded SmolLM2's tokenizer: multi-byte characters, merged tokens) per advance call, for
 --rows requests at once, each streamed, with --logprobs alternatives and a stop string that
 never matches (the work a request with both asks for). Prints one JSON object: the median host
-seconds per token near each length (over --window chunks) and their ratio.
+CPU seconds per token near each length (over --window chunks) and their ratio.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ TEXT = (
 
 class StandIn:
     """Commits `per` tokens of `ids` (cycled) per advance to every busy row, with logprobs;
-    records when each advance call starts and how long the row's answer is then."""
+    records the engine thread's CPU time when each advance call starts and ends, and how long
+    the answers are then (CPU time, not wall time: other jobs on the machine do not count)."""
 
     def __init__(self, slots: int, width: int, ids: list[int], per: int, k: int):
         self.slots, self.per, self.ids, self.k = slots, per, ids, max(k, 1)
@@ -61,7 +62,7 @@ class StandIn:
             self.n[a.slot], self.max_new[a.slot] = 0, a.max_new
 
     def advance(self, steps, forced_kind=-1):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         busy = self.n < self.max_new
         for row in np.flatnonzero(busy):
             take = min(self.per if steps else 1, int(self.max_new[row] - self.n[row]))
@@ -74,7 +75,7 @@ class StandIn:
         acc = busy[:, None].astype(np.int32)
         done = self.n >= self.max_new
         chunk = Chunk(self.gen, self.n.copy(), done, self.n.copy(), acc, acc * 8, 0.0, self.lp)
-        self.calls.append((t0, time.perf_counter(), int(self.n.max())))
+        self.calls.append((t0, time.thread_time(), int(self.n.max())))
         return chunk
 
     def release(self, rows):

@@ -420,6 +420,7 @@ class Engine:
         req.drafted += int(drafted[slot].sum())
         req.accepted += int(accepted[slot].sum())
         self.stats["tokens"] += len(new)
+        self.prom.of(self.prom.generation_tokens).inc(len(new))
         if new:
             if req.last_tokens is None:
                 self.prom.of(self.prom.ttft).observe(now - req.arrived)
@@ -471,7 +472,9 @@ class Engine:
         self.stats[kind] += 1
         self.stats["request_s"] += req.finished - req.arrived
         prom = self.prom
-        prom.of(prom.success, finished_reason=req.finish_reason or "cancelled").inc()
-        prom.of(prom.generation_tokens).inc(req.counted)
+        if kind == "completed":
+            prom.of(prom.success, finished_reason=req.finish_reason).inc()
+        else:
+            prom.of(prom.failure, reason="error" if req.error else "cancelled").inc()
         prom.of(prom.e2e).observe(req.finished - req.arrived)
         req._post(("done", None))
