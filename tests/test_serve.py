@@ -290,8 +290,10 @@ def test_unseeded_samples_differ_seeded_repeat(served):
 def test_request_shapes_apps_send(served):
     """Content parts and the developer role (the system role of a template without one); a
     tool message where the template has no tool role: 400; n null; the usage chunk of
-    stream_options.include_usage (choices empty); acceptance in usage; fields not implemented
-    refused naming them; an unknown route and a wrong method in OpenAI's error shape."""
+    stream_options.include_usage (choices empty); acceptance in usage; a completions prompt
+    as token ids answered as its text is (ids outside the vocabulary: 400); fields not
+    implemented refused naming them; an unknown route and a wrong method in OpenAI's error
+    shape."""
     client = served.client()
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
@@ -311,8 +313,14 @@ def test_request_shapes_apps_send(served):
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert all(c.usage is None for c in chunks[:-1])
+    ids = char_tokenizer(CHATML).encode("12+34=")
+    by_text, by_ids = (
+        client.completions.create(prompt=p, **kw).choices[0].text for p in ("12+34=", [ids])
+    )  # fmt: skip
+    assert by_text == by_ids
     tool = [{"role": "tool", "content": "42", "tool_call_id": "a"}]
     for body, param in (
+        ({"prompt": [1, 10**6]}, "prompt"),
         ({"messages": tool}, "messages[0]"),
         ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),

@@ -203,10 +203,17 @@ def _check_chars(field: str, n: int, limits: Limits) -> None:
 
 
 def _prompt_ids(prompt, tokenizer, limits: Limits) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    """A completions prompt: one string (tokenized) or its token ids (a list of integers, or
+    a list holding one such list, as OpenAI's API takes them)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        vocab = len(tokenizer)
+        if not all(0 <= t < vocab for t in prompt):
+            raise BadRequest("prompt", f"a prompt token id is outside the vocabulary [0, {vocab})")
+        return list(prompt)
     if not isinstance(prompt, str):
-        raise BadRequest("prompt", "prompt must be one non-empty string")
+        raise BadRequest("prompt", "prompt must be one non-empty string or one list of token ids")
     if not prompt:
         raise BadRequest("prompt", "prompt is empty")
     _check_chars("prompt", len(prompt), limits)
