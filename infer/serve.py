@@ -15,10 +15,13 @@ finished rows are freed and queued requests are prefilled into free rows
 (`dflash_jax.decoding.slots`). Target passes are batch-invariant unless --nobatch_invariant, so
 a greedy request's answer is the same alone or beside others. Past --max_queue requests
 waiting beyond the free slots: 429 with Retry-After; a bad request: 400 naming the field; a
-failure of the decoder: 500 to every request it held. --api_key (or DFLASH_API_KEY) guards /v1/.
-SIGTERM (or Ctrl-C) stops admitting, lets every accepted request finish, then exits. Loopback
-by default (--host). The sampling flags of infer.generate do not apply: each request brings
-its own (OpenAI's defaults: temperature 1, top_p 1). docs/serving.md has the details.
+failure one request causes: that request alone ends (500, or 400 for input the decoder
+refuses); a failure of the decoder's shared loop: 500 to every request it held, then the
+process exits with code 1 (for a supervisor to restart it). --api_key (or DFLASH_API_KEY)
+guards /v1/. SIGTERM (or Ctrl-C) stops admitting, lets every accepted request finish, then
+exits. Loopback by default (--host). The sampling flags of infer.generate do not apply: each
+request brings its own (OpenAI's defaults: temperature 1, top_p 1). docs/serving.md has the
+details.
 """
 
 from __future__ import annotations
@@ -141,8 +144,9 @@ def main(argv):
         flush=True,
     )
     server.run()
-    if engine.error is not None and not engine.ready.is_set():
-        raise ValueError(f"the decoder failed to start: {engine.error}")
+    if engine.error is not None:  # exit code 1, for a supervisor to restart the server
+        when = "while serving" if engine.ready.is_set() else "to start"
+        raise ValueError(f"the decoder failed {when}: {engine.reason}")
 
 
 if __name__ == "__main__":

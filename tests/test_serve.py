@@ -290,8 +290,10 @@ def test_unseeded_samples_differ_seeded_repeat(served):
 def test_request_shapes_apps_send(served):
     """Content parts and the developer role (the system role of a template without one); a
     tool message where the template has no tool role: 400; n null; the usage chunk of
-    stream_options.include_usage (choices empty); acceptance in usage; fields not implemented
-    refused naming them; an unknown route and a wrong method in OpenAI's error shape."""
+    stream_options.include_usage (choices empty); acceptance in usage; a completions prompt
+    as token ids answered as its text is (ids outside the vocabulary: 400); fields not
+    implemented refused naming them; an unknown route and a wrong method in OpenAI's error
+    shape."""
     client = served.client()
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
@@ -311,8 +313,14 @@ def test_request_shapes_apps_send(served):
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert all(c.usage is None for c in chunks[:-1])
+    ids = char_tokenizer(CHATML).encode("12+34=")
+    by_text, by_ids = (
+        client.completions.create(prompt=p, **kw).choices[0].text for p in ("12+34=", [ids])
+    )  # fmt: skip
+    assert by_text == by_ids
     tool = [{"role": "tool", "content": "42", "tool_call_id": "a"}]
     for body, param in (
+        ({"prompt": [1, 10**6]}, "prompt"),
         ({"messages": tool}, "messages[0]"),
         ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),
@@ -341,7 +349,7 @@ def test_prometheus_metrics(served):
     drafted = value("dflash:spec_decode_num_draft_tokens")
     assert drafted >= value("dflash:spec_decode_num_accepted_tokens") >= 0
     assert value("dflash:time_to_first_token_seconds", "_count") >= 1
-    assert value("dflash:request_success") >= 1 and value("dflash:generation_tokens") >= 1
+    assert value("dflash:request_success") >= 1 and value("dflash:generation_tokens") >= 8
     assert {s.labels["kind"] for s in families["dflash:spec_decode_steps"].samples} >= {"8"}
 
 
@@ -389,18 +397,25 @@ def test_logprobs_are_the_targets(served, fp32_pair):
 class StandIn:
     """A stand-in for the SlotDecoder (no program compiled): every busy row commits token 3
     ("0") per advance until its max_new; `fail` makes advance raise, as a device error would;
-    `gate` holds each advance until set."""
+    an admission of a request whose max_new is `refuse` raises, as an insert program that
+    fails to compile would (with the loop state intact); `gate` holds each advance until
+    set."""
 
-    def __init__(self, slots=2, width=64):
-        self.slots, self.cfg = slots, decode_config()
+    def __init__(self, slots=2, width=64, refuse=None):
+        self.slots, self.cfg, self.refuse = slots, decode_config(), refuse
         self.gen = np.zeros((slots, width), np.int32)
         self.n, self.max_new = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
         self.gate, self.fail = threading.Event(), False
         self.gate.set()
 
     def insert_many(self, admits):
+        if any(a.max_new == self.refuse for a in admits):
+            raise RuntimeError("the insert program failed to compile (stand-in)")
         for a in admits:
             self.n[a.slot], self.max_new[a.slot] = 0, a.max_new
+
+    def intact(self):
+        return True
 
     def advance(self, steps, forced_kind=-1):
         from dflash_jax.decoding.slots import Chunk
@@ -420,12 +435,14 @@ class StandIn:
 
 
 @contextlib.contextmanager
-def stand_in_server(decoder, **app_kw):
-    """The HTTP app and engine of `infer.serve` on `decoder` (a StandIn), on loopback."""
+def stand_in_server(decoder, tokenizer=None, **app_kw):
+    """The HTTP app and engine of `infer.serve` on `decoder` (a StandIn), on loopback; as
+    `make_server`'s, the server exits once the engine fails."""
     import uvicorn
 
-    tok = char_tokenizer(CHATML)
-    engine = Engine(lambda: decoder, tok, (2,), max_queue=4, chunk_steps=1)
+    tok = tokenizer or char_tokenizer(CHATML)
+    exit_on_error = lambda e: setattr(server, "should_exit", True)
+    engine = Engine(lambda: decoder, tok, (2,), max_queue=4, chunk_steps=1, on_error=exit_on_error)
     web = make_app(engine, model=MODEL, tokenizer=tok, limits=Limits(64, MAX_NEW, 256), **app_kw)
     config = uvicorn.Config(web, host="127.0.0.1", port=0, log_level="error", lifespan="on")
     server = serve.DrainingServer(config, engine)
@@ -443,10 +460,10 @@ def stand_in_server(decoder, **app_kw):
         thread.join(30)
 
 
-def test_a_failing_decoder_answers_500_and_health_503():
-    """The engine thread survives its decoder raising: the requests it held or queued (one
-    streamed, one not) end with a 500 in OpenAI's error shape, /health is 503 with the reason, new requests
-    are 503, and a drain completes (before: the thread died, every request hung)."""
+def test_a_failing_decoder_answers_500_then_the_server_exits():
+    """The engine thread survives its decoder's loop raising: the requests it held or queued
+    (one streamed, one not) end with a 500 in OpenAI's error shape, then the server exits
+    (`infer.serve` then exits with code 1, for a supervisor to restart it)."""
     dec = StandIn()
     with stand_in_server(dec) as s:
         ok = s.post("/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 3})
@@ -467,11 +484,76 @@ def test_a_failing_decoder_answers_500_and_health_503():
             failed = plain.result(timeout=30)
         assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
         assert "out of memory" in events[-1] and '"error"' in events[-1]
-        health = httpx.get(f"{s.url}/health")
-        assert health.status_code == 503 and "out of memory" in health.json()["error"]
-        assert s.post("/v1/completions", body).status_code == 503
-        s.engine.drain(timeout=10)
+        s.thread.join(30)
+        assert not s.thread.is_alive() and "out of memory" in s.engine.reason
         assert not s.engine._thread.is_alive()
+
+
+class FailingTokenizer:
+    """The character tokenizer, whose decode raises on token 4 ("1")."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kw):
+        if 4 in list(ids):
+            raise KeyError("no text for token 4 (stand-in)")
+        return self.tok.decode(ids, **kw)
+
+
+def test_a_request_that_fails_ends_alone():
+    """A failure one request causes (its admission: an insert that does not compile; its
+    text: a tokenizer that cannot decode its tokens) ends that request alone with a 500 in
+    OpenAI's error shape, streamed or not, while the requests beside it complete and /health
+    stays ok (before: any failure failed every request and the server for good)."""
+    dec = StandIn(slots=4, refuse=7)
+    with stand_in_server(dec, tokenizer=FailingTokenizer(char_tokenizer(CHATML))) as s:
+        dec.gate.clear()  # all of them admitted at one chunk boundary, together
+        body = lambda n, **kw: {"model": MODEL, "prompt": "ab", "max_tokens": n, **kw}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(s.post, "/v1/completions", body(n)) for n in (3, 7, 5)]
+            futures.append(pool.submit(s.post, "/v1/completions", body(7, stream=True)))
+            while s.engine.stats["requests"] < 4:
+                time.sleep(0.01)
+            dec.gate.set()
+            ok3, bad, ok5, bad_stream = (f.result(timeout=30) for f in futures)
+        assert ok3.status_code == 200 and ok3.json()["choices"][0]["text"] == "000"
+        assert ok5.status_code == 200 and ok5.json()["choices"][0]["text"] == "00000"
+        error = bad.json()["error"]
+        assert bad.status_code == 500 and "failed to compile" in error["message"], bad.text
+        assert error["type"] == "server_error"
+        assert '"error"' in bad_stream.text and "failed to compile" in bad_stream.text
+        dec.refuse = None
+        real = dec.advance
+
+        def with_a_one(steps, forced_kind=-1):  # the row of max_tokens 4 commits a "1" too
+            chunk = real(steps, forced_kind)
+            for row in np.flatnonzero((dec.max_new == 4) & (chunk.n_gen > 0)):
+                chunk.gen[row, chunk.n_gen[row] - 1] = 4
+            return chunk
+
+        dec.advance = with_a_one
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            bad, ok = pool.map(lambda n: s.post("/v1/completions", body(n)), (4, 5))
+        assert bad.status_code == 500 and "token 4" in bad.json()["error"]["message"]
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "00000"
+        dec.advance = real
+        assert s.post("/v1/completions", body(2)).json()["choices"][0]["text"] == "00"
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
+        assert s.engine.error is None
+        from prometheus_client.parser import text_string_to_metric_families
+
+        metrics = httpx.get(f"{s.url}/metrics").text
+        count = lambda name: {
+            x.labels.get("reason", x.labels.get("finished_reason")): x.value
+            for f in text_string_to_metric_families(metrics) for x in f.samples
+            if x.name == name
+        }  # fmt: skip
+        assert count("dflash:request_failure_total") == {"error": 3.0}
+        assert count("dflash:request_success_total") == {"length": 4.0}
 
 
 def test_api_key_and_body_cap():

@@ -108,7 +108,7 @@ def prefill(
     kept = {}
     if cfg.logprobs:  # the first token's, at slot 0 of each buffer beside gen
         lp_b1, top_b1k, ids_b1k = token_logprobs(
-            head.logits(hidden_b1d), first_b[:, None], rows, cfg.logprobs, rows.logprobs
+            lambda: head.logits(hidden_b1d), first_b[:, None], rows, cfg.logprobs, rows.logprobs
         )
         room = lambda x: jnp.zeros((b, width) + x.shape[2:], x.dtype).at[:, :1].set(x)
         kept = dict(logp=room(lp_b1), top_logp=room(top_b1k), top_ids=room(ids_b1k))

@@ -71,14 +71,17 @@ class RowSettings:
 CUT_LOGPROB = -9999.0
 
 
-def token_logprobs(logits_btv, tokens_bt, rows: RowSettings, k: int, asked_b):
+def token_logprobs(logits, tokens_bt, rows: RowSettings, k: int, asked_b):
     """Each row's log-probabilities of `tokens_bt` and of its `k` likeliest tokens under the
     distribution it draws from (temperature, top-k, top-p; a greedy row's raw distribution);
-    computed only if a row in `asked_b` [B] asks, zeros otherwise.
+    computed only if a row in `asked_b` [B] asks, zeros otherwise. `logits`: a function ->
+    the logits [B,T,V], called inside that branch, so that a step where no row asks pays no
+    head product for them either.
     -> (logp [B,T], top_logp [B,T,k], top_ids [B,T,k])."""
     b, t = tokens_bt.shape
 
     def compute():
+        logits_btv = logits()
         raw = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
         sampled_b = rows.temperature > 0
         logp = jax.lax.cond(

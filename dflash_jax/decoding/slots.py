@@ -255,6 +255,11 @@ class SlotDecoder:
             *self.params, prompt, lengths, self._row_settings(rows), slots, self.state
         )
 
+    def intact(self) -> bool:
+        """Whether the loop state is whole: an insert donates it, so one that failed while
+        running (not compiling) may have taken it down (the decoder is then unusable)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.state))
+
     def advance(self, steps: int, forced_kind: int = -1) -> Chunk:
         """Runs up to `steps` loop steps (fewer when every row is done), then releases nothing:
         call `release` next, which also restarts the step count. The controller steers by

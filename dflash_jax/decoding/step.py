@@ -70,8 +70,8 @@ def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width,
     if ctx.cfg.logprobs:  # at each verified position: the distribution its token came from
         asked_b = s.rows.logprobs & ~s.done
         logprobs = token_logprobs(
-            head.logits(vhidden_btd[:, : new_bt.shape[1]]), new_bt, s.rows, ctx.cfg.logprobs,
-            asked_b,
+            lambda: head.logits(vhidden_btd[:, : new_bt.shape[1]]), new_bt, s.rows,
+            ctx.cfg.logprobs, asked_b,
         )  # fmt: skip
 
     def pad(x, axis):  # rows of this kind -> `width` rows (the tail is never read)

@@ -203,10 +203,17 @@ def _check_chars(field: str, n: int, limits: Limits) -> None:
 
 
 def _prompt_ids(prompt, tokenizer, limits: Limits) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    """A completions prompt: one string (tokenized) or its token ids (a list of integers, or
+    a list holding one such list, as OpenAI's API takes them)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        vocab = len(tokenizer)
+        if not all(0 <= t < vocab for t in prompt):
+            raise BadRequest("prompt", f"a prompt token id is outside the vocabulary [0, {vocab})")
+        return list(prompt)
     if not isinstance(prompt, str):
-        raise BadRequest("prompt", "prompt must be one non-empty string")
+        raise BadRequest("prompt", "prompt must be one non-empty string or one list of token ids")
     if not prompt:
         raise BadRequest("prompt", "prompt is empty")
     _check_chars("prompt", len(prompt), limits)
@@ -414,7 +421,7 @@ def make_app(
                     job.cancel()
                     return JSONResponse({}, 499)
         if job.error is not None:
-            return _error(500, job.error)
+            return _error(job.error_status, job.error)
         return _response(job, rid, chat)
 
     def _head(rid, chat):
@@ -459,8 +466,9 @@ def make_app(
                     break
                 yield sse(delta(*event))
             if job.error is not None:  # the status line is sent: the error is an event
-                yield sse({"error": {"message": job.error, "type": "server_error",
-                                     "param": None, "code": 500}})  # fmt: skip
+                kind = "server_error" if job.error_status >= 500 else "invalid_request_error"
+                yield sse({"error": {"message": job.error, "type": kind,
+                                     "param": None, "code": job.error_status}})  # fmt: skip
                 yield "data: [DONE]\n\n"
                 return
             last = delta("", job.finish_reason, job.counted)
@@ -493,10 +501,10 @@ def _logprobs_of(job: Job, lo: int, hi: int, chat: bool, tokenizer) -> dict | No
                 for t, (lp, ids, lps) in zip(tokens, entries, strict=True)
             ]
         }
-    offsets, at = [], len("".join(text(t) for t in job.tokens[:lo])) if lo else 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
+    # Where each token's text starts in the answer (the incremental decode's ends: no
+    # decode of the answer before it).
+    ends = job.detok.ends if job.detok is not None else []
+    offsets = [ends[i - 1] if 0 < i <= len(ends) else 0 for i in range(lo, hi)]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _, _ in entries],

@@ -23,6 +23,7 @@ import numpy as np
 from dflash_jax.decoding import proposers
 from dflash_jax.decoding.settings import kind_label
 from dflash_jax.decoding.slots import Admit
+from infer.serving.detokenize import Detokenizer
 from infer.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,11 @@ class Request:
     token_logprobs: list = dataclasses.field(default_factory=list)
     text: str = ""  # the answer so far (cut at a stop string)
     sent: int = 0  # characters of `text` handed out
+    searched: int = 0  # characters of the answer searched for stop strings
+    detok: Detokenizer | None = None  # the answer's text, decoded as tokens arrive
     finish_reason: str | None = None
-    error: str | None = None  # the engine failed while this request was in flight
+    error: str | None = None  # this request failed, or the engine while it was in flight
+    error_status: int = 500  # the HTTP status of `error`: 400 when its input caused it
     counted: int = 0  # completion tokens returned: not past a stop string
     steps: int = 0  # loop steps the row ran
     drafted: int = 0  # tokens drafted for its row's verify steps
@@ -98,10 +102,15 @@ class Engine:
     warmed up, calibrated; a failure is kept in `error` and passed to `on_error`), then
     serves. submit() raises QueueFull once more than `max_queue` requests would wait for a slot
     (requests that a free slot takes at the next chunk boundary do not count), and NotServing
-    before it is ready, once it drains or after it failed. Any failure while serving (a device
-    out of memory, say) is kept in `error`: every accepted request is finished with it (the
-    HTTP side answers 500) and the thread ends, as after a drain. drain() lets the running and
-    queued requests finish and stops the thread."""
+    before it is ready, once it drains or after it failed. A failure one request causes (its
+    admission: a prompt the decoder refuses, an insert program that fails to compile; its text:
+    a tokenizer that cannot decode its tokens) ends that request alone (`Request.error`, 400
+    when its input was refused, else 500) while the others go on. A failure of the shared loop
+    (an advance, or an admission that lost the loop state: a device out of memory, say) is kept
+    in `error`: every accepted request is finished with it (the HTTP side answers 500), the
+    thread ends, as after a drain, and `on_error` is called (the server then exits, non-zero,
+    for a supervisor to restart it). drain() lets the running and queued requests finish and
+    stops the thread."""
 
     def __init__(
         self, build, tokenizer, stop_token_ids, *, max_queue: int, chunk_steps: int,
@@ -251,6 +260,8 @@ class Engine:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - every request must hear of it
             self._fail(e)
+            if self._on_error is not None:
+                self._on_error(e)
         inserts = getattr(self.decoder, "inserts", None)
         if inserts is not None:  # no more admissions: stop compiling their programs
             inserts.close()
@@ -298,22 +309,70 @@ class Engine:
                 req.admitted = now
                 self.prom.of(self.prom.queue_time).observe(now - req.arrived)
                 self.prom.of(self.prom.prompt_tokens).inc(len(req.prompt_ids))
-            admits = [
-                Admit(
-                    slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
-                    top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                    logprobs=req.logprobs is not None,
-                )
-                for slot, req in admit
-            ]  # fmt: skip
             # Every admitted prompt prefilled together: one insert program (or, not
             # admit_together, one after another, as before batched admission).
-            for group in [admits] if self.admit_together else [[a] for a in admits]:
+            for group in [admit] if self.admit_together else [[a] for a in admit]:
                 if group:
-                    dec.insert_many(group)
+                    self._admit(group)
             if admit:  # the prefill's token: the first text, without waiting for a chunk
                 self._deliver(dec.advance(0))
             self._deliver(dec.advance(self.chunk_steps))
+
+    def _admit(self, group) -> None:
+        """Prefills the requests of `group` ((slot, request) pairs) together. If that fails
+        with the loop state intact (a request's own failure: a prompt the decoder refuses, an
+        insert program that does not compile), each is tried alone and those that fail alone
+        end with their error; a failure that lost the loop state is the engine's (raised)."""
+        admits = [
+            Admit(
+                slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
+                top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                logprobs=req.logprobs is not None,
+            )
+            for slot, req in group
+        ]  # fmt: skip
+        for _, req in group:
+            req.detok = Detokenizer(self.tokenizer)
+        try:
+            self.decoder.insert_many(admits)
+            return
+        except Exception as e:  # noqa: BLE001 - the request's, unless the state is lost
+            if not self._intact():
+                raise
+            if len(group) == 1:
+                self._drop(group, e)
+                return
+        for pair, one in zip(group, admits, strict=True):
+            try:
+                self.decoder.insert_many([one])
+            except Exception as e:  # noqa: BLE001 - as above
+                if not self._intact():
+                    raise
+                self._drop([pair], e)
+
+    def _intact(self) -> bool:
+        """Whether the decoder's loop state survived a failed call (an insert donates it)."""
+        intact = getattr(self.decoder, "intact", None)
+        return intact() if intact is not None else True
+
+    def _drop(self, pairs, e: BaseException) -> None:
+        """Ends the requests of `pairs` ((slot, request)) with `e`, their own failure, and
+        frees their rows; the engine goes on."""
+        log.warning("a request failed alone: %s: %s", type(e).__name__, e)
+        for _, req in pairs:
+            self._fail_request(req, e)
+        with self._cond:
+            for slot, _ in pairs:
+                self._active.pop(slot, None)
+            self.prom.of(self.prom.running).set(len(self._active))
+        self.decoder.release([slot for slot, _ in pairs])
+
+    def _fail_request(self, req: Request, e: BaseException) -> None:
+        bad_input = isinstance(e, ValueError)
+        req.error_status = 400 if bad_input else 500
+        req.error = f"{'' if bad_input else 'this request failed: '}{type(e).__name__}: {e}"
+        req.finish_reason = "error"
+        self._finish(req)
 
     def _deliver(self, chunk) -> None:
         """Hands each active row's new tokens to its request; frees the finished rows."""
@@ -337,55 +396,71 @@ class Engine:
         now = time.perf_counter()
         freed = []
         for slot, req in list(self._active.items()):
-            new = chunk.gen[slot, len(req.tokens) : int(chunk.n_gen[slot])].tolist()
-            if req.logprobs is not None and chunk.logprobs is not None:
-                lp, top_lp, top_ids = (x[slot, len(req.tokens) : len(req.tokens) + len(new)]
-                                       for x in chunk.logprobs)  # fmt: skip
-                k = req.logprobs
-                req.token_logprobs.extend(
-                    (float(a), b[:k].tolist(), c[:k].tolist())
-                    for a, b, c in zip(lp, top_ids, top_lp, strict=True)
-                )
-            req.tokens.extend(new)
-            req.steps = int(chunk.num_steps[slot])
-            req.drafted += int(drafted[slot].sum())
-            req.accepted += int(accepted[slot].sum())
-            self.stats["tokens"] += len(new)
-            if new:
-                if req.last_tokens is None:
-                    self.prom.of(self.prom.ttft).observe(now - req.arrived)
-                else:
-                    self.prom.of(self.prom.itl).observe(now - req.last_tokens)
-                req.last_tokens = now
-            if req.cancelled:
-                req.finish_reason = "cancelled"
-            elif new or chunk.done[slot]:
-                self._update_text(req, bool(chunk.done[slot]))
+            try:
+                self._deliver_row(req, slot, chunk, drafted, accepted, now)
+            except Exception as e:  # noqa: BLE001 - this request's own failure (its text)
+                log.warning("a request failed alone: %s: %s", type(e).__name__, e)
+                if req.finish_reason is None:
+                    self._fail_request(req, e)
             if req.finish_reason is not None:
                 freed.append(slot)
-                self._finish(req)
         with self._cond:
             for slot in freed:
                 del self._active[slot]
             self.prom.of(self.prom.running).set(len(self._active))
         self.decoder.release(freed)
 
-    def _update_text(self, req: Request, row_done: bool) -> None:
-        text = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
+    def _deliver_row(self, req: Request, slot: int, chunk, drafted, accepted, now) -> None:
+        """Row `slot`'s new tokens (and logprobs, counts) to `req`, its text handed out; ends
+        `req` if its row is done."""
+        new = chunk.gen[slot, len(req.tokens) : int(chunk.n_gen[slot])].tolist()
+        if req.logprobs is not None and chunk.logprobs is not None:
+            lp, top_lp, top_ids = (x[slot, len(req.tokens) : len(req.tokens) + len(new)]
+                                   for x in chunk.logprobs)  # fmt: skip
+            k = req.logprobs
+            req.token_logprobs.extend(
+                (float(a), b[:k].tolist(), c[:k].tolist())
+                for a, b, c in zip(lp, top_ids, top_lp, strict=True)
+            )
+        req.tokens.extend(new)
+        req.steps = int(chunk.num_steps[slot])
+        req.drafted += int(drafted[slot].sum())
+        req.accepted += int(accepted[slot].sum())
+        self.stats["tokens"] += len(new)
+        self.prom.of(self.prom.generation_tokens).inc(len(new))
+        if new:
+            if req.last_tokens is None:
+                self.prom.of(self.prom.ttft).observe(now - req.arrived)
+            else:
+                self.prom.of(self.prom.itl).observe(now - req.last_tokens)
+            req.last_tokens = now
+        if req.cancelled:
+            req.finish_reason = "cancelled"
+        elif new or chunk.done[slot]:
+            self._update_text(req, new, bool(chunk.done[slot]))
+        if req.finish_reason is not None:
+            self._finish(req)
+
+    def _update_text(self, req: Request, new: list[int], row_done: bool) -> None:
+        """Decodes only `new` (`Detokenizer`); searches for stop strings only where one could
+        newly start; hands out the text no stop string can still claim."""
+        detok = req.detok
+        detok.add(new, final=row_done)
+        text = detok.text
         if row_done:
             last = req.tokens[-1] if req.tokens else None
             req.finish_reason = "stop" if last in self.stop_token_ids else "length"
         req.counted = len(req.tokens)
-        cuts = [i for i in (text.find(s) for s in req.stop) if i >= 0]
+        longest = max((len(s) for s in req.stop), default=0)
+        start = max(req.searched - longest + 1, 0)
+        cuts = [i for i in (text.find(s, start) for s in req.stop) if i >= 0]
+        req.searched = len(text)
         if cuts:
             text, req.finish_reason = text[: min(cuts)], "stop"
-            req.counted = self._tokens_for(req.tokens, len(text))
+            req.counted = detok.tokens_for(len(text))
         if req.finish_reason is None:
-            if text.endswith("\ufffd"):  # half a character: wait for the rest
-                return
             # Hold back what could be the start of a stop string.
-            hold = max((len(s) - 1 for s in req.stop), default=0)
-            upto = max(len(text) - hold, req.sent)
+            upto = max(len(text) - max(longest - 1, 0), req.sent)
         else:
             upto = len(text)
         req.text = text
@@ -394,21 +469,9 @@ class Engine:
                 req.first_text = time.perf_counter()
             covered = req.counted
             if req.logprobs is not None and req.finish_reason is None:
-                covered = self._tokens_for(req.tokens, upto)
+                covered = detok.tokens_for(upto)
             req._post(("text", (text[req.sent : upto], covered)))
             req.sent = upto
-
-    def _tokens_for(self, tokens: list[int], chars: int) -> int:
-        """The fewest leading `tokens` whose text holds the first `chars` characters (the
-        tokens an answer cut at a stop string returned; bisection over decodes)."""
-        lo, hi = 0, len(tokens)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(tokens[:mid], skip_special_tokens=True)) >= chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     def _finish(self, req: Request) -> None:
         req.finished = time.perf_counter()
@@ -416,7 +479,9 @@ class Engine:
         self.stats[kind] += 1
         self.stats["request_s"] += req.finished - req.arrived
         prom = self.prom
-        prom.of(prom.success, finished_reason=req.finish_reason or "cancelled").inc()
-        prom.of(prom.generation_tokens).inc(req.counted)
+        if kind == "completed":
+            prom.of(prom.success, finished_reason=req.finish_reason).inc()
+        else:
+            prom.of(prom.failure, reason="error" if req.error else "cancelled").inc()
         prom.of(prom.e2e).observe(req.finished - req.arrived)
         req._post(("done", None))

@@ -3,8 +3,9 @@ names after vLLM's (`vllm:` -> `dflash:`) so that dashboards built for it read t
 registry per engine (tests build several servers in one process).
 
 Requests: `num_requests_running`, `num_requests_waiting` (gauges), `request_success_total` by
-`finished_reason` (stop, length, cancelled, error), `prompt_tokens_total`,
-`generation_tokens_total` (returned tokens only), histograms `time_to_first_token_seconds`,
+`finished_reason` (stop, length: answers completed), `request_failure_total` by `reason`
+(cancelled, error), `prompt_tokens_total`, `generation_tokens_total` (tokens generated, counted
+as each chunk delivers them), histograms `time_to_first_token_seconds`,
 `inter_token_latency_seconds` (between a request's successive deliveries of new tokens: one per
 chunk that gave it any, as vLLM's per step), `e2e_request_latency_seconds`,
 `request_queue_time_seconds`. Speculative decoding: `spec_decode_num_drafts_total` (drafted
@@ -47,12 +48,17 @@ class Metrics:
         self.running = metric(Gauge, "num_requests_running", "Requests holding a slot.")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting for a slot.")
         self.success = metric(
-            Counter, "request_success", "Finished requests by finish reason.", ("finished_reason",)
-        )
+            Counter, "request_success", "Completed requests by finish reason (stop, length).",
+            ("finished_reason",),
+        )  # fmt: skip
+        self.failure = metric(
+            Counter, "request_failure", "Requests ended without an answer (cancelled, error).",
+            ("reason",),
+        )  # fmt: skip
         self.rejected = metric(Counter, "request_rejected", "Requests refused (429: queue full).")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = metric(
-            Counter, "generation_tokens", "Completion tokens returned (not past a stop string)."
+            Counter, "generation_tokens", "Tokens generated, counted as each chunk delivers them."
         )
         self.ttft = metric(
             Histogram, "time_to_first_token_seconds", "Arrival to the first token.",
