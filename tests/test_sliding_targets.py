@@ -31,7 +31,7 @@ from dflash_jax.io.hf_config import target_from_hf, target_to_hf
 from dflash_jax.io.hf_layered import dequantize_mxfp4
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
-from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.drafter import Drafter, draft_logits, init_drafter_params
 from dflash_jax.models.target import Transformer, decoding_head, init_cache
 from dflash_jax.ops import quant
 
@@ -164,6 +164,34 @@ def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
     write_zlab(tmp_path / "bad", bad, init_drafter_params(bad, jax.random.key(1)), "float32")
     with pytest.raises(ConfigError, match="target_layer_ids"):
         load_drafter(str(tmp_path / "bad"), target)
+
+
+_draft_logits = jax.jit(draft_logits, static_argnums=(2, 3, 9))
+
+
+def test_drafter_block_logits_match_reference_dflash(family, tmp_path):
+    """Our drafter's block logits equal the reference `dflash` model's (same weights, taps and
+    block; fp32): the block embedded from the raw table (not Gemma's sqrt(hidden)), logits from
+    the raw lm_head (not Gemma 4's final_logit_softcapping)."""
+    from _reference import reference_draft_logits, reference_taps
+    from dflash.model import DFlashDraftModel
+
+    _, _, model, target = family
+    c = target.config
+    dcfg = _drafter_config(c, block_size=4, mask_token_id=c.vocab_size - 1)
+    write_zlab(tmp_path / "d", dcfg, init_drafter_params(dcfg, jax.random.key(3)), "float32")
+    drafter = load_drafter(str(tmp_path / "d"), target)
+    ref = DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.float32).eval()
+    tokens, block = np.array(PROMPTS[2][:20]), np.array([7, c.vocab_size - 1, 5, c.vocab_size - 1])
+    taps_tf = reference_taps(model, ref, tokens)
+    want = reference_draft_logits(model, ref, taps_tf, block)
+    dc, dp = drafter.config, drafter.params
+    ctx_k, ctx_v = jax.jit(Drafter(dc).apply, static_argnames="method")(
+        {"params": dp}, jnp.asarray(taps_tf)[None], jnp.arange(20)[None], method="context_kv"
+    )
+    got = _draft_logits(dp, target.params, c, dc, jnp.asarray(block)[None], ctx_k, ctx_v,
+                        jnp.array([20]), jnp.array([[20]]), 4)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got[0, 0]), want, atol=1e-4, rtol=0)
 
 
 # gemma3 in the default suite; gemma4 and gpt_oss (slow) alone guard their families' greedy

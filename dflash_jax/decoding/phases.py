@@ -245,6 +245,7 @@ def draft_tokens(
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None), and with
     `kept` a third: the drafts each row offers to the verify [B] (a DSpark confidence cut,
     `DecodeConfig.confidence_cut`) or None (all of them)."""
+    head = head.uncapped()  # the drafter's logits: the raw head (`Head.uncapped`)
     if dcfg.is_dspark:
         out = markov.propose(
             head, tcfg, dcfg, cfg, drafter_params, hidden_bgd, anchor_b1[:, 0], key

@@ -202,18 +202,21 @@ class Transformer(nn.Module):
             )
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
 
-    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+    def embed(self, tokens_bt: jax.Array, scaled: bool = True) -> jax.Array:
+        """Tokens [B,T] -> [B,T,D]; scaled=False: the raw table's rows, without Gemma's
+        sqrt(hidden) (how a drafter embeds its block)."""
         x_btd = self.embed_tokens(tokens_bt)
-        scale = sliding.embed_scale(self.config)
+        scale = sliding.embed_scale(self.config) if scaled else None
         if scale is None:
             return x_btd
         # As HF: the multiplier rounded to the embedding's dtype first (bf16: sqrt(3072) -> 55.5)
         return x_btd * jnp.asarray(scale, self.embed_tokens.embedding.dtype).astype(x_btd.dtype)
 
-    def unembed(self, x_btd: jax.Array) -> jax.Array:
+    def unembed(self, x_btd: jax.Array, capped: bool = True) -> jax.Array:
         """Frozen LM head on already-normalised hidden states -> logits [..., V] (tanh-capped
-        at `final_logit_softcapping` when set)."""
-        return softcap(self._unembed(x_btd), self.config.final_logit_softcapping)
+        at `final_logit_softcapping` when set and `capped`; a drafter's are not)."""
+        cap = self.config.final_logit_softcapping if capped else 0.0
+        return softcap(self._unembed(x_btd), cap)
 
     def _unembed(self, x_btd: jax.Array) -> jax.Array:
         rule = row_rule(self.config)
@@ -392,6 +395,12 @@ class Head:
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return softcap(self._raw_logits(hidden), self.cap)
+
+    def uncapped(self) -> Head:
+        """This head without the target's softcapping: the drafter's head (the references
+        apply the raw lm_head to draft hidden states, `DrafterConfig.final_logit_softcapping`
+        being the drafter's own)."""
+        return self.replace(cap=0.0)
 
     def _raw_logits(self, hidden: jax.Array) -> jax.Array:
         if self.rows is not None and self.vd is not None:  # as `Transformer.unembed` runs it
