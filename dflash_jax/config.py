@@ -356,8 +356,6 @@ class DrafterConfig:
         for t in self.layer_types:
             if t not in ("full_attention", "sliding_attention"):
                 raise ConfigError(f"drafter layer type {t!r} is not supported")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ConfigError("drafter has sliding_attention layers but no sliding_window")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"drafter num_heads={self.num_heads} is not a multiple of "
@@ -440,6 +438,7 @@ class DrafterConfig:
         return self.layer_types[i] == "sliding_attention"
 
     def layer_window(self, i: int) -> int | None:
-        """Layer i's sliding window (None: full attention); `window_from_anchor` says from
+        """Layer i's sliding window (None: none, as a sliding layer's without `sliding_window`,
+        causal in the block only, as Qwen3Config reads one); `window_from_anchor` says from
         where it is measured."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None

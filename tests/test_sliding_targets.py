@@ -247,6 +247,51 @@ def test_config_round_trips_and_refusals(family):
         check_tree_target(c, DecodeConfig(block_size=4, tree_nodes=4))
 
 
+@torch.no_grad()
+def test_bf16_norms_round_as_transformers(family):
+    """Loaded in bf16, every norm kind of the family (the final norm, a layer's input norm and,
+    for Gemma, the q norm) gives transformers' bf16 output bitwise: Gemma 3's (1 + w) in fp32 of
+    the bf16 weight, gpt-oss's and Gemma 4's weight multiplied in fp32 before the cast."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_jax.models import sliding
+
+    name, path, _, _ = family
+    ours = load_target(str(path), dtype="bfloat16", cache=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    x = np.random.default_rng(0).normal(0, 3, (3, 5, 32)).astype(np.float32)
+    xt = torch.tensor(x).to(torch.bfloat16)
+    cases = [
+        (hf.model.norm, ours.params["norm"], 32),
+        (hf.model.layers[0].input_layernorm, ours.params["layers_0"]["input_layernorm"], 32),
+    ]
+    if name != "gpt_oss":
+        cases.append((hf.model.layers[0].self_attn.q_norm,
+                      ours.params["layers_0"]["self_attn"]["q_norm"], 16))  # fmt: skip
+    for module, params, d in cases:
+        want = module(xt[..., :d]).float().numpy()
+        got = sliding.final_norm(ours.config).apply(
+            {"params": params}, jnp.asarray(x[..., :d], jnp.bfloat16)
+        )
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=name)
+
+
+def test_missing_config_keys_default_as_transformers(family):
+    """A config.json without the keys transformers fills from its class defaults (ties, the
+    window, Gemma 3's query_pre_attn_scalar, gpt-oss's YaRN) reads as the one transformers
+    completes."""
+    name, _, model, _ = family
+    full = {**model.config.to_dict(), "model_type": model.config.model_type}
+    keys = ("tie_word_embeddings", "sliding_window", "query_pre_attn_scalar", "rope_parameters")
+    if name == "gemma4":
+        keys = keys[:3]  # its RoPE defaults: `test_gemma4_default_config_matches_transformers`
+    bare = {k: v for k, v in full.items() if k not in keys}
+    completed = type(model.config)(**{k: v for k, v in bare.items() if k != "model_type"})
+    want = target_from_hf({**completed.to_dict(), "model_type": model.config.model_type})
+    assert target_from_hf(bare) == want
+    assert want.tie_word_embeddings == (name != "gpt_oss")
+
+
 def test_mxfp4_dequantization_matches_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

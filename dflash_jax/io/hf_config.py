@@ -113,7 +113,8 @@ def target_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfi
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # HF's class defaults when absent: Gemma's configs tie, the others do not
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma3", "gemma4"))),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos,
@@ -224,7 +225,8 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
         types = [
             "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
         ]
-    window = hf.get("sliding_window")
+    # HF's class defaults when absent (Gemma3TextConfig 4096, Gemma4TextConfig 512, gpt-oss 128)
+    window = hf.get("sliding_window", {"gemma3": 4096, "gemma4": 512}.get(arch, 128))
     out: dict[str, Any] = {"layer_types": tuple(types), "sliding_window": int(window or 0)}
     where = f"target {hf.get('model_type')}"
     if arch == "gpt_oss":
@@ -237,7 +239,12 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
             raise ConfigError(
                 f"{where}: attention_bias=false is not supported (gpt-oss has biases)"
             )
-        return out | {"rope": rope_from_hf(hf, where, TARGET_ROPE_TYPES)}
+        if not hf.get("rope_parameters") and not hf.get("rope_scaling"):  # GptOssConfig's
+            yarn = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=4096)  # fmt: skip
+            hf = {**hf, "rope_parameters": yarn}
+        theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 150000.0))
+        return out | {"rope": rope_from_hf({**hf, "rope_theta": theta}, where, TARGET_ROPE_TYPES)}
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers v5: one RoPE per layer type
         full = rope_from_hf({"rope_parameters": params["full_attention"]}, where, TARGET_ROPE_TYPES)
@@ -261,7 +268,7 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return out | {
         "rope": full,
         "local_rope_theta": local[0],
-        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0),
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256) or 0),  # HF's default
         "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0),
         "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
     }

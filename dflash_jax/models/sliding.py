@@ -64,7 +64,8 @@ def _norm(config: TargetConfig, name: str | None = None):
     dtype = jnp.dtype(config.dtype)
     if config.zero_centred_norms:
         return ZeroCenteredRMSNorm(config.rms_norm_eps, dtype, name=name)
-    return RMSNorm(config.rms_norm_eps, dtype, name=name)
+    fp32 = config.arch in ("gpt_oss", "gemma4")  # HF: (w * x32).to(dtype)
+    return RMSNorm(config.rms_norm_eps, dtype, scale_fp32=fp32, name=name)
 
 
 def rope_tables(config: TargetConfig, positions_bt, dtype) -> dict:
