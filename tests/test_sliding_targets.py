@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
+from _tiny_sliding import (
+    FAMILIES,
+    WINDOW,
+    default_config,
+    hf_config,
+    load_torch,
+    make_tiny_sliding,
+)
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
@@ -208,6 +215,36 @@ def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
     generate row by row; speculative with a random z-lab drafter (written, then loaded with
     the fit check) equals AR token for token, with acceptance varying."""
     name, _, model, target = family
+    _check_greedy_decodes(name, model, target, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_default_configs_decode_as_transformers(name, tmp_path):
+    """Slow (three more targets compiled): alone guards each family as transformers builds it
+    from its config class with only sizes, the window and the layer count set (Gemma's 5:1
+    layer pattern, Gemma 4's last layer full, its per-layer inputs and proportional RoPE;
+    gpt-oss's YaRN): logits, greedy AR against generate, speculative against AR."""
+    path = make_tiny_sliding(tmp_path, name, config=default_config(name))
+    model = load_torch(path)
+    with torch.no_grad():
+        model.lm_head.weight[0] *= ZERO_BOOST
+    model.save_pretrained(path)
+    target = load_target(str(path), cache=False)
+    if name == "gemma4":
+        assert target.config.per_layer_input_size == 8
+        assert target.config.layer_types[-2:] == ("full_attention", "full_attention")
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPTS[2][:24]])).logits.numpy()
+    logits = Transformer(target.config).apply(
+        {"params": target.params}, np.array([PROMPTS[2][:24]]), np.arange(24)[None]
+    )[0]
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-5, rtol=1e-4)
+    _check_greedy_decodes(name, model, target, tmp_path)
+
+
+@torch.no_grad()
+def _check_greedy_decodes(name, model, target, tmp_path):
     prompt, lengths = _batch()
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
     key = jax.random.key(0)
@@ -386,10 +423,11 @@ def test_mxfp4_quantization_rounds_to_the_block_grid():
 def test_unsupported_gemma4_features_are_refused():
     base = {**hf_config("gemma4").to_dict(), "model_type": "gemma4_text"}
     target_from_hf(base)
-    for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
-                       ("enable_moe_block", True)):  # fmt: skip
+    for key, value in (("use_bidirectional_attention", "all"), ("attention_bias", True)):
         with pytest.raises(ConfigError, match=key):
             target_from_hf({**base, key: value})
+    with pytest.raises(ConfigError, match="enable_moe_block=true needs"):
+        target_from_hf({**base, "num_experts": None})
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
@@ -408,5 +446,34 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
     model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
     model.save_pretrained(tmp_path / "mm")
     a, b = load_target(str(text_dir), cache=False), load_target(str(tmp_path / "mm"), cache=False)
+    assert b.config == a.config
+    jax.tree.map(np.testing.assert_array_equal, b.params, a.params)
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):
+    """A `Gemma4ForConditionalGeneration` save (a vision and an audio tower and their
+    embedders beside language_model.*) loads as its text model, the towers skipped (said once
+    in the log)."""
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    text_dir = make_tiny_sliding(tmp_path, "gemma4")
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 subsampling_conv_channels=[4, 4])  # fmt: skip
+    ids = dict(boi_token_id=90, eoi_token_id=91, image_token_id=92, video_token_id=93,
+               boa_token_id=94, eoa_token_index=95, audio_token_id=89)  # fmt: skip
+    config = Gemma4Config(text_config=text.config.to_dict(), vision_config=vision,
+                          audio_config=audio, **ids)  # fmt: skip
+    model = Gemma4ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    model.save_pretrained(tmp_path / "mm")
+    a = load_target(str(text_dir), cache=False)
+    with caplog.at_level("INFO"):
+        b = load_target(str(tmp_path / "mm"), cache=False)
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert said == ["target: loading the text model; skipped audio_tower, embed_audio, "
+                    "embed_vision, vision_tower"]  # fmt: skip
     assert b.config == a.config
     jax.tree.map(np.testing.assert_array_equal, b.params, a.params)

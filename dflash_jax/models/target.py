@@ -187,6 +187,8 @@ class Transformer(nn.Module):
         if c.sliding:  # Gemma 3 / gpt-oss: sliding-window layers (models/sliding.py)
             self.layers = sliding.make_layers(c)
             self.norm = sliding.final_norm(c)
+            if c.per_layer_input_size:  # Gemma 4's per-layer inputs
+                self.per_layer_inputs = sliding.PerLayerInputs(c)
         elif c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
             self.layers = hybrid.make_layers(c)
             self.norm = hybrid.final_norm(c)
@@ -275,9 +277,10 @@ class Transformer(nn.Module):
         x_btd = self.embed(tokens_bt)
         if c.sliding:
             tables = sliding.rope_tables(c, positions_bt, x_btd.dtype)
+            ple = self.per_layer_inputs(tokens_bt, x_btd) if c.per_layer_input_size else None
             return self._layered_hidden(
                 x_btd, tables, None, cache, cache_lengths, tap_layers, logit_indices,
-                defer_cache_write, tree_mask,
+                defer_cache_write, tree_mask, ple,
             )  # fmt: skip
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
@@ -308,8 +311,9 @@ class Transformer(nn.Module):
         return self.norm(x_btd), taps_btf, new_cache
 
     def _layered_hidden(
-        self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask
-    ):
+        self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask,
+        ple=None,
+    ):  # fmt: skip
         """`hidden` for the MoE / hybrid families (`hybrid.forward_layers`). A prefill (a cache
         and no cache_lengths) of right-padded rows stops each linear layer's state at the row's
         last logit index, its last prompt token, and writes a sliding layer's ring up to it."""
@@ -321,7 +325,7 @@ class Transformer(nn.Module):
         if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
             x_btd, taps, new = sliding.forward_layers(
                 self.layers, params, self.config, x_btd, cos, cache, cache_lengths, tap_layers,
-                defer, tree_mask, state_lengths,
+                defer, tree_mask, state_lengths, ple,
             )  # fmt: skip
             new = None if new is None else (*new, ())
         else:
