@@ -10,6 +10,7 @@ drafter's final norm is zeroed so it always proposes token 0: acceptance then va
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -144,6 +145,42 @@ def test_sliding_layers_cache_a_ring(family):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
+def test_chunked_prefill_equals_the_dense_one(family):
+    """A prefill in chunks of 16 (rings of window + 4 slots, each chunk attending to the cache
+    in key blocks of 8) gives the dense prefill's last hidden states, taps and written cache
+    slots: the 17- and 40-token prompts padded to whole chunks, the padding never written to
+    a ring."""
+    from dflash_jax.decoding.phases import prompt_pass
+    from dflash_jax.ops import attention, dispatch
+    from dflash_jax.ops.caches import ring_positions
+
+    name, _, _, target = family
+    c = target.config
+    prompt, lengths = _batch()
+    last = jnp.asarray(lengths) - 1
+
+    def run(params, chunk):
+        cache = init_cache(c, 3, 64, verify=4)
+        return prompt_pass(params, c, jnp.asarray(prompt), cache, (0, 2), last, chunk)
+
+    dense = jax.jit(run, static_argnums=1)(target.params, 0)
+    with pytest.MonkeyPatch.context() as mp:  # blocked scores with a 16-token chunk
+        mp.setattr(dispatch, "PREFILL_QUERIES", 8)
+        mp.setattr(attention, "PREFILL_KEY_BLOCK", 8)
+        chunked = jax.jit(run, static_argnums=1)(target.params, 16)
+    np.testing.assert_allclose(chunked[0], dense[0], atol=2e-5, rtol=1e-4, err_msg=name)
+    real = np.arange(40)[None, :] < lengths[:, None]
+    np.testing.assert_allclose(np.asarray(chunked[1])[real], np.asarray(dense[1])[real],
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+    pairs = zip(chunked[2].k + chunked[2].v, dense[2].k + dense[2].v, strict=True)
+    for i, (got, want) in enumerate(pairs):
+        slots = got.shape[2]
+        held = np.asarray(ring_positions(jnp.asarray(lengths), slots)) >= 0  # [B,S]
+        np.testing.assert_allclose(np.asarray(got).transpose(0, 2, 1, 3)[held],
+                                   np.asarray(want).transpose(0, 2, 1, 3)[held], atol=2e-5,
+                                   rtol=1e-4, err_msg=f"{name} buffer {i}")  # fmt: skip
+
+
 def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
     kw = dict(
         hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
@@ -248,8 +285,9 @@ def _check_greedy_decodes(name, model, target, tmp_path):
     prompt, lengths = _batch()
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
     key = jax.random.key(0)
+    chunked = dataclasses.replace(cfg, prefill_chunk=16)  # AR's prompts of 17 and 40 chunked
     ar = autoregressive_decode(
-        target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
+        target.params, prompt, lengths, key, target_config=target.config, decode_config=chunked
     )
     for row, p in enumerate(PROMPTS):
         ids = torch.tensor([p])

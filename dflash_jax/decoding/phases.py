@@ -135,8 +135,9 @@ def prompt_pass(
     from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
     before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
     position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
-    tokens (the MoE / hybrid families excepted) runs as a scan over chunks of `chunk` tokens,
-    the last one ending at P (overlapping its predecessor, whose rows it rewrites), each
+    tokens (the MoE / hybrid families excepted, the sliding ones not) runs as a scan over
+    chunks of `chunk` tokens, the last one ending at P (overlapping its predecessor, whose rows
+    it rewrites; a sliding family's padded to whole chunks instead), each
     attending to the cache written before it and to itself (`cached_attention`, as a verify
     does): a layer then holds chunk x P scores instead of P x P, on every platform. Chunks
     past every row's last position (the padding of a power-of-two buffer) are skipped: their
@@ -148,7 +149,7 @@ def prompt_pass(
     drafter's context K/V of a 32K prompt of Qwen3-8B: [P, 5 x 4096] taps were 1.25 GiB)."""
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
-    if not chunk or p <= chunk or tcfg.layered:
+    if not chunk or p <= chunk or (tcfg.layered and not tcfg.sliding):
         positions_bp = jnp.broadcast_to(jnp.arange(offset, offset + p, dtype=jnp.int32), (b, p))
         # cache_lengths None: an empty cache, written from slot 0
         held_b = jnp.full((b,), offset, jnp.int32) if offset else None
@@ -158,6 +159,14 @@ def prompt_pass(
             taps_bpf = sink[0](sink[1], taps_bpf, jnp.int32(0))
         return hidden_b1d, taps_bpf, cache
     starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
+    ends = {}
+    if tcfg.sliding:
+        # Chunks that never overlap (the prompt padded to whole chunks): a sliding layer's ring
+        # holds positions before a chunk's start only (`caches.ring_positions`), and each
+        # row's ring is written up to its prompt's end, never with padding.
+        starts = jnp.arange(0, -(-p // chunk) * chunk, chunk, dtype=jnp.int32)
+        prompt_bp = jnp.pad(prompt_bp, ((0, 0), (0, len(starts) * chunk - p)))
+        ends = {"prompt_ends": offset + last_b + 1}  # each chunk's: min(this, its end)
 
     def run(cache, acc, start):
         tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
@@ -166,7 +175,8 @@ def prompt_pass(
         index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
         start_b = jnp.full((b,), at, jnp.int32)
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
-        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden")
+        kw = {k: jnp.minimum(v, at + chunk) for k, v in ends.items()}
+        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden", **kw)
         if sink is not None:
             acc, taps_bcf = sink[0](acc, taps_bcf, start), None
         return hidden_b1d, taps_bcf, cache, acc
@@ -193,6 +203,8 @@ def prompt_pass(
     if taps_nbcf is None:
         return hidden_b1d, None, cache
     n = len(starts)
+    if tcfg.sliding:  # whole chunks, the padding's taps dropped
+        return hidden_b1d, jnp.moveaxis(taps_nbcf, 0, 1).reshape(b, n * chunk, -1)[:, :p], cache
     head_bqf = jnp.moveaxis(taps_nbcf[:-1], 0, 1).reshape(b, (n - 1) * chunk, -1)
     taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, n * chunk - p :]], axis=1)
     return hidden_b1d, taps_bpf, cache

@@ -174,9 +174,9 @@ class Attention(nn.Module):
         ring = self.window is not None
         if layer_cache is not None and cache_lengths is not None:
             new_cache = None
-            if not defer:
+            if not defer:  # ends_b: a prefill chunk's, its rows past each prompt unwritten
                 new_cache = tuple(
-                    write_rows(c, r, cache_lengths, ring)
+                    write_rows(c, r, cache_lengths, ring, ends_b if ring else None)
                     for c, r in zip(layer_cache, (k_bkth, v_bkth), strict=True)
                 )
             out = cached_attention(

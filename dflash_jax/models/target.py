@@ -260,13 +260,16 @@ class Transformer(nn.Module):
         logit_indices: jax.Array | None = None,
         defer_cache_write: bool = False,
         tree_mask: jax.Array | None = None,
+        prompt_ends: jax.Array | None = None,
     ):
         """`__call__` without the lm_head: (final-normed hidden [B,T or M,D], taps, cache). The
         decode loop applies the head itself (`Head`). defer_cache_write (with cache_lengths):
         the cache is not written; its place in the result holds the new rows, a `KVCache` of
         [B,K,T,H] per layer, for the caller to write (`write_rows`) where it suits it.
         tree_mask [B,T,T] (with cache_lengths): the tokens are a token tree, each seeing the
-        cache and the new tokens it marks (`ops.attention.tree_attention_mask`)."""
+        cache and the new tokens it marks (`ops.attention.tree_attention_mask`). prompt_ends
+        [B] (a sliding family's prefill chunk, `phases.prompt_pass`): where each row's prompt
+        ends within the chunk, a sliding layer's ring written with the rows before it only."""
         c = self.config
         for l in tap_layers:
             if not -1 <= l < c.num_layers:
@@ -280,7 +283,7 @@ class Transformer(nn.Module):
             ple = self.per_layer_inputs(tokens_bt, x_btd) if c.per_layer_input_size else None
             return self._layered_hidden(
                 x_btd, tables, None, cache, cache_lengths, tap_layers, logit_indices,
-                defer_cache_write, tree_mask, ple,
+                defer_cache_write, tree_mask, ple, prompt_ends,
             )  # fmt: skip
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
@@ -312,7 +315,7 @@ class Transformer(nn.Module):
 
     def _layered_hidden(
         self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask,
-        ple=None,
+        ple=None, prompt_ends=None,
     ):  # fmt: skip
         """`hidden` for the MoE / hybrid families (`hybrid.forward_layers`). A prefill (a cache
         and no cache_lengths) of right-padded rows stops each linear layer's state at the row's
@@ -320,6 +323,8 @@ class Transformer(nn.Module):
         state_lengths = None
         if cache is not None and cache_lengths is None and logit_indices is not None:
             state_lengths = logit_indices[:, -1] + 1
+        if prompt_ends is not None:
+            state_lengths = prompt_ends
         params = None if self.is_initializing() else self.variables["params"]
         x_embed = x_btd
         if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
