@@ -309,10 +309,12 @@ def _check_greedy_decodes(name, model, target, tmp_path):
 
 
 def test_config_round_trips_and_refusals(family):
-    """to_hf / from_hf round-trip; the kernels and token trees refuse these attentions."""
+    """to_hf / from_hf round-trip; every param has a sharding rule; the kernels and token trees
+    refuse these attentions."""
     name, _, _, target = family
     c = target.config
     assert target_from_hf(target_to_hf(c)) == c
+    sharding.param_logical_axes(target.params)  # every param has a rule (raises otherwise)
     assert c.window(0) == WINDOW and c.window(1) is None
     tokens = np.array([PROMPTS[0]])
     pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))

@@ -26,6 +26,7 @@ from dflash_jax.decoding.sampling import (
 )
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
+from dflash_jax.models import sliding
 from dflash_jax.models.drafter import (
     Drafter,
     draft_vocab_argmax,
@@ -135,11 +136,9 @@ def prompt_pass(
     from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
     before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
     position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
-    tokens (the MoE / hybrid families excepted, the sliding ones not) runs as a scan over
-    chunks of `chunk` tokens, the last one ending at P (overlapping its predecessor, whose rows
-    it rewrites; a sliding family's padded to whole chunks instead), each
-    attending to the cache written before it and to itself (`cached_attention`, as a verify
-    does): a layer then holds chunk x P scores instead of P x P, on every platform. Chunks
+    tokens (the MoE / hybrid families excepted) runs as a scan over chunks (`sliding.
+    prompt_chunks`), each attending to the cache written before it and to itself
+    (`cached_attention`, as a verify does): a layer holds chunk x P scores, not P x P. Chunks
     past every row's last position (the padding of a power-of-two buffer) are skipped: their
     taps are zeros and their cache rows unwritten, which nothing reads.
 
@@ -158,15 +157,7 @@ def prompt_pass(
         if sink is not None:
             taps_bpf = sink[0](sink[1], taps_bpf, jnp.int32(0))
         return hidden_b1d, taps_bpf, cache
-    starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
-    ends = {}
-    if tcfg.sliding:
-        # Chunks that never overlap (the prompt padded to whole chunks): a sliding layer's ring
-        # holds positions before a chunk's start only (`caches.ring_positions`), and each
-        # row's ring is written up to its prompt's end, never with padding.
-        starts = jnp.arange(0, -(-p // chunk) * chunk, chunk, dtype=jnp.int32)
-        prompt_bp = jnp.pad(prompt_bp, ((0, 0), (0, len(starts) * chunk - p)))
-        ends = {"prompt_ends": offset + last_b + 1}  # each chunk's: min(this, its end)
+    starts, prompt_bp, chunk_kw = sliding.prompt_chunks(tcfg, prompt_bp, chunk, offset + last_b)
 
     def run(cache, acc, start):
         tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
@@ -175,8 +166,7 @@ def prompt_pass(
         index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
         start_b = jnp.full((b,), at, jnp.int32)
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
-        kw = {k: jnp.minimum(v, at + chunk) for k, v in ends.items()}
-        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden", **kw)
+        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden", **chunk_kw(at))
         if sink is not None:
             acc, taps_bcf = sink[0](acc, taps_bcf, start), None
         return hidden_b1d, taps_bcf, cache, acc
@@ -203,10 +193,9 @@ def prompt_pass(
     if taps_nbcf is None:
         return hidden_b1d, None, cache
     n = len(starts)
-    if tcfg.sliding:  # whole chunks, the padding's taps dropped
-        return hidden_b1d, jnp.moveaxis(taps_nbcf, 0, 1).reshape(b, n * chunk, -1)[:, :p], cache
     head_bqf = jnp.moveaxis(taps_nbcf[:-1], 0, 1).reshape(b, (n - 1) * chunk, -1)
-    taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, n * chunk - p :]], axis=1)
+    cut = 0 if tcfg.sliding else n * chunk - p  # the last chunk padded, or ending at P
+    taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, cut : cut + p - (n - 1) * chunk]], 1)
     return hidden_b1d, taps_bpf, cache
 
 
@@ -257,7 +246,6 @@ def draft_tokens(
     -> (drafts [B,G] int32, draft log-probs [B,G,V] when sampling, else None), and with
     `kept` a third: the drafts each row offers to the verify [B] (a DSpark confidence cut,
     `DecodeConfig.confidence_cut`) or None (all of them)."""
-    head = head.uncapped()  # the drafter's logits: the raw head (`Head.uncapped`)
     if dcfg.is_dspark:
         out = markov.propose(
             head, tcfg, dcfg, cfg, drafter_params, hidden_bgd, anchor_b1[:, 0], key
@@ -281,7 +269,7 @@ def draft_tokens(
         if dcfg.draft_vocab_size or dcfg.final_logit_softcapping:
             drafts_bg = greedy()
         else:  # the target's head: one product for the argmax and the sampled rows' logits
-            drafts_bg, raw = head.argmax_and_logits(hidden_bgd)
+            drafts_bg, raw = head.uncapped().argmax_and_logits(hidden_bgd)  # the raw head
             logits = lambda: finish_logits(dcfg, raw())
         sampled = lambda: _sampled_drafts(logits(), key, cfg)
         return cfg.where_sampled(sampled, (drafts_bg, no_logp_bgv))

@@ -480,3 +480,21 @@ def forward_layers(layers, params, config, x_btd, tables, cache, cache_lengths, 
         if i in tap_layers:
             taps[i] = x_btd
     return x_btd, taps, (None if cache is None else (tuple(ks), tuple(vs)))
+
+
+def prompt_chunks(config: TargetConfig, prompt_bp, chunk: int, last_b):
+    """How `decoding.phases.prompt_pass` chunks a prompt [B,P] whose rows end at last_b [B]:
+    -> (chunk starts [N], the prompt the chunks read, start -> the `Transformer.hidden`
+    keywords of the chunk from there). Every family but these: the last chunk ends at P,
+    overlapping its predecessor. These: chunks that never overlap, the prompt padded to whole
+    chunks (a sliding layer's ring holds positions before a chunk's start only,
+    `caches.ring_positions`), each row's ring written up to its prompt's end (`prompt_ends`),
+    never with the padding."""
+    p = prompt_bp.shape[1]
+    if not config.sliding:
+        starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
+        return starts, prompt_bp, lambda start: {}
+    n = -(-p // chunk)
+    padded = jnp.pad(prompt_bp, ((0, 0), (0, n * chunk - p)))
+    ends = lambda start: {"prompt_ends": jnp.minimum(last_b + 1, start + chunk)}
+    return jnp.arange(0, n * chunk, chunk, dtype=jnp.int32), padded, ends
