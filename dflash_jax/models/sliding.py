@@ -6,11 +6,14 @@
             tanh-capped), a GeGLU MLP (tanh GELU), embeddings times sqrt(hidden), tied head;
             sliding layers rotate with their own RoPE base (`local_rope_theta`), full ones with
             rope_theta and its scaling.
-  gemma4    Gemma 4 text (dense): as Gemma 3, but plain RMSNorms (x * w), values RMS-normed
+  gemma4    Gemma 4 text: as Gemma 3, but plain RMSNorms (x * w), values RMS-normed
             too (no scale), scores unscaled, each layer's output times its `layer_scalar`;
             full layers with their own head dim and kv heads, keys doubling as values
             (attention_k_eq_v), proportional RoPE (only the first fraction of frequencies
             rotate); logits tanh-capped at final_logit_softcapping (`models.target.Head`).
+            As released: per-layer inputs (`PerLayerInputs`, each layer's gated projection
+            after its MLP), the last `kv_shared_layers` layers on an earlier layer's K/V
+            (`TargetConfig.kv_source`), an MoE block beside the MLP (`Gemma4MoE`).
   gpt_oss   gpt-oss: q/k/v/o with biases, one learned sink logit per query head in the softmax
             (its probability dropped), YaRN RoPE (cos/sin times its attention factor), and a
             top-k MoE: a router with a bias, softmax over the chosen k logits, each expert a
