@@ -248,9 +248,10 @@ def test_drafter_block_logits_match_reference_dflash(family, tmp_path):
 )
 @torch.no_grad()
 def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
-    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR equals transformers' greedy
-    generate row by row; speculative with a random z-lab drafter (written, then loaded with
-    the fit check) equals AR token for token, with acceptance varying."""
+    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR (prefilled in chunks of 16)
+    equals transformers' greedy generate row by row; speculative with a random z-lab drafter
+    (written, then loaded with the fit check; prefilled in chunks of 8, the drafter's context
+    with them) equals AR token for token, with acceptance varying."""
     name, _, model, target = family
     _check_greedy_decodes(name, model, target, tmp_path)
 
@@ -285,7 +286,7 @@ def _check_greedy_decodes(name, model, target, tmp_path):
     prompt, lengths = _batch()
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
     key = jax.random.key(0)
-    chunked = dataclasses.replace(cfg, prefill_chunk=16)  # AR's prompts of 17 and 40 chunked
+    chunked = dataclasses.replace(cfg, prefill_chunk=16)  # prompts of 17 and 40 chunked
     ar = autoregressive_decode(
         target.params, prompt, lengths, key, target_config=target.config, decode_config=chunked
     )
@@ -301,7 +302,8 @@ def _check_greedy_decodes(name, model, target, tmp_path):
     drafter = load_drafter(str(tmp_path / "drafter"), target)
     sp = speculative_decode(
         target.params, drafter.params, prompt, lengths, key,
-        target_config=c, drafter_config=drafter.config, decode_config=cfg,
+        target_config=c, drafter_config=drafter.config,
+        decode_config=dataclasses.replace(cfg, prefill_chunk=8),  # chunked, the drafter's too
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
     acc = np.asarray(sp.acceptance_lengths)
