@@ -141,6 +141,15 @@ class TargetConfig:
     global_kv_heads: int = 0
     attention_k_eq_v: bool = False
     final_logit_softcapping: float = 0.0
+    # Gemma 4 as released: per-layer input embeddings of per_layer_input_size per layer (0:
+    # none; a table of per_layer_vocab_size rows); the last kv_shared_layers layers reuse the
+    # K/V of the last earlier layer of their kind (`kv_source`), their MLPs twice as wide with
+    # double_wide_mlp; num_experts > 0: every layer's MoE block beside its MLP (top
+    # num_experts_per_tok of num_experts experts of width moe_intermediate_size).
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self):
         check_attention_impl(self.attention_impl)
@@ -219,6 +228,20 @@ class TargetConfig:
         if self.window(i) is None and self.global_head_dim:
             return self.global_kv_heads or self.num_kv_heads, self.global_head_dim
         return self.num_kv_heads, self.head_dim
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose K/V layer i attends over: itself, or for one of the last
+        kv_shared_layers, the last layer of its kind before them (as HF's "store" layer)."""
+        first = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or i < first:
+            return i
+        kind = self.layer_types[i]
+        return max(j for j in range(first) if self.layer_types[j] == kind)
+
+    def mlp_width(self, i: int) -> int:
+        """Layer i's MLP width (Gemma 4's KV-sharing layers twice it with double_wide_mlp)."""
+        wide = self.double_wide_mlp and self.kv_source(i) != i
+        return self.intermediate_size * (2 if wide else 1)
 
     def window(self, i: int) -> int | None:
         """Layer i's sliding window (None: it sees every earlier position)."""
@@ -356,8 +379,6 @@ class DrafterConfig:
         for t in self.layer_types:
             if t not in ("full_attention", "sliding_attention"):
                 raise ConfigError(f"drafter layer type {t!r} is not supported")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ConfigError("drafter has sliding_attention layers but no sliding_window")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"drafter num_heads={self.num_heads} is not a multiple of "
@@ -440,6 +461,7 @@ class DrafterConfig:
         return self.layer_types[i] == "sliding_attention"
 
     def layer_window(self, i: int) -> int | None:
-        """Layer i's sliding window (None: full attention); `window_from_anchor` says from
+        """Layer i's sliding window (None: none, as a sliding layer's without `sliding_window`,
+        causal in the block only, as Qwen3Config reads one); `window_from_anchor` says from
         where it is measured."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None

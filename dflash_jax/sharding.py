@@ -61,6 +61,15 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"/o_proj/bias$", (None,)),
     (r"/self_attn/sinks$", ("heads",)),
     (r"(^|/)layer_scalar$", (None,)),  # Gemma 4: each layer's output multiplier
+    # Gemma 4: the MoE block's fused experts [E,D,2F], its router [D,E] and scales; the
+    # per-layer inputs' table [V',L*P] and projections.
+    (r"/experts/gate_up_proj$", ("expert", "embed", None)),
+    (r"/experts/proj/kernel$", ("embed", None)),
+    (r"/experts/(scale|per_expert_scale)$", (None,)),
+    (r"(^|/)embed_tokens_per_layer/embedding$", ("vocab", None)),
+    (r"(^|/)(per_layer_model_projection|per_layer_input_gate)/kernel$", ("embed", None)),
+    (r"/per_layer_projection/kernel$", (None, "embed")),
+    (r"(^|/)[a-z_]*norm_[12]/scale$", ("norm",)),
     (r"/shared_expert_gate/kernel$", ("embed", None)),
     # Gated DeltaNet (hybrid targets): model dim over fsdp, heads over tensor. in_proj_qkv and
     # conv1d [.., Hk, G] hold each key head's channels together; z [D,Hv,Dv], b/a [D,Hv].

@@ -41,6 +41,7 @@ from infer.plan_bytes import (
     CPU_ONLY,
     EVERYWHERE,
     dequantized_bytes,
+    expert_kernel_bytes,
     held_copies_row,
     per_device_bytes,
 )
@@ -148,6 +149,11 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
         plan[held_copies_row(advance.settings["invariant_rows"])] = dequantized_bytes(
             target, shape.dtype
         )
+    other_scheme = bool(shape.quantize) and shape.quantize != "mxfp4"  # its copies booked above
+    if FLAGS.compile and (experts := expert_kernel_bytes(target, shape.dtype, not other_scheme)):
+        # XLA:CPU's ragged_dot copies every expert kernel (`plan_bytes.expert_kernel_bytes`);
+        # a quantized one's dequantized copy is that copy (mxfp4 left the temporaries as bf16's)
+        plan[CPU_ONLY] = plan.get(CPU_ONLY, 0) + experts
     if FLAGS.compile and shape.dtype == "bfloat16":
         # XLA:CPU gathers bf16 rows in f32: the embedding is converted whole, once, out of the
         # loop (Qwen3-8B: an f32[151936,4096] copy, 2.32 GiB, in the decode's buffer

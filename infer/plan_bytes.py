@@ -50,6 +50,33 @@ def dequantized_bytes(tree, dtype: str) -> int:
     )
 
 
+def expert_kernel_bytes(tree, dtype: str, quantized: bool = True) -> int:
+    """Bytes one device holds of the MoE expert kernels of `tree` ([E, in, out] leaves under an
+    `experts` key; quantized ones at `dtype`, dequantized): XLA:CPU's `ragged_dot` holds a copy
+    of every kernel it takes, all at once, inside a loop or not (4 bf16 [32, 512, 512]
+    kernels, 64 MiB: 67 MiB of temporaries, 2026-12-07), which a grouped matmul on an
+    accelerator reads in place (not verified on one): the CPU-only line. quantized=False:
+    float kernels only."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.ops.quant import QWeight
+
+    is_q = lambda x: isinstance(x, QWeight)
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_q):
+        if not any(getattr(k, "key", None) == "experts" for k in path) or len(leaf.shape) != 3:
+            continue
+        if is_q(leaf) and not quantized:  # booked with the other dequantized kernels
+            continue
+        if is_q(leaf):
+            shape = shard_shape(leaf.q.qvalue.sharding, leaf.shape)
+            total += math.prod(shape) * jnp.dtype(dtype).itemsize
+        else:
+            total += per_device_bytes(leaf)
+    return total
+
+
 def held_copies_row(invariant_rows) -> str:
     """Where a quantized target's float kernel copies go in a decode's plan: a program under a
     row rule (`invariant_rows` not None) holds them on every platform: `ops.invariance` puts

@@ -71,6 +71,29 @@ def test_a_prefill_chunk_scores_the_cache_in_blocks_to_the_same_result(monkeypat
         np.testing.assert_allclose(got, want, atol=atol)
 
 
+def test_a_prefill_chunk_of_a_sliding_family_scores_in_blocks_to_the_same_result(monkeypatch):
+    """The blocked prefill attention with the sliding families' options equals
+    `append_attention`, routed there by `cached_attention`: gpt-oss's sinks and scale over a
+    flat cache (a full layer) and Gemma's window and softcap over a ring of 40 slots holding
+    positions up to 57 (a sliding layer's cache, rows past the ring's length)."""
+    monkeypatch.setattr(dispatch, "PREFILL_QUERIES", 4)
+    monkeypatch.setattr(xla, "PREFILL_KEY_BLOCK", 16)
+    rng = np.random.default_rng(4)
+    q, k, v, k_new, v_new = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in [(3, 5, 4, 8), *[(3, 2, 40, 8)] * 2, *[(3, 2, 5, 8)] * 2]
+    )
+    sinks = jnp.asarray(rng.standard_normal(4) * 2, jnp.float32)
+    cases = [(jnp.array([0, 16, 35]), dict(sinks=sinks, scale=0.3)),
+             (jnp.array([0, 21, 57]), dict(window=24, softcap=2.0, scale=0.5))]  # fmt: skip
+    for lengths, mods in cases:
+        routed = dispatch.cached_attention(
+            q, (k, v), None, (k_new, v_new), lengths, impl="xla", **mods
+        )
+        want = xla.append_attention(q, k, v, k_new, v_new, lengths, **mods)
+        np.testing.assert_allclose(routed, want, atol=1e-5, err_msg=str(mods))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("longest", [1, 63, 64, 65, 200, 296])
 def test_live_window_cuts_the_cache_without_changing_the_result(longest):

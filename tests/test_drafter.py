@@ -189,6 +189,23 @@ def _check_batched_blocks(pair, bs):
             assert diff <= TOL, f"row {b} block {n} (anchor {a}): max diff {diff:.2e}"
 
 
+def test_sliding_layers_without_use_sliding_window_have_no_window():
+    """A z-lab config whose layer types say sliding but that lacks use_sliding_window reads as
+    Qwen3Config does (its default False): those layers causal in the block, with no window."""
+    from transformers import Qwen3Config
+
+    from dflash_jax.io.drafter_config import drafter_from_zlab
+
+    hf = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention"], num_target_layers=6,
+              dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": [1, 3]})  # fmt: skip
+    assert Qwen3Config(**hf).sliding_window is None
+    c = drafter_from_zlab(hf)
+    assert c.layer_window(0) is None and c.layer_is_causal(0)
+    assert drafter_from_zlab({**hf, "use_sliding_window": True}).layer_window(0) == 5
+
+
 def test_context_kv_appends_equal_one_shot(pair):
     rng = np.random.default_rng(1)
     taps_btf = jnp.asarray(reference_taps(pair.hf_target, pair.hf_drafter, _tokens(rng, CONTEXT)))[

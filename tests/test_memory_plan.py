@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 from _tiny_configs import write_tiny_config
 
@@ -110,3 +112,30 @@ def test_quantized_plan_books_the_copies_the_program_holds(tmp_path):
     assert held_copies_row(advance.settings["invariant_rows"]) == EVERYWHERE
     booked = dequantized_bytes(advance.args[0], "bfloat16")
     assert 0.9 * booked <= temps["int4"] - temps[None] <= booked, (temps, booked)
+
+
+def test_the_cpu_only_expert_copies_are_what_xla_cpu_holds():
+    """XLA:CPU's ragged_dot (the MoE experts' products) holds a copy of each expert kernel,
+    inside a loop or not: a program of two layers' bf16 experts has temporaries of at least
+    `expert_kernel_bytes`, which the decode plan books as CPU-only (biases, 2-D, not counted)."""
+    from infer.plan_bytes import expert_kernel_bytes
+
+    e, d, f, r = 8, 64, 96, 32
+    params = {f"layers_{i}": {"mlp": {"experts": {
+        "gate_proj": jax.ShapeDtypeStruct((e, d, f), jnp.bfloat16),
+        "down_proj": jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16),
+        "down_bias": jax.ShapeDtypeStruct((e, d), jnp.bfloat16),
+    }}} for i in range(2)}  # fmt: skip
+    assert expert_kernel_bytes(params, "bfloat16") == 2 * 2 * e * d * f * 2
+
+    def layers(params, x_rd):
+        sizes = jnp.full((e,), r // e, jnp.int32)
+        for i in range(2):
+            w = params[f"layers_{i}"]["mlp"]["experts"]
+            h = jax.lax.ragged_dot(x_rd, w["gate_proj"], sizes).astype(x_rd.dtype)
+            x_rd = jax.lax.ragged_dot(h, w["down_proj"], sizes).astype(x_rd.dtype)
+        return x_rd
+
+    x = jax.ShapeDtypeStruct((r, d), jnp.bfloat16)
+    temp = jax.jit(layers).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp >= expert_kernel_bytes(params, "bfloat16")

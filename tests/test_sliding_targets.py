@@ -10,6 +10,7 @@ drafter's final norm is zeroed so it always proposes token 0: acceptance then va
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _tiny_sliding import FAMILIES, WINDOW, hf_config, load_torch, make_tiny_sliding
+from _tiny_sliding import (
+    FAMILIES,
+    WINDOW,
+    default_config,
+    hf_config,
+    load_torch,
+    make_tiny_sliding,
+)
 
 from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
@@ -31,7 +39,7 @@ from dflash_jax.io.hf_config import target_from_hf, target_to_hf
 from dflash_jax.io.hf_layered import dequantize_mxfp4
 from dflash_jax.io.speculators import write_speculators
 from dflash_jax.io.zlab import write_zlab
-from dflash_jax.models.drafter import init_drafter_params
+from dflash_jax.models.drafter import Drafter, draft_logits, init_drafter_params
 from dflash_jax.models.target import Transformer, decoding_head, init_cache
 from dflash_jax.ops import quant
 
@@ -137,6 +145,42 @@ def test_sliding_layers_cache_a_ring(family):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
+def test_chunked_prefill_equals_the_dense_one(family):
+    """A prefill in chunks of 16 (rings of window + 4 slots, each chunk attending to the cache
+    in key blocks of 8) gives the dense prefill's last hidden states, taps and written cache
+    slots: the 17- and 40-token prompts padded to whole chunks, the padding never written to
+    a ring."""
+    from dflash_jax.decoding.phases import prompt_pass
+    from dflash_jax.ops import attention, dispatch
+    from dflash_jax.ops.caches import ring_positions
+
+    name, _, _, target = family
+    c = target.config
+    prompt, lengths = _batch()
+    last = jnp.asarray(lengths) - 1
+
+    def run(params, chunk):
+        cache = init_cache(c, 3, 64, verify=4)
+        return prompt_pass(params, c, jnp.asarray(prompt), cache, (0, 2), last, chunk)
+
+    dense = jax.jit(run, static_argnums=1)(target.params, 0)
+    with pytest.MonkeyPatch.context() as mp:  # blocked scores with a 16-token chunk
+        mp.setattr(dispatch, "PREFILL_QUERIES", 8)
+        mp.setattr(attention, "PREFILL_KEY_BLOCK", 8)
+        chunked = jax.jit(run, static_argnums=1)(target.params, 16)
+    np.testing.assert_allclose(chunked[0], dense[0], atol=2e-5, rtol=1e-4, err_msg=name)
+    real = np.arange(40)[None, :] < lengths[:, None]
+    np.testing.assert_allclose(np.asarray(chunked[1])[real], np.asarray(dense[1])[real],
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+    pairs = zip(chunked[2].k + chunked[2].v, dense[2].k + dense[2].v, strict=True)
+    for i, (got, want) in enumerate(pairs):
+        slots = got.shape[2]
+        held = np.asarray(ring_positions(jnp.asarray(lengths), slots)) >= 0  # [B,S]
+        np.testing.assert_allclose(np.asarray(got).transpose(0, 2, 1, 3)[held],
+                                   np.asarray(want).transpose(0, 2, 1, 3)[held], atol=2e-5,
+                                   rtol=1e-4, err_msg=f"{name} buffer {i}")  # fmt: skip
+
+
 def _drafter_config(c: TargetConfig, **overrides) -> DrafterConfig:
     kw = dict(
         hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=4,
@@ -166,6 +210,34 @@ def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
         load_drafter(str(tmp_path / "bad"), target)
 
 
+_draft_logits = jax.jit(draft_logits, static_argnums=(2, 3, 9))
+
+
+def test_drafter_block_logits_match_reference_dflash(family, tmp_path):
+    """Our drafter's block logits equal the reference `dflash` model's (same weights, taps and
+    block; fp32): the block embedded from the raw table (not Gemma's sqrt(hidden)), logits from
+    the raw lm_head (not Gemma 4's final_logit_softcapping)."""
+    from _reference import reference_draft_logits, reference_taps
+    from dflash.model import DFlashDraftModel
+
+    _, _, model, target = family
+    c = target.config
+    dcfg = _drafter_config(c, block_size=4, mask_token_id=c.vocab_size - 1)
+    write_zlab(tmp_path / "d", dcfg, init_drafter_params(dcfg, jax.random.key(3)), "float32")
+    drafter = load_drafter(str(tmp_path / "d"), target)
+    ref = DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.float32).eval()
+    tokens, block = np.array(PROMPTS[2][:20]), np.array([7, c.vocab_size - 1, 5, c.vocab_size - 1])
+    taps_tf = reference_taps(model, ref, tokens)
+    want = reference_draft_logits(model, ref, taps_tf, block)
+    dc, dp = drafter.config, drafter.params
+    ctx_k, ctx_v = jax.jit(Drafter(dc).apply, static_argnames="method")(
+        {"params": dp}, jnp.asarray(taps_tf)[None], jnp.arange(20)[None], method="context_kv"
+    )
+    got = _draft_logits(dp, target.params, c, dc, jnp.asarray(block)[None], ctx_k, ctx_v,
+                        jnp.array([20]), jnp.array([[20]]), 4)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got[0, 0]), want, atol=1e-4, rtol=0)
+
+
 # gemma3 in the default suite; gemma4 and gpt_oss (slow) alone guard their families' greedy
 # decodes (Gemma 4's per-kind cache shapes and capped head; gpt-oss's sinks and experts in the
 # cached verify and AR step) against transformers' generate.
@@ -176,15 +248,47 @@ def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
 )
 @torch.no_grad()
 def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
-    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR equals transformers' greedy
-    generate row by row; speculative with a random z-lab drafter (written, then loaded with
-    the fit check) equals AR token for token, with acceptance varying."""
+    """Ragged batch of 6-, 17- and 40-token prompts (window 8): AR (prefilled in chunks of 16)
+    equals transformers' greedy generate row by row; speculative with a random z-lab drafter
+    (written, then loaded with the fit check; prefilled in chunks of 8, the drafter's context
+    with them) equals AR token for token, with acceptance varying."""
     name, _, model, target = family
+    _check_greedy_decodes(name, model, target, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_default_configs_decode_as_transformers(name, tmp_path):
+    """Slow (three more targets compiled): alone guards each family as transformers builds it
+    from its config class with only sizes, the window and the layer count set (Gemma's 5:1
+    layer pattern, Gemma 4's last layer full, its per-layer inputs and proportional RoPE;
+    gpt-oss's YaRN): logits, greedy AR against generate, speculative against AR."""
+    path = make_tiny_sliding(tmp_path, name, config=default_config(name))
+    model = load_torch(path)
+    with torch.no_grad():
+        model.lm_head.weight[0] *= ZERO_BOOST
+    model.save_pretrained(path)
+    target = load_target(str(path), cache=False)
+    if name == "gemma4":
+        assert target.config.per_layer_input_size == 8
+        assert target.config.layer_types[-2:] == ("full_attention", "full_attention")
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPTS[2][:24]])).logits.numpy()
+    logits = Transformer(target.config).apply(
+        {"params": target.params}, np.array([PROMPTS[2][:24]]), np.arange(24)[None]
+    )[0]
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-5, rtol=1e-4)
+    _check_greedy_decodes(name, model, target, tmp_path)
+
+
+@torch.no_grad()
+def _check_greedy_decodes(name, model, target, tmp_path):
     prompt, lengths = _batch()
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, block_size=4)
     key = jax.random.key(0)
+    chunked = dataclasses.replace(cfg, prefill_chunk=16)  # prompts of 17 and 40 chunked
     ar = autoregressive_decode(
-        target.params, prompt, lengths, key, target_config=target.config, decode_config=cfg
+        target.params, prompt, lengths, key, target_config=target.config, decode_config=chunked
     )
     for row, p in enumerate(PROMPTS):
         ids = torch.tensor([p])
@@ -198,7 +302,8 @@ def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
     drafter = load_drafter(str(tmp_path / "drafter"), target)
     sp = speculative_decode(
         target.params, drafter.params, prompt, lengths, key,
-        target_config=c, drafter_config=drafter.config, decode_config=cfg,
+        target_config=c, drafter_config=drafter.config,
+        decode_config=dataclasses.replace(cfg, prefill_chunk=8),  # chunked, the drafter's too
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(sp.tokens), np.asarray(ar.tokens))
     acc = np.asarray(sp.acceptance_lengths)
@@ -206,10 +311,12 @@ def test_greedy_decodes_equal_transformers_generate(family, tmp_path):
 
 
 def test_config_round_trips_and_refusals(family):
-    """to_hf / from_hf round-trip; the kernels and token trees refuse these attentions."""
+    """to_hf / from_hf round-trip; every param has a sharding rule; the kernels and token trees
+    refuse these attentions."""
     name, _, _, target = family
     c = target.config
     assert target_from_hf(target_to_hf(c)) == c
+    sharding.param_logical_axes(target.params)  # every param has a rule (raises otherwise)
     assert c.window(0) == WINDOW and c.window(1) is None
     tokens = np.array([PROMPTS[0]])
     pallas = Transformer(c.__class__(**{**c.__dict__, "attention_impl": "pallas"}))
@@ -217,6 +324,51 @@ def test_config_round_trips_and_refusals(family):
         pallas.apply({"params": target.params}, tokens, np.arange(6)[None])
     with pytest.raises(ConfigError, match="tree verification is not implemented"):
         check_tree_target(c, DecodeConfig(block_size=4, tree_nodes=4))
+
+
+@torch.no_grad()
+def test_bf16_norms_round_as_transformers(family):
+    """Loaded in bf16, every norm kind of the family (the final norm, a layer's input norm and,
+    for Gemma, the q norm) gives transformers' bf16 output bitwise: Gemma 3's (1 + w) in fp32 of
+    the bf16 weight, gpt-oss's and Gemma 4's weight multiplied in fp32 before the cast."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_jax.models import sliding
+
+    name, path, _, _ = family
+    ours = load_target(str(path), dtype="bfloat16", cache=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    x = np.random.default_rng(0).normal(0, 3, (3, 5, 32)).astype(np.float32)
+    xt = torch.tensor(x).to(torch.bfloat16)
+    cases = [
+        (hf.model.norm, ours.params["norm"], 32),
+        (hf.model.layers[0].input_layernorm, ours.params["layers_0"]["input_layernorm"], 32),
+    ]
+    if name != "gpt_oss":
+        cases.append((hf.model.layers[0].self_attn.q_norm,
+                      ours.params["layers_0"]["self_attn"]["q_norm"], 16))  # fmt: skip
+    for module, params, d in cases:
+        want = module(xt[..., :d]).float().numpy()
+        got = sliding.final_norm(ours.config).apply(
+            {"params": params}, jnp.asarray(x[..., :d], jnp.bfloat16)
+        )
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=name)
+
+
+def test_missing_config_keys_default_as_transformers(family):
+    """A config.json without the keys transformers fills from its class defaults (ties, the
+    window, Gemma 3's query_pre_attn_scalar, gpt-oss's YaRN) reads as the one transformers
+    completes."""
+    name, _, model, _ = family
+    full = {**model.config.to_dict(), "model_type": model.config.model_type}
+    keys = ("tie_word_embeddings", "sliding_window", "query_pre_attn_scalar", "rope_parameters")
+    if name == "gemma4":
+        keys = keys[:3]  # its RoPE defaults: `test_gemma4_default_config_matches_transformers`
+    bare = {k: v for k, v in full.items() if k not in keys}
+    completed = type(model.config)(**{k: v for k, v in bare.items() if k != "model_type"})
+    want = target_from_hf({**completed.to_dict(), "model_type": model.config.model_type})
+    assert target_from_hf(bare) == want
+    assert want.tie_word_embeddings == (name != "gpt_oss")
 
 
 def test_mxfp4_dequantization_matches_transformers():
@@ -313,10 +465,11 @@ def test_mxfp4_quantization_rounds_to_the_block_grid():
 def test_unsupported_gemma4_features_are_refused():
     base = {**hf_config("gemma4").to_dict(), "model_type": "gemma4_text"}
     target_from_hf(base)
-    for key, value in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
-                       ("enable_moe_block", True)):  # fmt: skip
+    for key, value in (("use_bidirectional_attention", "all"), ("attention_bias", True)):
         with pytest.raises(ConfigError, match=key):
             target_from_hf({**base, key: value})
+    with pytest.raises(ConfigError, match="enable_moe_block=true needs"):
+        target_from_hf({**base, "num_experts": None})
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
@@ -335,5 +488,34 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
     model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
     model.save_pretrained(tmp_path / "mm")
     a, b = load_target(str(text_dir), cache=False), load_target(str(tmp_path / "mm"), cache=False)
+    assert b.config == a.config
+    jax.tree.map(np.testing.assert_array_equal, b.params, a.params)
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):
+    """A `Gemma4ForConditionalGeneration` save (a vision and an audio tower and their
+    embedders beside language_model.*) loads as its text model, the towers skipped (said once
+    in the log)."""
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    text_dir = make_tiny_sliding(tmp_path, "gemma4")
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 subsampling_conv_channels=[4, 4])  # fmt: skip
+    ids = dict(boi_token_id=90, eoi_token_id=91, image_token_id=92, video_token_id=93,
+               boa_token_id=94, eoa_token_index=95, audio_token_id=89)  # fmt: skip
+    config = Gemma4Config(text_config=text.config.to_dict(), vision_config=vision,
+                          audio_config=audio, **ids)  # fmt: skip
+    model = Gemma4ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    model.save_pretrained(tmp_path / "mm")
+    a = load_target(str(text_dir), cache=False)
+    with caplog.at_level("INFO"):
+        b = load_target(str(tmp_path / "mm"), cache=False)
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert said == ["target: loading the text model; skipped audio_tower, embed_audio, "
+                    "embed_vision, vision_tower"]  # fmt: skip
     assert b.config == a.config
     jax.tree.map(np.testing.assert_array_equal, b.params, a.params)

@@ -48,7 +48,7 @@ def base_logits(head: Head, tcfg: TargetConfig, dcfg: DrafterConfig, dparams, hi
     hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
     if dcfg.draft_vocab_size:
         return draft_vocab_logits(dcfg, dparams, hidden_bgd)
-    return finish_logits(dcfg, head.logits(hidden_bgd))
+    return finish_logits(dcfg, head.uncapped().logits(hidden_bgd))
 
 
 def propose(

@@ -26,6 +26,7 @@ from dflash_jax.decoding.sampling import (
 )
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.decoding.state import LoopState, max_steps, step_key
+from dflash_jax.models import sliding
 from dflash_jax.models.drafter import (
     Drafter,
     draft_vocab_argmax,
@@ -135,10 +136,9 @@ def prompt_pass(
     from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
     before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
     position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
-    tokens (the MoE / hybrid families excepted) runs as a scan over chunks of `chunk` tokens,
-    the last one ending at P (overlapping its predecessor, whose rows it rewrites), each
-    attending to the cache written before it and to itself (`cached_attention`, as a verify
-    does): a layer then holds chunk x P scores instead of P x P, on every platform. Chunks
+    tokens (the MoE / hybrid families excepted) runs as a scan over chunks (`sliding.
+    prompt_chunks`), each attending to the cache written before it and to itself
+    (`cached_attention`, as a verify does): a layer holds chunk x P scores, not P x P. Chunks
     past every row's last position (the padding of a power-of-two buffer) are skipped: their
     taps are zeros and their cache rows unwritten, which nothing reads.
 
@@ -148,7 +148,7 @@ def prompt_pass(
     drafter's context K/V of a 32K prompt of Qwen3-8B: [P, 5 x 4096] taps were 1.25 GiB)."""
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
-    if not chunk or p <= chunk or tcfg.layered:
+    if not chunk or p <= chunk or (tcfg.layered and not tcfg.sliding):
         positions_bp = jnp.broadcast_to(jnp.arange(offset, offset + p, dtype=jnp.int32), (b, p))
         # cache_lengths None: an empty cache, written from slot 0
         held_b = jnp.full((b,), offset, jnp.int32) if offset else None
@@ -157,7 +157,7 @@ def prompt_pass(
         if sink is not None:
             taps_bpf = sink[0](sink[1], taps_bpf, jnp.int32(0))
         return hidden_b1d, taps_bpf, cache
-    starts = jnp.asarray([*range(0, p - chunk, chunk), p - chunk], jnp.int32)
+    starts, prompt_bp, chunk_kw = sliding.prompt_chunks(tcfg, prompt_bp, chunk, offset + last_b)
 
     def run(cache, acc, start):
         tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
@@ -166,7 +166,7 @@ def prompt_pass(
         index_b1 = jnp.clip(last_b - start, 0, chunk - 1)[:, None]
         start_b = jnp.full((b,), at, jnp.int32)
         args = (tokens_bc, positions_bc, cache, start_b, tap_layers, index_b1)
-        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden")
+        hidden_b1d, taps_bcf, cache = model.apply(params, *args, method="hidden", **chunk_kw(at))
         if sink is not None:
             acc, taps_bcf = sink[0](acc, taps_bcf, start), None
         return hidden_b1d, taps_bcf, cache, acc
@@ -194,7 +194,8 @@ def prompt_pass(
         return hidden_b1d, None, cache
     n = len(starts)
     head_bqf = jnp.moveaxis(taps_nbcf[:-1], 0, 1).reshape(b, (n - 1) * chunk, -1)
-    taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, n * chunk - p :]], axis=1)
+    cut = 0 if tcfg.sliding else n * chunk - p  # the last chunk padded, or ending at P
+    taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, cut : cut + p - (n - 1) * chunk]], 1)
     return hidden_b1d, taps_bpf, cache
 
 
@@ -268,7 +269,7 @@ def draft_tokens(
         if dcfg.draft_vocab_size or dcfg.final_logit_softcapping:
             drafts_bg = greedy()
         else:  # the target's head: one product for the argmax and the sampled rows' logits
-            drafts_bg, raw = head.argmax_and_logits(hidden_bgd)
+            drafts_bg, raw = head.uncapped().argmax_and_logits(hidden_bgd)  # the raw head
             logits = lambda: finish_logits(dcfg, raw())
         sampled = lambda: _sampled_drafts(logits(), key, cfg)
         return cfg.where_sampled(sampled, (drafts_bg, no_logp_bgv))

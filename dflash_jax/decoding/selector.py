@@ -28,7 +28,8 @@ from dflash_jax.ops.reductions import argmax_last
 def candidates(head: Head, tcfg: TargetConfig, dcfg: DrafterConfig, hidden_bgd: jax.Array):
     """The frozen head on the draft slots [B,G,D], then each slot's top-k.
     -> (unary logits [B,G,K] fp32, candidate ids [B,G,K] int32)."""
-    logits_bgv = finish_logits(dcfg, head.logits(hidden_bgd.astype(jnp.dtype(tcfg.dtype))))
+    hidden_bgd = hidden_bgd.astype(jnp.dtype(tcfg.dtype))
+    logits_bgv = finish_logits(dcfg, head.uncapped().logits(hidden_bgd))
     unary_bgk, cand_bgk = jax.lax.top_k(logits_bgv, dcfg.selector_top_k)
     return unary_bgk, cand_bgk.astype(jnp.int32)
 

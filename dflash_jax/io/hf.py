@@ -295,6 +295,8 @@ def param_layout(config: TargetConfig) -> dict[str, tuple[tuple[str, ...], tuple
     }
     if not c.tie_word_embeddings:
         layout["lm_head.weight"] = (("lm_head", "kernel"), (v, d), _t)
+    if c.per_layer_input_size:  # Gemma 4
+        layout |= hf_layered.per_layer_input_layout(c)
     for i in range(c.num_layers):
         hf, ours = f"layers.{i}.", f"layers_{i}"
         q_in, kv_in, o_out = _split_heads_in(n, h), _split_heads_in(k, h), _split_heads_out(n, h)

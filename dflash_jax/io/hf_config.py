@@ -113,7 +113,8 @@ def target_from_hf(hf: Mapping[str, Any], dtype: str = "float32") -> TargetConfi
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # HF's class defaults when absent: Gemma's configs tie, the others do not
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma3", "gemma4"))),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos,
@@ -220,11 +221,14 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
     if not types:  # older configs: a pattern (Gemma 3: every 6th layer full; gpt-oss: every 2nd)
-        every = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
+        every = int(hf.get("sliding_window_pattern") or (2 if arch == "gpt_oss" else 6))
         types = [
             "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
         ]
-    window = hf.get("sliding_window")
+    if arch == "gemma4":  # Gemma4TextConfig forces its last layer to full attention
+        types = [*types[:-1], "full_attention"]
+    # HF's class defaults when absent (Gemma3TextConfig 4096, Gemma4TextConfig 512, gpt-oss 128)
+    window = hf.get("sliding_window", {"gemma3": 4096, "gemma4": 512}.get(arch, 128))
     out: dict[str, Any] = {"layer_types": tuple(types), "sliding_window": int(window or 0)}
     where = f"target {hf.get('model_type')}"
     if arch == "gpt_oss":
@@ -237,8 +241,17 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
             raise ConfigError(
                 f"{where}: attention_bias=false is not supported (gpt-oss has biases)"
             )
-        return out | {"rope": rope_from_hf(hf, where, TARGET_ROPE_TYPES)}
+        if not hf.get("rope_parameters") and not hf.get("rope_scaling"):  # GptOssConfig's
+            yarn = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=4096)  # fmt: skip
+            hf = {**hf, "rope_parameters": yarn}
+        theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 150000.0))
+        return out | {"rope": rope_from_hf({**hf, "rope_theta": theta}, where, TARGET_ROPE_TYPES)}
     params = hf.get("rope_parameters") or {}
+    if arch == "gemma4" and not params and "rope_theta" not in hf:  # Gemma4TextConfig's
+        params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                     "rope_theta": 1_000_000.0}}  # fmt: skip
     if "full_attention" in params:  # transformers v5: one RoPE per layer type
         full = rope_from_hf({"rope_parameters": params["full_attention"]}, where, TARGET_ROPE_TYPES)
         local = rope_from_hf({"rope_parameters": params.get("sliding_attention") or {}}, where)
@@ -261,7 +274,7 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return out | {
         "rope": full,
         "local_rope_theta": local[0],
-        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0),
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256) or 0),  # HF's default
         "attn_logit_softcapping": float(hf.get("attn_logit_softcapping") or 0),
         "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
     }
@@ -270,9 +283,6 @@ def _sliding_from_hf(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
 def _gemma4_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Gemma 4's own fields; refuses what `models/sliding.py` does not implement."""
     unsupported = {
-        "hidden_size_per_layer_input": "per-layer input embeddings",
-        "num_kv_shared_layers": "KV cache sharing between layers",
-        "enable_moe_block": "the MoE block",
         "use_bidirectional_attention": "bidirectional attention",
         "attention_bias": "attention biases",
     }
@@ -280,22 +290,47 @@ def _gemma4_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         if hf.get(key) and (key, hf[key]) != ("use_bidirectional_attention", "vision"):
             raise ConfigError(f"{where}: {key}={hf[key]!r} ({what}) is not supported")
     types = hf.get("layer_types") or ()
-    heads = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", 0)))
-             for i, v in (hf.get("per_layer_config") or {}).items()}  # fmt: skip
-    heads |= {(int(hf.get("global_head_dim") or 0), int(hf.get("num_global_key_value_heads") or 0))}
-    heads.discard((0, 0))
     per_layer = hf.get("per_layer_config") or {}
+    heads = {(int(v.get("head_dim", 0)), int(v.get("num_key_value_heads", 0)))
+             for i, v in per_layer.items()}  # fmt: skip
+    if not per_layer:  # Gemma4TextConfig's: full layers' head dim 512 unless set, their kv
+        # heads num_global_key_value_heads only with attention_k_eq_v
+        global_kv = int(hf.get("num_global_key_value_heads") or 0)
+        global_kv = global_kv if hf.get("attention_k_eq_v") else 0
+        heads |= {(int(hf.get("global_head_dim", 512) or 0), global_kv)}
+    heads.discard((0, 0))
     if len(heads) > 1 or any(types and types[int(i)] != "full_attention" for i in per_layer):
         raise ConfigError(f"{where}: per-layer head shapes other than one for full layers")
     head_dim, kv = heads.pop() if heads else (0, 0)
+    kv_heads = int(hf.get("num_key_value_heads") or 0)
+    if head_dim == int(hf.get("head_dim") or 0) and kv in (0, kv_heads):
+        head_dim, kv = 0, 0  # full layers shaped as the sliding ones
     return {
         "global_head_dim": head_dim,
-        "global_kv_heads": kv if hf.get("attention_k_eq_v", True) else 0,
+        "global_kv_heads": kv,
         "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
         "final_logit_softcapping": float(hf.get("final_logit_softcapping") or 0),
         "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
         "query_pre_attn_scalar": 1.0,  # scores unscaled (q and k are RMS-normed)
+        # Gemma4TextConfig's defaults: per-layer inputs of 256 from a 262144-row table
+        "per_layer_input_size": int(hf.get("hidden_size_per_layer_input", 256) or 0),
+        "per_layer_vocab_size": int(hf.get("vocab_size_per_layer_input", 262_144) or 0),
+        "kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
+        "double_wide_mlp": bool(hf.get("use_double_wide_mlp")),
+        **(_gemma4_moe(hf, where) if hf.get("enable_moe_block") else {}),
     }
+
+
+def _gemma4_moe(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    try:
+        return {"num_experts": int(hf["num_experts"]),
+                "num_experts_per_tok": int(hf["top_k_experts"]),
+                "moe_intermediate_size": int(hf["moe_intermediate_size"])}  # fmt: skip
+    except (KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{where}: enable_moe_block=true needs num_experts, top_k_experts and "
+            f"moe_intermediate_size ({e!r} missing)"
+        ) from None
 
 
 def _sliding_to_hf(c: TargetConfig) -> dict[str, Any]:
@@ -316,17 +351,25 @@ def _sliding_to_hf(c: TargetConfig) -> dict[str, Any]:
     full |= thaw(c.rope_scaling) if c.rope_scaling else {}
     if c.arch == "gemma4":
         full_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
-        shape = {"head_dim": c.global_head_dim, "num_key_value_heads": c.global_kv_heads}
+        shape = {"head_dim": c.global_head_dim or c.head_dim,
+                 "num_key_value_heads": c.global_kv_heads or c.num_kv_heads}  # fmt: skip
         return out | {
             "rope_parameters": {
                 "full_attention": full,
                 "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta},
             },
-            "per_layer_config": {str(i): shape for i in full_layers} if c.global_head_dim else {},
+            "per_layer_config": {str(i): shape for i in full_layers},
             "attention_k_eq_v": c.attention_k_eq_v,
             "final_logit_softcapping": c.final_logit_softcapping or None,
             "hidden_activation": c.hidden_act,
-            "hidden_size_per_layer_input": 0,
+            "hidden_size_per_layer_input": c.per_layer_input_size,
+            "vocab_size_per_layer_input": c.per_layer_vocab_size,
+            "num_kv_shared_layers": c.kv_shared_layers,
+            "use_double_wide_mlp": c.double_wide_mlp,
+            "enable_moe_block": bool(c.num_experts),
+            "num_experts": c.num_experts or None,
+            "top_k_experts": c.num_experts_per_tok or None,
+            "moe_intermediate_size": c.moe_intermediate_size or None,
         }
     return out | {
         "rope_parameters": {

@@ -34,7 +34,10 @@ from dflash_jax.config import TargetConfig
 
 # Tensors of a published checkpoint that the text model never reads.
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.",
-                    "multi_modal_projector.")  # fmt: skip
+                    "multi_modal_projector.", "embed_vision.", "audio_tower.",
+                    "embed_audio.")  # fmt: skip
+# A KV-sharing layer's k/v tensors, which checkpoints may carry and HF ignores.
+_SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight")
 
 
 def canonical(name: str) -> str:
@@ -84,13 +87,19 @@ def rename(tensors: Mapping[str, Any], config: TargetConfig, stored_tensor) -> d
     """Canonical names (no `model.`) of a layered checkpoint -> the names `layout` expects:
     the language-model prefix dropped, vision/MTP tensors skipped, experts stacked and
     Qwen3-Next's fused projections regrouped. stored_tensor: `hf.StoredTensor`."""
-    out = {}
+    out, skipped = {}, set()
     for name, t in tensors.items():
         if name.startswith(SKIPPED_PREFIXES):
+            skipped.add(name.split(".")[0])
             continue
         if name.startswith("language_model."):  # Gemma 3's: language_model.model.layers...
             name = canonical(name.removeprefix("language_model."))
+        shared = _SHARED_KV.fullmatch(name)
+        if shared and config.kv_source(int(shared[1])) != int(shared[1]):
+            continue
         out[name] = t
+    if skipped:
+        logging.info("target: loading the text model; skipped %s", ", ".join(sorted(skipped)))
     out = stack_experts(out, stored_tensor)
     if config.arch == "gpt_oss":
         out = _split_gate_up(out, stored_tensor)
@@ -256,11 +265,14 @@ def _sliding_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...],
         attn["q_norm.weight"] = (("q_norm", "scale"), (h,), _keep)
         attn["k_norm.weight"] = (("k_norm", "scale"), (h,), _keep)
         if c.arch == "gemma4":
-            out["layer_scalar"] = (("layer_scalar",), (1,), _keep)
+            out |= _gemma4_extras(c, i)
             if c.attention_k_eq_v and c.window(i) is None:  # the keys are the values
                 del attn["v_proj.weight"]
+            if c.kv_source(i) != i:  # a KV-sharing layer: no k/v of its own
+                for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+                    attn.pop(name, None)
         out |= _under("self_attn", ("self_attn",), attn)
-        return out | _under("mlp", ("mlp",), _swiglu(c.intermediate_size, d))
+        return out | _under("mlp", ("mlp",), _swiglu(c.mlp_width(i), d))
     heads = lambda m: lambda b: b.reshape(m, h)
     attn |= {
         "q_proj.bias": (("q_proj", "bias"), (n * h,), heads(n)),
@@ -281,6 +293,46 @@ def _sliding_layout(c: TargetConfig, i: int) -> dict[str, tuple[tuple[str, ...],
         "experts.up_bias": (("experts", "up_bias"), (e, f), _keep),
         "experts.down_proj_bias": (("experts", "down_bias"), (e, d), _keep),
     })  # fmt: skip
+
+
+def _gemma4_extras(c: TargetConfig, i: int) -> dict:
+    """A Gemma 4 layer's layer_scalar, per-layer input projections and MoE block."""
+    d, p = c.hidden_size, c.per_layer_input_size
+    out = {"layer_scalar": (("layer_scalar",), (1,), _keep)}
+    if p:
+        out |= {
+            "per_layer_input_gate.weight": (("per_layer_input_gate", "kernel"), (p, d), _t),
+            "per_layer_projection.weight": (("per_layer_projection", "kernel"), (d, p), _t),
+            "post_per_layer_input_norm.weight": (("post_per_layer_input_norm", "scale"), (d,),
+                                                 _keep),
+        }  # fmt: skip
+    if c.num_experts:
+        e, f = c.num_experts, c.moe_intermediate_size
+        for norm in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):  # fmt: skip
+            out[f"{norm}.weight"] = ((norm, "scale"), (d,), _keep)
+        out |= {
+            "router.proj.weight": (("experts", "proj", "kernel"), (e, d), _t),
+            "router.scale": (("experts", "scale"), (d,), _keep),
+            "router.per_expert_scale": (("experts", "per_expert_scale"), (e,), _keep),
+            "experts.gate_up_proj": (("experts", "gate_up_proj"), (e, 2 * f, d), _swap_last),
+            "experts.down_proj": (("experts", "down_proj"), (e, d, f), _swap_last),
+        }
+    return out
+
+
+def per_layer_input_layout(c: TargetConfig) -> dict:
+    """Gemma 4's model-level per-layer input tensors (`sliding.PerLayerInputs`)."""
+    lp, p = c.num_layers * c.per_layer_input_size, c.per_layer_input_size
+    at = lambda *path: ("per_layer_inputs", *path)
+    return {
+        "embed_tokens_per_layer.weight": (at("embed_tokens_per_layer", "embedding"),
+                                          (c.per_layer_vocab_size, lp), _keep),
+        "per_layer_model_projection.weight": (at("per_layer_model_projection", "kernel"),
+                                              (lp, c.hidden_size), _t),
+        "per_layer_projection_norm.weight": (at("per_layer_projection_norm", "scale"), (p,),
+                                             _keep),
+    }  # fmt: skip
 
 
 def _under(hf: str, path: tuple[str, ...], entries: dict) -> dict:

@@ -238,9 +238,12 @@ def init_drafter_params(config: DrafterConfig, rng: jax.Array) -> dict:
 def embed_block(
     target_params, target_config: TargetConfig, drafter_config: DrafterConfig, tokens_bq
 ) -> jax.Array:
-    """Block tokens [B,Q] -> [B,Q,D] with the target's frozen embedding, x input_embedding_scale,
-    in the drafter's dtype."""
-    x_bqd = Transformer(target_config).apply({"params": target_params}, tokens_bq, method="embed")
+    """Block tokens [B,Q] -> [B,Q,D]: the target's raw embedding table (never Gemma's
+    sqrt(hidden)) x the drafter's input_embedding_scale, in the drafter's dtype (as the
+    references: `dflash.model._raw_input_embeddings`)."""
+    x_bqd = Transformer(target_config).apply(
+        {"params": target_params}, tokens_bq, False, method="embed"
+    )
     if drafter_config.input_embedding_scale is not None:
         x_bqd = x_bqd * drafter_config.input_embedding_scale
     return x_bqd.astype(jnp.dtype(drafter_config.dtype))
@@ -250,11 +253,12 @@ def hidden_to_logits(
     target_params, target_config: TargetConfig, drafter_config: DrafterConfig, hidden
 ) -> jax.Array:
     """Final-normed drafter hidden states [..., D] -> fp32 logits [..., V]: the target's frozen
-    lm_head (tied or not), then output_multiplier and softcapping s*tanh(z/s)."""
+    lm_head (tied or not; raw, without the target's softcapping), then the drafter's
+    output_multiplier and softcapping s*tanh(z/s)."""
     lead = hidden.shape[:-1]
     hidden_td = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.dtype(target_config.dtype))
     logits_tv = Transformer(target_config).apply(
-        {"params": target_params}, hidden_td, method="unembed"
+        {"params": target_params}, hidden_td, False, method="unembed"
     )
     logits_tv = finish_logits(drafter_config, logits_tv)
     return logits_tv.reshape(*lead, logits_tv.shape[-1])
@@ -273,11 +277,11 @@ def finish_logits(drafter_config: DrafterConfig, logits: jax.Array) -> jax.Array
 
 def drafter_logits(head: Head, target_config, drafter_config, drafter_params, hidden_bgd):
     """The draft distribution's fp32 logits over the target's vocabulary [..., V] from
-    final-normed drafter hidden states [..., D]: the target's frozen head, or, with a draft
-    vocabulary, the drafter's own head over its draft ids (`on_target_vocab`)."""
+    final-normed drafter hidden states [..., D]: the target's frozen head (uncapped), or, with
+    a draft vocabulary, the drafter's own head over its draft ids (`on_target_vocab`)."""
     hidden_bgd = hidden_bgd.astype(jnp.dtype(target_config.dtype))
     if not drafter_config.draft_vocab_size:
-        return finish_logits(drafter_config, head.logits(hidden_bgd))
+        return finish_logits(drafter_config, head.uncapped().logits(hidden_bgd))
     logits_bgu = draft_vocab_logits(drafter_config, drafter_params, hidden_bgd)
     return on_target_vocab(drafter_params, logits_bgu, target_config.vocab_size)
 

@@ -44,7 +44,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * (1.0 + scale)).astype(self.dtype)
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)  # (1 + w) in fp32
 
 
 def apply_partial_rope(x_btnh, cos, sin):

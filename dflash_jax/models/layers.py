@@ -31,6 +31,9 @@ class RMSNorm(nn.Module):
     # row's mean is reduced by the same code whatever the pass's row count (XLA:CPU vectorises
     # a [4, 576] and an [8, 576] mean apart, and they round apart).
     tile_rows: int = 0
+    # True: the scale multiplies the fp32 normalised rows before the cast (gpt-oss, Gemma 4:
+    # `(w * x32).to(dtype)`); False: after it (Qwen3/Llama: `w * x32.to(dtype)`).
+    scale_fp32: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -39,6 +42,8 @@ class RMSNorm(nn.Module):
         def normalise(x):
             x32 = x.astype(jnp.float32)
             x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            if self.scale_fp32:
+                return (scale.astype(jnp.float32) * x32).astype(self.dtype)
             return x32.astype(self.dtype)
 
         if self.tile_rows:
@@ -46,7 +51,7 @@ class RMSNorm(nn.Module):
             normed = fixed_rows(x.reshape(-1, d), normalise, self.tile_rows).reshape(*lead, d)
         else:
             normed = normalise(x)
-        return scale.astype(self.dtype) * normed
+        return normed if self.scale_fp32 else scale.astype(self.dtype) * normed
 
 
 def thaw(value: Any) -> Any:

@@ -50,9 +50,10 @@ def route(logits_me: jax.Array, top_k: int, normalise: bool):
     return weights_mk.astype(logits_me.dtype), ids_mk.astype(jnp.int32)
 
 
-def expert_rows(x_rd, ids_r, w_gate_edf, w_up_edf, w_down_efd) -> jax.Array:
-    """Row r through expert ids_r[r]'s SwiGLU -> [R,D] in x's dtype. Rows whose id is E or
-    more (an empty slot of a dispatch buffer) are left out of every group and give 0."""
+def expert_rows(x_rd, ids_r, w_gate_edf, w_up_edf, w_down_efd, act=nn.silu) -> jax.Array:
+    """Row r through expert ids_r[r]'s gated MLP (act(gate) * up; SwiGLU by default) -> [R,D]
+    in x's dtype. Rows whose id is E or more (an empty slot of a dispatch buffer) are left
+    out of every group and give 0."""
     num_experts = w_gate_edf.shape[0]
     order = jnp.argsort(ids_r, stable=True)  # rows grouped by expert, left-out rows last
     group_sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)  # (ids >= E: none)
@@ -60,7 +61,7 @@ def expert_rows(x_rd, ids_r, w_gate_edf, w_up_edf, w_down_efd) -> jax.Array:
     cast = lambda w: w.astype(x_rd.dtype)
     gate_rf = dots.ragged_dot(xs_rd, cast(w_gate_edf), group_sizes)
     up_rf = dots.ragged_dot(xs_rd, cast(w_up_edf), group_sizes)
-    ys_rd = dots.ragged_dot(nn.silu(gate_rf) * up_rf, cast(w_down_efd), group_sizes)
+    ys_rd = dots.ragged_dot(act(gate_rf) * up_rf, cast(w_down_efd), group_sizes)
     y_rd = jnp.zeros_like(ys_rd).at[order].set(ys_rd)
     return jnp.where((ids_r < num_experts)[:, None], y_rd, 0)
 

@@ -187,6 +187,8 @@ class Transformer(nn.Module):
         if c.sliding:  # Gemma 3 / gpt-oss: sliding-window layers (models/sliding.py)
             self.layers = sliding.make_layers(c)
             self.norm = sliding.final_norm(c)
+            if c.per_layer_input_size:  # Gemma 4's per-layer inputs
+                self.per_layer_inputs = sliding.PerLayerInputs(c)
         elif c.layered:  # MoE / hybrid families: layers built per kind (models/hybrid.py)
             self.layers = hybrid.make_layers(c)
             self.norm = hybrid.final_norm(c)
@@ -202,18 +204,21 @@ class Transformer(nn.Module):
             )
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling)
 
-    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+    def embed(self, tokens_bt: jax.Array, scaled: bool = True) -> jax.Array:
+        """Tokens [B,T] -> [B,T,D]; scaled=False: the raw table's rows, without Gemma's
+        sqrt(hidden) (how a drafter embeds its block)."""
         x_btd = self.embed_tokens(tokens_bt)
-        scale = sliding.embed_scale(self.config)
+        scale = sliding.embed_scale(self.config) if scaled else None
         if scale is None:
             return x_btd
         # As HF: the multiplier rounded to the embedding's dtype first (bf16: sqrt(3072) -> 55.5)
         return x_btd * jnp.asarray(scale, self.embed_tokens.embedding.dtype).astype(x_btd.dtype)
 
-    def unembed(self, x_btd: jax.Array) -> jax.Array:
+    def unembed(self, x_btd: jax.Array, capped: bool = True) -> jax.Array:
         """Frozen LM head on already-normalised hidden states -> logits [..., V] (tanh-capped
-        at `final_logit_softcapping` when set)."""
-        return softcap(self._unembed(x_btd), self.config.final_logit_softcapping)
+        at `final_logit_softcapping` when set and `capped`; a drafter's are not)."""
+        cap = self.config.final_logit_softcapping if capped else 0.0
+        return softcap(self._unembed(x_btd), cap)
 
     def _unembed(self, x_btd: jax.Array) -> jax.Array:
         rule = row_rule(self.config)
@@ -255,13 +260,16 @@ class Transformer(nn.Module):
         logit_indices: jax.Array | None = None,
         defer_cache_write: bool = False,
         tree_mask: jax.Array | None = None,
+        prompt_ends: jax.Array | None = None,
     ):
         """`__call__` without the lm_head: (final-normed hidden [B,T or M,D], taps, cache). The
         decode loop applies the head itself (`Head`). defer_cache_write (with cache_lengths):
         the cache is not written; its place in the result holds the new rows, a `KVCache` of
         [B,K,T,H] per layer, for the caller to write (`write_rows`) where it suits it.
         tree_mask [B,T,T] (with cache_lengths): the tokens are a token tree, each seeing the
-        cache and the new tokens it marks (`ops.attention.tree_attention_mask`)."""
+        cache and the new tokens it marks (`ops.attention.tree_attention_mask`). prompt_ends
+        [B] (a sliding family's prefill chunk, `phases.prompt_pass`): where each row's prompt
+        ends within the chunk, a sliding layer's ring written with the rows before it only."""
         c = self.config
         for l in tap_layers:
             if not -1 <= l < c.num_layers:
@@ -272,9 +280,10 @@ class Transformer(nn.Module):
         x_btd = self.embed(tokens_bt)
         if c.sliding:
             tables = sliding.rope_tables(c, positions_bt, x_btd.dtype)
+            ple = self.per_layer_inputs(tokens_bt, x_btd) if c.per_layer_input_size else None
             return self._layered_hidden(
                 x_btd, tables, None, cache, cache_lengths, tap_layers, logit_indices,
-                defer_cache_write, tree_mask,
+                defer_cache_write, tree_mask, ple, prompt_ends,
             )  # fmt: skip
         cos, sin = rope_tables(positions_bt, self.inv_freq, x_btd.dtype)
         if c.layered:
@@ -305,20 +314,23 @@ class Transformer(nn.Module):
         return self.norm(x_btd), taps_btf, new_cache
 
     def _layered_hidden(
-        self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask
-    ):
+        self, x_btd, cos, sin, cache, cache_lengths, tap_layers, logit_indices, defer, tree_mask,
+        ple=None, prompt_ends=None,
+    ):  # fmt: skip
         """`hidden` for the MoE / hybrid families (`hybrid.forward_layers`). A prefill (a cache
         and no cache_lengths) of right-padded rows stops each linear layer's state at the row's
         last logit index, its last prompt token, and writes a sliding layer's ring up to it."""
         state_lengths = None
         if cache is not None and cache_lengths is None and logit_indices is not None:
             state_lengths = logit_indices[:, -1] + 1
+        if prompt_ends is not None:
+            state_lengths = prompt_ends
         params = None if self.is_initializing() else self.variables["params"]
         x_embed = x_btd
         if self.config.sliding:  # cos: the RoPE tables per layer kind (`sliding.rope_tables`)
             x_btd, taps, new = sliding.forward_layers(
                 self.layers, params, self.config, x_btd, cos, cache, cache_lengths, tap_layers,
-                defer, tree_mask, state_lengths,
+                defer, tree_mask, state_lengths, ple,
             )  # fmt: skip
             new = None if new is None else (*new, ())
         else:
@@ -392,6 +404,12 @@ class Head:
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return softcap(self._raw_logits(hidden), self.cap)
+
+    def uncapped(self) -> Head:
+        """This head without the target's softcapping: the drafter's head (the references
+        apply the raw lm_head to draft hidden states, `DrafterConfig.final_logit_softcapping`
+        being the drafter's own)."""
+        return self.replace(cap=0.0)
 
     def _raw_logits(self, hidden: jax.Array) -> jax.Array:
         if self.rows is not None and self.vd is not None:  # as `Transformer.unembed` runs it

@@ -371,32 +371,51 @@ def blocked_append_attention(
     v_new: jax.Array,
     cache_lengths: jax.Array,
     key_block: int | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """`append_attention` (no tree, window, scale, softcap or sinks) with the cache scored in
-    blocks of `key_block` slots (None: PREFILL_KEY_BLOCK) under an online softmax: a loop over
-    the blocks before max(cache_lengths), each [B,K,G*T,key_block] fp32 scores, so a prefill
-    chunk of T queries over a cache of S slots holds T x key_block scores, not T x S (Qwen3-8B,
-    a 256-token chunk at 32K: 16 MiB instead of 1 GiB per copy). The new tokens' own causal
-    block seeds the running max (a query always sees itself). Same mathematics as
-    `append_attention`, summed in another order (fp32 rounding). q [B,T,N,H]; k/v_cache
-    [B,K,S,H]; k/v_new [B,K,T,H]; cache_lengths [B] -> [B,T,N,H]."""
+    """`append_attention` (no tree) with the cache scored in blocks of `key_block` slots
+    (None: PREFILL_KEY_BLOCK) under an online softmax: a loop over the blocks before
+    max(cache_lengths), each [B,K,G*T,key_block] fp32 scores, so a prefill chunk of T queries
+    over a cache of S slots holds T x key_block scores, not T x S (Qwen3-8B, a 256-token chunk
+    at 32K: 16 MiB instead of 1 GiB per copy). The new tokens' own causal block (and the sink
+    logits, which join every softmax's denominator) seeds the running max (a query always sees
+    itself). window / scale / softcap / sinks as `append_attention` (with a window the cache
+    is a ring, `caches.ring_positions`). Same mathematics as `append_attention`, summed in
+    another order (fp32 rounding). q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H];
+    cache_lengths [B] -> [B,T,N,H]."""
     b, t, n, h = q.shape
     kh, s = k_cache.shape[1], k_cache.shape[2]
     g = n // kh
     key_block = min(key_block or PREFILL_KEY_BLOCK, s)
-    scale = h**-0.5
+    scale = h**-0.5 if scale is None else scale
     q_bkmh = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
     query_m = jnp.tile(jnp.arange(t), g)
-    new_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_new, preferred_element_type=jnp.float32)
+
+    def scores(keys_bkth):
+        x = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, keys_bkth, preferred_element_type=jnp.float32)
+        x = x * scale
+        return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
     new_ok_11mt = (jnp.arange(t)[None, :] <= query_m[:, None])[None, None]
-    new_bkmt = jnp.where(new_ok_11mt, new_bkmt * scale, NEG_INF)
+    if window is not None:
+        new_ok_11mt &= (query_m[:, None] - jnp.arange(t)[None, :] < window)[None, None]
+    new_bkmt = jnp.where(new_ok_11mt, scores(k_new), NEG_INF)
     max_bkm = new_bkmt.max(-1)
+    if sinks is not None:  # head k * G + g's sink for row m = g * T + t
+        sink_1km = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), t, axis=1)[None]
+        max_bkm = jnp.maximum(max_bkm, sink_1km)
     p_new_bkmt = jnp.exp(new_bkmt - max_bkm[..., None])
-    init = (
-        max_bkm,
-        p_new_bkmt.sum(-1),
-        _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new),
-    )
+    sum_bkm = p_new_bkmt.sum(-1)
+    if sinks is not None:
+        sum_bkm = sum_bkm + jnp.exp(sink_1km - max_bkm)
+    init = (max_bkm, sum_bkm, _pv("bkmt,bkth->bkmh", p_new_bkmt.astype(v_new.dtype), v_new))
+    if window is not None:
+        pos_bs = ring_positions(cache_lengths, s)
+        q_pos_bm = cache_lengths[:, None] + query_m[None, :]
     dtype = k_cache.dtype
     # As in `tiled_attention`: read a 16-bit cache as bits, each block turned back into floats
     # inside the loop, or XLA:CPU widens the whole cache to f32 out of it.
@@ -415,10 +434,15 @@ def blocked_append_attention(
             jax.lax.dynamic_slice_in_dim(c, start, key_block, axis=2), dtype
         )
         k_bkth, v_bkth = cut(caches[0]), cut(caches[1])
-        sc_bkmt = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_bkth, preferred_element_type=jnp.float32)
         slot_t = start + jnp.arange(key_block)
         ok_bt = (slot_t[None, :] < cache_lengths[:, None]) & (slot_t >= i * key_block)[None, :]
-        sc_bkmt = jnp.where(ok_bt[:, None, None, :], sc_bkmt * scale, NEG_INF)
+        ok_b1mt = ok_bt[:, None, None, :]
+        if window is not None:  # a ring: slot -> its position, and the window from each query
+            pos_bt = jax.lax.dynamic_slice_in_dim(pos_bs, start, key_block, axis=1)
+            fresh_bt = (pos_bt >= 0) & (slot_t >= i * key_block)[None, :]
+            near_bmt = q_pos_bm[:, :, None] - pos_bt[:, None, :] < window
+            ok_b1mt = (fresh_bt[:, None, :] & near_bmt)[:, None]
+        sc_bkmt = jnp.where(ok_b1mt, scores(k_bkth), NEG_INF)
         new_max_bkm = jnp.maximum(max_bkm, sc_bkmt.max(-1))
         rescale_bkm = jnp.exp(max_bkm - new_max_bkm)
         p_bkmt = jnp.exp(sc_bkmt - new_max_bkm[..., None])
@@ -426,7 +450,8 @@ def blocked_append_attention(
         pv_bkmh = _pv("bkmt,bkth->bkmh", p_bkmt.astype(v_bkth.dtype), v_bkth)
         return new_max_bkm, sum_bkm, acc_bkmh * rescale_bkm[..., None] + pv_bkmh
 
-    blocks = (jnp.max(cache_lengths) + key_block - 1) // key_block
+    # a ring's slots are all live once its length passes them
+    blocks = (jnp.minimum(jnp.max(cache_lengths), s) + key_block - 1) // key_block
     _, sum_bkm, acc_bkmh = jax.lax.fori_loop(0, blocks, body, init)
     out_bkmh = acc_bkmh / sum_bkm[..., None]
     out_btnh = out_bkmh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)

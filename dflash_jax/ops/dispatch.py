@@ -409,6 +409,8 @@ def cached_attention(
                 "token-tree verification of a target with sliding-window / sink attention is "
                 "not implemented; use tree_nodes=0"
             )
+        if prefill_blocked(q, old_cache[0]):  # a prefill chunk: scores chunk x key block
+            return xla.blocked_append_attention(q, *old_cache, *new_kv, cache_lengths, **mods)
         return live_window(
             lambda k, v: xla.append_attention(q, k, v, *new_kv, cache_lengths, **mods),
             old_cache,
