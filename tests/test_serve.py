@@ -315,6 +315,7 @@ def test_request_shapes_apps_send(served):
     for body, param in (
         ({"messages": tool}, "messages[0]"),
         ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": messages, "guided_regex": "[0-9]+"}, "guided_regex"),  # never ignored
         ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ):
