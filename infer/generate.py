@@ -121,7 +121,7 @@ def main(argv):
     if table is not None:  # the grammar's table and how many answer tokens it forced
         forced, total = grammar.forced_share(table, run.output.tokens, run.output.lengths)
         result.update(grammar_table_bytes=table.nbytes, forced_tokens=forced)
-        result["grammar_states"], result["grammar_classes"] = map(int, table.trans.shape)
+        result["grammar_table_shape"] = list(map(int, table.trans.shape))  # padded [S, C]
         if FLAGS.json_schema:
             result["valid_json"] = _parses(result["text"])
     if cfg.adaptive:
