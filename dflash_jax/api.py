@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError
-from dflash_jax.decoding import calibration
+from dflash_jax.decoding import calibration, grammar
 from dflash_jax.decoding.autoregressive import autoregressive_config
 from dflash_jax.decoding.runner import TimedRun as TimedRun
 from dflash_jax.decoding.runner import check_inputs as check_inputs
@@ -21,6 +21,7 @@ from dflash_jax.decoding.runner import plan_run, precompile
 from dflash_jax.decoding.runner import timed_decode as timed_decode
 from dflash_jax.decoding.settings import GROUP_OF, DecodeConfig, group_of
 from dflash_jax.files import cache_root, read_json_table, write_json_atomic
+from dflash_jax.io import grammar as grammar_io
 from dflash_jax.io.tokenizer import render_prompt as render_prompt
 
 MIN_BUCKET = 32
@@ -637,6 +638,23 @@ def generate_config(
     )  # fmt: skip
 
 
+def grammar_table(target, spec: grammar_io.GrammarSpec, cfg: DecodeConfig) -> grammar.Grammar:
+    """The device table of `spec` over the target's tokenizer (`io.grammar`, compiled once per
+    process), ending at the decode's stop tokens."""
+    if target.tokenizer is None:
+        raise grammar_io.GrammarError("structured output needs the target's tokenizer")
+    key = id(target.tokenizer)
+    if key not in _PIECES:
+        _PIECES[key] = grammar_io.token_bytes(target.tokenizer)
+    tables = grammar_io.compile_grammar(
+        spec, _PIECES[key], target.config.vocab_size, cfg.stop_token_ids
+    )
+    return grammar.device_table(*tables)
+
+
+_PIECES: dict = {}  # id(tokenizer) -> its tokens' bytes
+
+
 def generate(
     target,
     drafter,
@@ -645,6 +663,10 @@ def generate(
     max_new_tokens: int = 128,
     seed: int = 0,
     chat: bool = True,
+    json_schema=None,
+    regex: str | None = None,
+    choices: list[str] | None = None,
+    json_object: bool = False,
     **settings,
 ) -> list[str]:
     """Decodes a batch of text prompts with DFlash (or the target alone when drafter is None)
@@ -661,8 +683,13 @@ def generate(
     batch-invariant decode runs at (`DecodeConfig.row_tile`; 0: 32); a large batch runs
     faster at `ops.invariance.row_tile_for(len(prompts) * 16)`, in other bits.
     max_new_tokens is an input of the compiled decode, its buffers a power of two
-    (`budget_bucket`): a new budget within a bucket runs the programs already compiled."""
+    (`budget_bucket`): a new budget within a bucket runs the programs already compiled.
+    Structured output (at most one): json_schema (a dict or JSON text), regex, choices (a
+    list of strings) or json_object (any JSON object): every answer is text the grammar
+    accepts, drawn from the target's distribution masked to it (`decoding.grammar`);
+    `io.grammar.GrammarError` for a grammar the compiler cannot take."""
     prompts = check_text_prompts(prompts)
+    spec = grammar_io.spec_of(json_schema, regex, choices, json_object)
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
     tokens = [render_prompt(target.tokenizer, p, chat) for p in prompts]
@@ -676,6 +703,8 @@ def generate(
         kw["step_costs"] = calibration.calibrate_step_costs(
             target, drafter, prompt, lengths, cfg, traced_budget=True, plan=kw["plan"]
         )
+    if spec is not None:
+        kw["constraint"] = grammar.constraint(grammar_table(target, spec, cfg), len(prompts))
     run = timed_decode(target, drafter, prompt, lengths, seed, cfg, max_new=max_new_tokens, **kw)
     out = run.output
     return [

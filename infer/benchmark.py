@@ -25,7 +25,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from dflash_jax import api
-from dflash_jax.decoding import breakdown, calibration, programs, proposers
+from dflash_jax.decoding import breakdown, calibration, grammar, programs, proposers
 from dflash_jax.decoding.lookup import prompt_lookup_taus
 from dflash_jax.decoding.settings import TREE_KIND_BASE, DecodeConfig, kind_label
 from dflash_jax.io import jsonl, load_target
@@ -42,6 +42,11 @@ flags.DEFINE_string(
     "assistant message), 'dev' (our held-out dev set: 8 code, 8 math and 8 chat prompts, "
     "dflash_jax/assets/eval/dev_mixed.jsonl) or 'jsonl:PATH' (one {\"prompt\": ...} object "
     "per line).",
+)
+flags.DEFINE_string(
+    "json_schema",
+    None,
+    "Structured output: a JSON schema file every answer must fit, AR and DFlash alike.",
 )
 flags.DEFINE_integer("num_prompts", 0, "Use the first N prompts (0 = all).")
 flags.DEFINE_string("output", None, "Write per-prompt and aggregate results here (JSON).")
@@ -134,10 +139,12 @@ def load_conversations(dataset: str, limit: int) -> list[list[str]]:
     return convs[:limit] if limit > 0 else convs
 
 
-def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None):
-    """One synchronised run; the first run of each compiled shape is a discarded warm-up."""
+def _timed(target, drafter, prompt, lengths, cfg, warmed: set, step_costs=None, constraint=None):
+    """One synchronised run; the first run of each compiled shape is a discarded warm-up.
+    constraint: structured output (--json_schema), for AR and DFlash alike."""
     key = (id(target), drafter is None, prompt.shape, cfg)
     kw = {} if drafter is None else {"step_costs": step_costs}
+    kw["constraint"] = constraint
     if key not in warmed:
         api.timed_decode(target, drafter, prompt, lengths, FLAGS.seed, cfg, **kw)
         warmed.add(key)
@@ -154,15 +161,19 @@ def drafter_alone_config(cfg: DecodeConfig, step_costs) -> tuple[DecodeConfig, o
     return alone, costs
 
 
-def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None, alone=None):
+def run_turn(
+    target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None, alone=None,
+    constraint=None,
+):  # fmt: skip
     """AR (the lossless reference: the same config, target alone), DFlash, each target in
     `plain_ars` {dtype: target} decoding alone without batch invariance (the fastest ARs) and,
-    with `alone` (`drafter_alone_config`), DFlash with the lookups off."""
+    with `alone` (`drafter_alone_config`), DFlash with the lookups off; with a `constraint`
+    (structured output, --json_schema) the AR and DFlash decodes constrained alike."""
     prompt, lengths = api.pad_prompts([ids])
     ar_cfg = api.baseline_config(cfg)
-    ar = _timed(target, None, prompt, lengths, ar_cfg, warmed)
+    ar = _timed(target, None, prompt, lengths, ar_cfg, warmed, constraint=constraint)
     prefill_s = ar.start_s  # the AR decode's start half: the target prefill and nothing else
-    df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs)
+    df = _timed(target, drafter, prompt, lengths, cfg, warmed, step_costs, constraint)
     plain = {}
     ref_is_plain = programs.run_target_config(target.config, ar_cfg).invariant_rows is None
     for dtype, t in (plain_ars or {}).items():
@@ -171,7 +182,7 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None,
         run = (
             ar
             if t is target and ref_is_plain
-            else _timed(t, None, prompt, lengths, plain_cfg, warmed)
+            else _timed(t, None, prompt, lengths, plain_cfg, warmed, constraint=constraint)
         )
         n = int(run.output.lengths[0])
         # Its own prefill excluded (a plain pass, in its own precision).
@@ -184,7 +195,7 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None,
     tpot = lambda run, n: (max(run.run_s - prefill_s, 1e-9) / (n - 1)) if n > 1 else None
     alone_stats = {}
     if alone is not None:
-        solo = _timed(target, drafter, prompt, lengths, *alone[:1], warmed, alone[1])
+        solo = _timed(target, drafter, prompt, lengths, *alone[:1], warmed, alone[1], constraint)
         n_solo, solo_steps = int(solo.output.lengths[0]), int(solo.output.num_steps[0])
         alone_stats["drafter_alone"] = {
             "tokens": n_solo,
@@ -197,27 +208,37 @@ def run_turn(target, drafter, ids, cfg, warmed, step_costs=None, plain_ars=None,
                 and np.array_equal(ar.output.tokens[0, :n_ar], solo.output.tokens[0, :n_solo])
             ),
         }
-    return {
-        "prompt_tokens": len(ids),
-        "ar_tokens": n_ar,
-        "dflash_tokens": n_df,
-        "prefill_s": prefill_s,
-        "ar_s": ar.run_s,
-        "dflash_s": df.run_s,
-        "ar_tpot_s": tpot(ar, n_ar),
-        "dflash_tpot_s": tpot(df, n_df),
-        "steps": steps,
-        "block_sizes": np.asarray(df.output.block_sizes[0, :steps]).tolist(),
-        "ar_steps": int(ar.output.num_steps[0]),
-        "tau_mean": float(np.mean(taus)) if taus else None,
-        "taus": taus,
-        "lookup_tau_mean": float(np.mean(lookup)) if lookup else None,
-        "outputs_identical": bool(
-            n_ar == n_df and np.array_equal(ar.output.tokens[0, :n_ar], df.output.tokens[0, :n_df])
-        ),
-        "plain_ar_tpot_s": plain,
-        **alone_stats,
-    }, np.asarray(df.output.tokens[0, :n_df]).tolist()
+    return (
+        {
+            "prompt_tokens": len(ids),
+            "ar_tokens": n_ar,
+            "dflash_tokens": n_df,
+            "prefill_s": prefill_s,
+            "ar_s": ar.run_s,
+            "dflash_s": df.run_s,
+            "ar_tpot_s": tpot(ar, n_ar),
+            "dflash_tpot_s": tpot(df, n_df),
+            "steps": steps,
+            "block_sizes": np.asarray(df.output.block_sizes[0, :steps]).tolist(),
+            "ar_steps": int(ar.output.num_steps[0]),
+            "tau_mean": float(np.mean(taus)) if taus else None,
+            "taus": taus,
+            "lookup_tau_mean": float(np.mean(lookup)) if lookup else None,
+            "outputs_identical": bool(
+                n_ar == n_df
+                and np.array_equal(ar.output.tokens[0, :n_ar], df.output.tokens[0, :n_df])
+            ),
+            "plain_ar_tpot_s": plain,
+            # structured output: the answer tokens the grammar forced (its state allowed no other)
+            "forced_tokens": (
+                None
+                if constraint is None
+                else grammar.forced_share(constraint[0], df.output.tokens, df.output.lengths)[0]
+            ),  # fmt: skip
+            **alone_stats,
+        },
+        np.asarray(df.output.tokens[0, :n_df]).tolist(),
+    )
 
 
 def kind_mix(turns: list[dict]) -> dict:
@@ -554,6 +575,7 @@ def main(argv):
         # The same builder as infer.generate (`api.generate_config`): no flags, the same decode.
         cfg = common.run_config(target, drafter)
         api.check_inputs(target, drafter, np.zeros((1, 1), np.int32), np.ones(1, np.int32), cfg)
+        constraint, _ = common.grammar_constraint(target, cfg, FLAGS.json_schema)
     block = cfg.block_size
     breakdown_on = FLAGS.breakdown and drafter is not None
     floors_before = gemm_floors(target, drafter, cfg) if breakdown_on else None
@@ -575,7 +597,7 @@ def main(argv):
             if plain_ars is None:
                 plain_ars, ar_probe = pick_plain_ars(target, ids, cfg)
             stats, answer = run_turn(
-                target, drafter, ids, cfg, warmed, step_costs, plain_ars, alone
+                target, drafter, ids, cfg, warmed, step_costs, plain_ars, alone, constraint
             )
             stats.update(conversation=conv_id, turn=turn_id)
             turns.append(stats)
@@ -587,6 +609,11 @@ def main(argv):
             )
     agg = aggregate(turns, block, dtype)
     agg["fastest_ar_probe"] = ar_probe
+    if constraint is not None:
+        agg["json_schema"] = FLAGS.json_schema
+        agg["forced_token_share"] = sum(t["forced_tokens"] for t in turns) / max(
+            sum(t["dflash_tokens"] for t in turns), 1
+        )
     if (solo := drafter_alone(turns, dtype)) is not None:
         agg["drafter_alone"] = solo
     if step_costs is not None:

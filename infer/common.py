@@ -333,3 +333,28 @@ def load_for_prompt(prompt_text: str | None):
         target, drafter, _, _ = load_models()
         prompt, lengths = api.pad_prompts([api.render_prompt(target.tokenizer, prompt_text)])
     return target, drafter, prompt, lengths
+
+
+def grammar_constraint(target, cfg, json_schema_file=None, regex=None, choices=None):
+    """(the decodes' constraint input, the grammar's device table) of a CLI's --json_schema
+    (a file) / --regex / --choices, (None, None) without any; a UsageError naming the problem
+    for a file it cannot read or a grammar the compiler cannot take."""
+    from dflash_jax.decoding import grammar
+    from dflash_jax.io import grammar as grammar_io
+
+    schema = None
+    if json_schema_file:
+        try:
+            with open(json_schema_file) as f:
+                schema = f.read()
+        except OSError as e:
+            message = f"--json_schema={json_schema_file}: cannot read it ({e})"
+            raise app.UsageError(message) from None
+    try:
+        spec = grammar_io.spec_of(schema, regex, choices)
+        if spec is None:
+            return None, None
+        table = api.grammar_table(target, spec, cfg)
+    except grammar_io.GrammarError as e:
+        raise app.UsageError(str(e)) from None
+    return grammar.constraint(table, 1), table

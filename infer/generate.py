@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from dflash_jax import api
-from dflash_jax.decoding import calibration, programs, proposers, runner
+from dflash_jax.decoding import calibration, grammar, programs, proposers, runner
 from dflash_jax.decoding.settings import kind_label
 from infer import cli, common, report
 
@@ -30,6 +30,14 @@ flags.DEFINE_string("prompt", None, "The user prompt (required).")
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the target's chat template.")
 flags.DEFINE_bool("compare_ar", False, "Also run the target alone; report speedup and identity.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of text and a summary.")
+flags.DEFINE_string(
+    "json_schema",
+    None,
+    "Structured output: a JSON schema file; the answer is JSON that fits it (the target's "
+    "distribution masked to the schema's grammar at every step, drafts and verify alike).",
+)
+flags.DEFINE_string("regex", None, "Structured output: the answer matches this regular expression.")
+flags.DEFINE_list("choices", None, "Structured output: the answer is one of these (comma list).")
 flags.DEFINE_bool(
     "stream",
     True,
@@ -54,6 +62,9 @@ def main(argv):
             [api.render_prompt(target.tokenizer, FLAGS.prompt, FLAGS.chat)]
         )
         api.check_inputs(target, drafter, prompt, lengths, cfg)
+        constraint, table = common.grammar_constraint(
+            target, cfg, FLAGS.json_schema, FLAGS.regex, FLAGS.choices
+        )
     load_s = time.perf_counter() - t0
     # Every executable this run needs, compiled side by side (XLA compiles outside the GIL).
     needs_ar = drafter is not None and (FLAGS.compare_ar or cfg.adaptive)
@@ -75,6 +86,7 @@ def main(argv):
         FLAGS.seed,
         cfg,
         on_tokens=api.TokenStream(target.tokenizer, show) if stream else None,
+        constraint=constraint,
         **({"step_costs": step_costs} if drafter else {}),
     )
     if stream and primary:
@@ -106,6 +118,12 @@ def main(argv):
     }
     if drafter is not None:  # steps and tokens by proposer, the drafted blocks' own tau
         result.update(proposers.report(run.output.block_sizes[0, :steps], acc[:steps]))
+    if table is not None:  # the grammar's table and how many answer tokens it forced
+        forced, total = grammar.forced_share(table, run.output.tokens, run.output.lengths)
+        result.update(grammar_table_bytes=table.nbytes, forced_tokens=forced)
+        result["grammar_table_shape"] = list(map(int, table.trans.shape))  # padded [S, C]
+        if FLAGS.json_schema:
+            result["valid_json"] = _parses(result["text"])
     if cfg.adaptive:
         kinds = np.asarray(run.output.block_sizes[0, :steps])
         result["step_kind_mix"] = {kind_label(k): int((kinds == k).sum()) for k in np.unique(kinds)}
@@ -113,7 +131,10 @@ def main(argv):
             kind_label(b): float(c) for b, c in zip(cfg.all_kinds, step_costs, strict=True)
         }
     if FLAGS.compare_ar and drafter is not None:
-        ar = api.timed_decode(target, None, prompt, lengths, FLAGS.seed, api.baseline_config(cfg))
+        ar_cfg = api.baseline_config(cfg)
+        ar = api.timed_decode(
+            target, None, prompt, lengths, FLAGS.seed, ar_cfg, constraint=constraint
+        )
         ar_n = int(ar.output.lengths[0])
         result.update(
             ar_tokens_per_s=ar_n / ar.run_s,
@@ -130,6 +151,14 @@ def main(argv):
     if not stream:
         print(result["text"])
     print(report.generate_summary(result), file=sys.stderr)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def mode_name(cfg, drafter) -> str:

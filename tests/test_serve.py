@@ -323,6 +323,7 @@ def test_request_shapes_apps_send(served):
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"messages": tool}, "messages[0]"),
         ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": messages, "guided_regex": "[0-9]+"}, "guided_regex"),  # never ignored
         ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ):

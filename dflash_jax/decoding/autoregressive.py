@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.decoding import grammar
 from dflash_jax.decoding.phases import next_token, prefill
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
@@ -38,18 +39,20 @@ def _start_autoregressive(
     prompt_lengths,
     rng,
     max_new=None,
+    constraint=None,
     *,
     target_config,
     decode_config,
     mesh=None,
 ) -> LoopState:
     """The AR decode's prefill: its loop state, the first token committed. max_new: a traced
-    token budget up to max_new_tokens (`phases.prefill`; None: that)."""
+    token budget up to max_new_tokens (`phases.prefill`; None: that); constraint: a grammar
+    and each row's start state (`phases.prefill`)."""
     tcfg, cfg = target_config, decode_config
     cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
     head = decoding_head(target_params, tcfg)
     args = (target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
-    state, _ = prefill(*args, max_new=max_new)
+    state, _ = prefill(*args, max_new=max_new, constraint=constraint)
     return constrain(state, mesh)
 
 
@@ -77,7 +80,8 @@ def _advance_autoregressive(
         hidden_b1d, _, cache = model.apply(
             {"params": target_params}, last_b1, start_b[:, None], s.cache, start_b, method="hidden"
         )
-        next_b = next_token(head, hidden_b1d[:, 0], step_key(rng, s.step), cfg)
+        vhead = grammar.masked_head(head, s.grammar, s.gstate)
+        next_b = next_token(vhead, hidden_b1d[:, 0], step_key(rng, s.step), cfg)
         s, _ = commit(s.replace(cache=cache), next_b[:, None], jnp.ones_like(start_b), cfg)
         return constrain(s, mesh)
 
@@ -90,13 +94,16 @@ def _autoregressive(
     prompt_lengths,
     rng,
     step_limit,
+    constraint=None,
     *,
     target_config,
     decode_config,
     mesh=None,
 ) -> DecodeOutput:
     statics = dict(target_config=target_config, decode_config=decode_config, mesh=mesh)
-    state = _start_autoregressive(target_params, prompt, prompt_lengths, rng, **statics)
+    state = _start_autoregressive(
+        target_params, prompt, prompt_lengths, rng, None, constraint, **statics
+    )
     state = _advance_autoregressive(
         target_params, prompt, prompt_lengths, rng, step_limit, state, **statics
     )
@@ -122,6 +129,7 @@ def autoregressive_decode(
     decode_config: DecodeConfig,
     mesh=None,
     step_limit: int | None = None,
+    constraint=None,
 ) -> DecodeOutput:
     """The target decoding alone, one token per step: the baseline and the lossless reference.
 
@@ -130,11 +138,12 @@ def autoregressive_decode(
     mesh: a `jax.sharding.Mesh` (axes data/fsdp/tensor, `sharding.make_mesh`) to run on, else the
     one set by `jax.set_mesh`, else one device; the tokens are the same (see `on_mesh`).
     step_limit: stop after this many loop steps (None: `max_steps`); an input, so a new limit
-    never recompiles.
+    never recompiles. constraint: structured output, (a `grammar.Grammar`, each row's start
+    state [B]: 0, or grammar.NONE for a row without; `grammar.constraint` builds it).
     """
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
     check_prompt(prompt, prompt_lengths, target_config, decode_config)
     plan = make_plan(target_config, None, decode_config, mesh)
     limit = step_limit_array(decode_config, step_limit)
-    args = (target_params, prompt, prompt_lengths, typed_key(rng), limit)
+    args = (target_params, prompt, prompt_lengths, typed_key(rng), limit, constraint)
     return run(autoregressive_jit, args, plan.statics, mesh)

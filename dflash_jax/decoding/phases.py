@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decoding import markov, selector
+from dflash_jax.decoding import grammar, markov, selector
 from dflash_jax.decoding.sampling import (
     RowSettings,
     accept_greedy_choices,
@@ -55,15 +55,17 @@ def prefill(
     max_new=None,
     sink=None,
     prefix=None,
+    constraint=None,
 ) -> tuple[LoopState, jax.Array | None]:
     """Target on the whole (right-padded) prompt; the first token comes from each row's last
     prompt position. rows: each row's own settings (`DecodeConfig.row_settings`; their keys
     replace `rng`). max_new: a traced token budget (at most `cfg.max_new_tokens`, which sizes
     the buffers) kept in the state as every row's limit, so one program serves every budget
     up to the buffer's; None: `cfg.max_new_tokens`; with `rows`, each row's own limit instead.
-    sink: see `prompt_pass`. prefix: None, or the cache (one row of C slots) of C tokens every
-    prompt begins with, which `prompt_bp` leaves out and `prompt_lengths_b` count: each row's
-    cache starts from it and the pass runs over the rest (a plain target's, without taps).
+    sink: see `prompt_pass`. constraint: `grammar.constraint`'s (the first token masked).
+    prefix: None, or the cache (one row of C slots) of C tokens every prompt begins with,
+    which `prompt_bp` leaves out and `prompt_lengths_b` count: each row's cache starts from it
+    and the pass runs over the rest (a plain target's, without taps).
     -> (state without drafter fields, prompt taps [B,P,F] or None; with a sink, its result
     instead of the taps)."""
     b, p = prompt_bp.shape
@@ -92,6 +94,7 @@ def prefill(
         offset,
     )
     budget_b = None if max_new is None or rows is not None else jnp.full((b,), max_new, jnp.int32)
+    head = grammar.masked_head(head, *(constraint or (None, None)))
     if rows is None:
         first_b = next_token(head, hidden_b1d[:, 0], step_key(rng, max_steps(cfg)), cfg)
         limit_b = jnp.full((b,), cfg.max_new_tokens, jnp.int32) if budget_b is None else budget_b
@@ -100,19 +103,15 @@ def prefill(
         limit_b = rows.max_new
     width = cfg.max_new_tokens + cfg.block_size + 1
     gen_bw = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first_b)
-    done_b = (
-        jnp.isin(first_b, jnp.asarray(cfg.stop_token_ids, jnp.int32))
-        if cfg.stop_token_ids
-        else jnp.zeros((b,), bool)
-    )
-    done_b = done_b | (limit_b <= 1)
-    kept = {}
+    stops = jnp.asarray(cfg.stop_token_ids or (-1,), jnp.int32)  # -1: no token stops
+    kept, ended_b = grammar.started(constraint, first_b)  # a grammar's state after first
+    done_b = jnp.isin(first_b, stops) | (limit_b <= 1) | ended_b
     if cfg.logprobs:  # the first token's, at slot 0 of each buffer beside gen
         lp_b1, top_b1k, ids_b1k = token_logprobs(
             lambda: head.logits(hidden_b1d), first_b[:, None], rows, cfg.logprobs, rows.logprobs
         )
         room = lambda x: jnp.zeros((b, width) + x.shape[2:], x.dtype).at[:, :1].set(x)
-        kept = dict(logp=room(lp_b1), top_logp=room(top_b1k), top_ids=room(ids_b1k))
+        kept.update(logp=room(lp_b1), top_logp=room(top_b1k), top_ids=room(ids_b1k))
     state = LoopState(
         gen=gen_bw,
         n_gen=jnp.ones((b,), jnp.int32),
@@ -351,13 +350,14 @@ def init_speculative(
     cache_len: int | None = None,
     max_new=None,
     control=None,
+    constraint=None,
 ) -> LoopState:
     """Prefill, then the prompt's drafter context K/V (block-independent: all appended now);
     `control`: the controller's state (`proposers.init_control`), carried as given.
     -> the speculative loop's state before any step (the adaptive controller at its prior).
     rows: each row's own settings (`DecodeConfig.row_settings`; None there: `cfg`'s for every
     row). cache_len: the caches' length (None: room for the prompt, the new tokens and a step).
-    max_new: a traced token budget (`prefill`)."""
+    max_new: a traced token budget, constraint a grammar (`prefill`)."""
     bs = cfg.block_size
     b, p = prompt.shape
     if cache_len is None:
@@ -385,6 +385,7 @@ def init_speculative(
         rows,
         max_new,
         sink=(context, (empty, empty)),
+        constraint=constraint,
     )
     return state.replace(
         ctx_k=ctx_k,

@@ -20,8 +20,9 @@ from the text so far or the drafter's corpus table) or a tree ("tree", `tree_kin
 
 The loop (`speculative`) builds its `lax.switch` from the entries: one branch per verify
 width, shared by every entry that drafts a chain of that width (a drafted and a copied block
-of 8 run one compiled verify), and one per entry with a step of its own. A new proposer (a
-grammar's forced run) is one more entry.
+of 8 run one compiled verify), and one per entry with a step of its own. A grammar's forced
+run (`decoding.grammar`) rides the copy entry's look: where the row's grammar state forces
+tokens, that run is the copy proposal.
 
 Every report names steps by proposer (`NAMES`, from each row's recorded kind: `name_of`):
 a plain step, a drafted block, a text copy (prompt lookup), a corpus copy and a tree.
@@ -36,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding import adaptive, lookup
+from dflash_jax.decoding import adaptive, grammar, lookup
 from dflash_jax.decoding.settings import CORPUS_KIND_BASE, TREE_KIND_BASE, DecodeConfig
+from dflash_jax.models.drafter import drafter_logits
 
 # What every report counts steps and tokens by, in this order.
 NAMES = ("text_copy", "corpus_copy", "drafted", "tree", "plain")
@@ -179,6 +181,9 @@ def _drafted_drafts(s, view, bs, ctx, draw, k_draft, anchor_b1, start_b, cut: bo
         ctx.drafter_params, ctx.target_params, ctx.tcfg, ctx.dcfg, anchor_b1, s.ctx_k, s.ctx_v,
         s.drf_len, start_b, bs,
     )  # fmt: skip
+    if s.grammar is not None and not cut and grammar.drafts_constrained(ctx.dcfg):
+        logits_bgv = drafter_logits(ctx.head, ctx.tcfg, ctx.dcfg, ctx.drafter_params, hidden_bgd)
+        return grammar.constrained_drafts(logits_bgv, s.grammar, s.gstate, draw, k_draft)
     return draft_tokens(
         ctx.head, ctx.tcfg, ctx.dcfg, draw, hidden_bgd, k_draft, ctx.drafter_params, anchor_b1,
         kept=cut,
@@ -200,6 +205,10 @@ def _copy_look(s, ctx):
         ctx.prompt, ctx.prompt_lengths, s.gen, s.n_gen, ctx.cfg.block_size - 1,
         ctx.cfg.lookup_ngram, ctx.corpus,
     )  # fmt: skip
+    if s.grammar is not None:  # a run the grammar forces is proposed instead, as a copy
+        forced_b = grammar.forced_run(s.grammar, s.gstate, 1)[1] > 0
+        copy_bg, found_b = grammar.with_forced(s.grammar, s.gstate, copy_bg, found_b)
+        corpus_b = corpus_b & ~forced_b
     return {"copy": copy_bg, "found": found_b, "corpus": corpus_b}
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.decoding import autoregressive, programs, speculative
+from dflash_jax.decoding import autoregressive, grammar, programs, speculative
 from dflash_jax.decoding.plan import Plan, make_plan
 from dflash_jax.decoding.settings import DecodeConfig, autoregressive_config
 from dflash_jax.decoding.state import DecodeOutput, finish, max_steps
@@ -245,6 +245,7 @@ def timed_decode(
     chunk_steps: int = STREAM_CHUNK_STEPS,
     max_new: int | None = None,
     plan: Plan | None = None,
+    constraint=None,
 ) -> TimedRun:
     """Runs the speculative decode (or the autoregressive one when drafter is None) as the
     jitted halves `decoding.runner` times, compilation apart from execution; executables are
@@ -258,7 +259,8 @@ def timed_decode(
     the start half: every budget up to the buffer's runs one compiled pair of halves (the
     output's buffers keep `cfg`'s length); None: `cfg.max_new_tokens`, as a constant.
     plan: this decode's (`plan_run`), when the caller resolved it already (then `mesh` is
-    the plan's)."""
+    the plan's). constraint: structured output (`grammar.constraint`), an input of the start
+    half: a new grammar in the same buckets runs the programs already compiled."""
     start, advance, head, inputs, plan = plan_halves(
         target, drafter, prompt, lengths, seed, cfg, step_costs, forced_kind, mesh, plan
     )
@@ -267,6 +269,10 @@ def timed_decode(
         if not 1 <= max_new <= cfg.max_new_tokens:
             raise ValueError(f"max_new={max_new}: between 1 and {cfg.max_new_tokens}")
         start_inputs = (np.int32(max_new),)
+    if constraint is not None:
+        if cfg.tree_nodes and drafter is not None:
+            raise ValueError(grammar.TREE_REFUSED)
+        start_inputs = (start_inputs[0] if start_inputs else None, constraint)
     limit = max_steps(cfg) if step_limit is None else step_limit
     return timed_run(
         start,

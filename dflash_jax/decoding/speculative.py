@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.decoding import adaptive, cut, proposers, tree
+from dflash_jax.decoding import adaptive, cut, grammar, proposers, tree
 from dflash_jax.decoding.phases import init_speculative
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
@@ -135,6 +135,7 @@ def _start_speculative(
     prompt_lengths,
     rng,
     max_new=None,
+    constraint=None,
     *,
     target_config,
     drafter_config,
@@ -142,7 +143,8 @@ def _start_speculative(
     mesh=None,
 ) -> LoopState:
     """The speculative decode's prefill and prompt context: its loop state before any step.
-    max_new: a traced token budget up to max_new_tokens (`phases.prefill`; None: that)."""
+    max_new: a traced token budget up to max_new_tokens (`phases.prefill`; None: that);
+    constraint: a grammar and each row's start state (`phases.prefill`)."""
     head = decoding_head(target_params, target_config)
     state = init_speculative(
         target_params,
@@ -156,6 +158,7 @@ def _start_speculative(
         rng,
         max_new=max_new,
         control=proposers.init_control(decode_config, prompt.shape[0]),
+        constraint=constraint,
     )
     return constrain(state, mesh)
 
@@ -194,6 +197,8 @@ def _advance_speculative(
         corpus=ngrams.table_of(drafter_params),
     )
     width = cfg.block_size
+    if cfg.tree_nodes and state.grammar is not None:
+        raise ValueError(grammar.TREE_REFUSED)
     if cfg.tree_nodes and not cfg.adaptive:  # every step a tree, applied as a block
         tree_k = jnp.int32(tree_kind(cfg.tree_nodes))
         propose = lambda s: Proposal(kind=tree_k, **tree.propose(s, ctx, width))
@@ -239,6 +244,7 @@ def _speculative(
     step_costs,
     forced_kind,
     step_limit,
+    constraint=None,
     *,
     target_config,
     drafter_config,
@@ -252,7 +258,7 @@ def _speculative(
         mesh=mesh,
     )
     params = (target_params, drafter_params, prompt, prompt_lengths, rng)
-    state = _start_speculative(*params, **statics)
+    state = _start_speculative(*params, None, constraint, **statics)
     state = _advance_speculative(*params, step_costs, forced_kind, step_limit, state, **statics)
     return finish(state, decode_config)
 
@@ -295,6 +301,7 @@ def speculative_decode(
     step_costs=None,
     mesh=None,
     step_limit: int | None = None,
+    constraint=None,
 ) -> DecodeOutput:
     """DFlash speculative decoding; output distributed exactly as the target's own (greedy:
     identical tokens). Same inputs and output as `autoregressive_decode` (`step_limit` too).
@@ -302,7 +309,7 @@ def speculative_decode(
     With `decode_config.adaptive`, each step's block size is chosen on device (see
     `decoding/adaptive.py`); `step_costs` [num_kinds] are the kinds' costs in AR steps
     (`calibration.calibrate_step_costs` measures them; an array, so new costs never recompile).
-    `mesh` as in `autoregressive_decode`.
+    `mesh` and `constraint` (structured output) as in `autoregressive_decode`.
     """
     plan = make_plan(target_config, drafter_config, decode_config, mesh)
     prompt, prompt_lengths = jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
@@ -316,5 +323,6 @@ def speculative_decode(
         step_cost_array(decode_config, step_costs),
         jnp.int32(-1),
         step_limit_array(decode_config, step_limit),
+        constraint,
     )
     return run(speculative_jit, args, plan.statics, mesh)

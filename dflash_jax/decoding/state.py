@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
+from dflash_jax.decoding import grammar
 from dflash_jax.decoding.sampling import split_key
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.models.target import KVCache
@@ -65,6 +66,10 @@ class LoopState:
     logp: jax.Array | None = None
     top_logp: jax.Array | None = None
     top_ids: jax.Array | None = None
+    # Structured output (`decoding.grammar`): the compiled grammar (a `Grammar`, the same at
+    # every step) and each row's automaton state [B] (grammar.NONE: a row without one).
+    grammar: object | None = None
+    gstate: jax.Array | None = None
 
 
 # Logical axes of the carry (sharding.py maps them onto a mesh): rows split with the batch,
@@ -87,6 +92,8 @@ _CARRY_AXES = {
     "logp": ("batch", "length"),
     "top_logp": ("batch", "length"),
     "top_ids": ("batch", "length"),
+    "grammar": (),  # each table replicated
+    "gstate": ("batch",),
 }
 
 
@@ -169,6 +176,10 @@ def commit(
     else:
         has_stop_b = jnp.zeros((b,), bool)
     produced_b = jnp.where(active_b, produced_b, 0)
+    ended_b = jnp.zeros((b,), bool)
+    if state.grammar is not None:  # each row's automaton moves over what it commits
+        gstate, ended_b = grammar.commit_walk(state.grammar, state.gstate, new_bt, produced_b)
+        state = state.replace(gstate=gstate)
     width = state.gen.shape[1]
     write_bt = jnp.where(idx_t[None, :] < produced_b[:, None], state.n_gen[:, None] + idx_t, width)
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -181,7 +192,7 @@ def commit(
             top_ids=state.top_ids.at[rows_bt, write_bt].set(top_ids_btk, mode="drop"),
         )
     n_gen = state.n_gen + produced_b
-    done = state.done | (active_b & (has_stop_b | (n_gen >= limit_b)))
+    done = state.done | (active_b & (has_stop_b | ended_b | (n_gen >= limit_b)))
     acc = state.acc.at[jnp.arange(b), state.step].set(produced_b, mode="drop")
     kind_b = jnp.where(active_b, block_size, 0).astype(jnp.int32)
     kinds = state.kinds.at[jnp.arange(b), state.step].set(kind_b, mode="drop")

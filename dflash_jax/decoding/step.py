@@ -10,6 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.decoding import grammar
 from dflash_jax.decoding.phases import context_rows, next_token, verify_accept, verify_hidden
 from dflash_jax.decoding.sampling import token_logprobs
 
@@ -55,22 +56,29 @@ def verify(s, ctx, draw, k_accept, drafts_bg, draft_logp_bgv, kept_b, bs, width,
         verify_bt = jnp.concatenate([anchor_b1, drafts_bg], axis=1)
     else:
         verify_bt = anchor_b1
+    # With a grammar, each position's distribution masked by the state its proposed prefix
+    # reaches (a refused draft is rejected: the masked target gives it no probability).
+    states_bt = None
+    if s.grammar is not None:
+        states_bt = grammar.walk(s.grammar, s.gstate, verify_bt[:, 1:])  # [B,T]
+    vhead = grammar.masked_head(head, s.grammar, states_bt)
     vhidden_btd, taps_btf, kv_rows = verify_hidden(
         tparams, tcfg, dcfg, verify_bt, start_b, s.cache, defer_write=True
     )
     if bs > 1:
         a_b, new_bt = verify_accept(
-            head, draw, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept, kept_b
+            vhead, draw, vhidden_btd, drafts_bg, draft_logp_bgv, k_accept, kept_b
         )
     else:
-        new_bt = next_token(head, vhidden_btd[:, 0], k_accept, draw)[:, None]
+        head_b = grammar.masked_head(head, s.grammar, None if s.grammar is None else s.gstate)
+        new_bt = next_token(head_b, vhidden_btd[:, 0], k_accept, draw)[:, None]
         a_b = jnp.zeros_like(start_b)
     ctx_ks, ctx_vs = context_rows(dparams, dcfg, s.drf_len, taps_btf)
     logprobs = None
     if ctx.cfg.logprobs:  # at each verified position: the distribution its token came from
         asked_b = s.rows.logprobs & ~s.done
         logprobs = token_logprobs(
-            lambda: head.logits(vhidden_btd[:, : new_bt.shape[1]]), new_bt, s.rows,
+            lambda: vhead.logits(vhidden_btd[:, : new_bt.shape[1]]), new_bt, s.rows,
             ctx.cfg.logprobs, asked_b,
         )  # fmt: skip
 

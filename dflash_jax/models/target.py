@@ -401,9 +401,19 @@ class Head:
     # The target's final_logit_softcapping (0: none): a monotone map, so the argmax is that of
     # the raw logits; `logits` (sampling) caps them.
     cap: float = flax.struct.field(pytree_node=False, default=0.0)
+    # A grammar's allowed tokens at the positions the hidden states stand at [..., V] bool
+    # (`decoding.grammar.masked_head`): the logits are -inf elsewhere, so the argmax and every
+    # distribution drawn from them keep to the grammar; None: nothing masked.
+    allowed: jax.Array | None = None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        return softcap(self._raw_logits(hidden), self.cap)
+        logits = softcap(self._raw_logits(hidden), self.cap)
+        if self.allowed is None:
+            return logits
+        allowed = self.allowed
+        if allowed.ndim < logits.ndim:  # [B, V] for a [B, 1, V] pass (a prefill's last token)
+            allowed = jnp.expand_dims(allowed, 1)
+        return jnp.where(allowed, logits, -jnp.inf)
 
     def uncapped(self) -> Head:
         """This head without the target's softcapping: the drafter's head (the references
@@ -429,6 +439,8 @@ class Head:
         # `head_argmax`: its fused GEMM + max and its recomputed chunk (a batched matvec over
         # the rows) are kernels the row tile does not fix, so nothing says they round a row
         # the same at every row count; a near tie would then resolve by the pass.
+        if self.allowed is not None:  # the masked logits
+            return True
         return self.rows is not None or not head_argmax_applies(self.vd, self.dv.shape[1])
 
     def argmax(self, hidden: jax.Array) -> jax.Array:

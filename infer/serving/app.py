@@ -174,9 +174,16 @@ def _refuse_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise BadRequest(
-            "response_format", "response_format is not supported by this server (only "
-            '{"type": "text"}): no JSON mode or schema-guided decoding',
+            "response_format", "response_format is not supported by this server yet (only "
+            '{"type": "text"}): its slot engine does not carry grammars; structured output '
+            "runs in dj.generate(json_schema=...) and infer.generate --json_schema",
         )  # fmt: skip
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(name) is not None:  # vLLM's extras: refused, never answered unconstrained
+            raise BadRequest(
+                name, f"{name} is not supported by this server yet: its slot engine does not "
+                "carry grammars; structured output runs in dj.generate and infer.generate",
+            )  # fmt: skip
     for name in ("echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, []):
             raise BadRequest(name, f"{name} is not supported by this server")
