@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.decoding.phases import next_token, prefill
+from dflash_jax.decoding.phases import next_token, prefill, tile_slots
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
     check_prompt,
@@ -46,7 +46,7 @@ def _start_autoregressive(
     """The AR decode's prefill: its loop state, the first token committed. max_new: a traced
     token budget up to max_new_tokens (`phases.prefill`; None: that)."""
     tcfg, cfg = target_config, decode_config
-    cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
+    cache_len = tile_slots(prompt.shape[1] + cfg.max_new_tokens + 2)
     head = decoding_head(target_params, tcfg)
     args = (target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
     state, _ = prefill(*args, max_new=max_new)

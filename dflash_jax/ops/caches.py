@@ -17,6 +17,11 @@ def bits16(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
+# Slots of a TPU memory tile of a 16-bit cache ((16, 128): 16 slots of a head's 128 lanes):
+# a decode's caches are whole tiles long (`decoding.phases.tile_slots`).
+WRITE_TILE = 16
+
+
 def write_rows(
     buf_bksh: jax.Array,
     new_bkth: jax.Array,
