@@ -1,6 +1,10 @@
 """What a compiled program's HLO text says about its loops: how many cache-sized buffers its
-while loops copy every step (`cache_copies_in_loop`), read by `infer.bench.device_check` and the
-tests of the loops that must update their caches in place. No flags: tests import it."""
+while loops copy every step (`cache_copies_in_loop`), read by `infer.bench.device_check`,
+`infer.lower` and the tests of the loops that must update their caches in place, and how many
+they only move between memory spaces (`cache_prefetches_in_loop`). No flags: tests import it.
+
+The text is any backend's optimised HLO (`compiled.as_text()`): XLA:CPU's, XLA:GPU's or
+XLA:TPU's, whose layouts carry tiles and memory spaces (`{3,2,1,0:T(8,128)(2,1)S(1)}`)."""
 
 from __future__ import annotations
 
@@ -38,10 +42,9 @@ def _reachable(comps: dict, roots: list[str]) -> set[str]:
     return seen
 
 
-def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
-    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
-    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
-    step instead of updated in place."""
+def _loop_copies(hlo: str, cache_elements: int) -> list[tuple[str, str]]:
+    """(result type, operand type) of each copy instruction (copy, copy-start) inside the while
+    loops' bodies (and what they call) whose result holds at least `cache_elements` elements."""
     comps = _computations(hlo)
     bodies = [
         m.group(1)
@@ -51,10 +54,17 @@ def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
         for m in [re.search(r"body=%?([\w.\-]+)", line)]
         if m
     ]
-    count = 0
+    types = {
+        m.group(1): m.group(2)
+        for lines in comps.values()
+        for line in lines
+        for m in [re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s[\w\-]+\(", line)]
+        if m
+    }
+    found = []
     for name in _reachable(comps, bodies):
         for line in comps[name]:
-            m = re.search(r"=\s*(\S.*?)\s(copy|copy-start)\(", line)
+            m = re.search(r"=\s*(\S.*?)\s(?:copy|copy-start)\(%?([\w.\-]+)", line)
             if not m:
                 continue
             sizes = [
@@ -62,7 +72,38 @@ def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
                 for _, dims in _SHAPE.findall(m.group(1))
             ]
             if sizes and max(sizes) >= cache_elements:
-                count += 1
-    return count
+                found.append((m.group(1), types.get(m.group(2), "")))
+    return found
 
 
+def _placement(hlo_type: str) -> tuple[str, int]:
+    """(layout less its memory space, memory space) of an HLO type's first array: `S(n)` in
+    its layout (0, device memory, when absent)."""
+    m = re.match(r"\(?\s*\w+\[[0-9,]*\](?:\{([^}]*)\})?", hlo_type)
+    layout = (m.group(1) or "") if m else ""
+    space = re.search(r"S\((\d+)\)", layout)
+    return re.sub(r"S\(\d+\)", "", layout), int(space.group(1)) if space else 0
+
+
+def _moved(out: str, arg: str) -> bool:
+    """Whether a copy from type `arg` to `out` only moves a buffer to another memory space (the
+    same layout): XLA:TPU's memory-space assignment prefetching it into VMEM, or evicting it."""
+    (out_layout, out_space), (arg_layout, arg_space) = _placement(out), _placement(arg)
+    return out_space != arg_space and out_layout == arg_layout
+
+
+def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
+    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
+    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
+    step instead of updated in place (a transpose to another layout included). A buffer only
+    moved to or from another memory space in the same layout (XLA:TPU's memory-space
+    assignment prefetching a kernel's operand into VMEM, `S(1)`) is counted by
+    `cache_prefetches_in_loop` instead."""
+    return sum(not _moved(out, arg) for out, arg in _loop_copies(hlo, cache_elements))
+
+
+def cache_prefetches_in_loop(hlo: str, cache_elements: int) -> int:
+    """The copies `cache_copies_in_loop` leaves out: cache-sized buffers moved between memory
+    spaces inside the loop (prefetched into a TPU's VMEM for a fusion or kernel, or evicted
+    back), each step's traffic but no second buffer of the cache."""
+    return sum(_moved(out, arg) for out, arg in _loop_copies(hlo, cache_elements))

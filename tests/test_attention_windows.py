@@ -4,6 +4,8 @@ cache plus the new block (`append_attention`), cutting the cache to its live wid
 drafted over its window's slots only (`dispatch.window_slice`), and a prefill chunk scored in
 key blocks (`blocked_append_attention`)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +193,18 @@ def test_a_plan_for_a_tpu_scatters_a_bf16_cache_as_bits(monkeypatch):
     assert "bitcast_convert_type" not in traced()
     monkeypatch.setattr(platform, "CPU_COMPILES", True)
     assert "bitcast_convert_type" in traced()
+
+
+def test_cache_writes_and_patches_index_every_leading_dim():
+    """`write_rows` and `patched_tiles` index a [B,K,S,H] cache on B, K and S, the head dim H
+    their one window: XLA:TPU then keeps the cache row-major in the decode loop, as the kernels
+    read it (a (K, H) window with S indexed between had it carried S-major and transposed for
+    every kernel call: 82 copies a step in Qwen3-8B's compiled v5p loop, docs/pods.md)."""
+    from dflash_jax.ops.caches import patched_tiles
+
+    buf = jnp.zeros((1, 2, 8, 4), jnp.float32)
+    new, start = jnp.ones((1, 2, 3, 4), jnp.float32), jnp.array([2])
+    written = jax.jit(write_rows).lower(buf, new, start).as_text()
+    patch = jax.jit(lambda *a: patched_tiles(*a, 4)[0]).lower(buf, new, start).as_text()
+    assert re.findall(r"update_window_dims = \[[^\]]*\]", written) == ["update_window_dims = [3]"]
+    assert re.findall(r"offset_dims = \[[^\]]*\]", patch) == ["offset_dims = [3]"]

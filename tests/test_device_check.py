@@ -52,6 +52,40 @@ def test_cache_copies_count_the_loop_body_and_what_it_calls_only():
     assert device_check.cache_copies_in_loop(_HLO.replace(" while(", " call("), cache) == 0
 
 
+# XLA:TPU's text of a loop body (cut): the cache carried S-major ({3,1,2,0}) and transposed to
+# row-major for a kernel (a copy), and a row-major cache prefetched into VMEM (S(1)) and back
+# (memory-space moves in one layout, no second buffer).
+_TPU_BODY = """HloModule jit_advance, is_scheduled=true
+
+%body.2 (arg: (bf16[2,8,64,128], bf16[2,8,64,128])) -> (bf16[2,8,64,128], bf16[2,8,64,128]) {
+  %arg = (bf16[2,8,64,128]{3,1,2,0:T(8,128)(2,1)}, bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)}) parameter(0)
+  %a = bf16[2,8,64,128]{3,1,2,0:T(8,128)(2,1)} get-tuple-element(%arg), index=0
+  %b = bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%arg), index=1
+  %copy.1 = bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)} copy(%a)
+  %copy-start.1 = (bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)S(1)}, bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%b)
+  %copy-done.1 = bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start.1)
+  %copy.2 = bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)} copy(%copy-done.1)
+  ROOT %t = (bf16[2,8,64,128]{3,1,2,0:T(8,128)(2,1)}, bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)}) tuple(%a, %copy.2)
+}
+
+ENTRY %main.4 (p: (bf16[2,8,64,128], bf16[2,8,64,128])) -> bf16[2,8,64,128] {
+  %p = (bf16[2,8,64,128]{3,1,2,0:T(8,128)(2,1)}, bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)}) parameter(0)
+  %while.1 = (bf16[2,8,64,128]{3,1,2,0:T(8,128)(2,1)}, bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)}) while(%p), condition=%cond.3, body=%body.2
+  ROOT %out = bf16[2,8,64,128]{3,2,1,0:T(8,128)(2,1)} get-tuple-element(%while.1), index=1
+}
+"""
+
+
+def test_a_tpu_layout_change_is_a_copy_and_a_move_to_vmem_a_prefetch():
+    """In XLA:TPU's text a cache transposed to another layout is a copy; one moved into VMEM
+    (S(1)) and back in the same layout is a prefetch, counted apart (`hlo_scan`)."""
+    from infer.hlo_scan import cache_prefetches_in_loop
+
+    cache = 2 * 8 * 64 * 128
+    assert device_check.cache_copies_in_loop(_TPU_BODY, cache) == 1
+    assert cache_prefetches_in_loop(_TPU_BODY, cache) == 2
+
+
 def test_peak_bandwidth_by_device_kind():
     """jax's device kinds map to their HBM figures (v5e reports itself as "TPU v5 lite", v5p
     as "TPU v5"); a CPU has none."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.decoding import grammar
-from dflash_jax.decoding.phases import next_token, prefill
+from dflash_jax.decoding.phases import next_token, prefill, tile_slots
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
     check_prompt,
@@ -49,7 +49,7 @@ def _start_autoregressive(
     token budget up to max_new_tokens (`phases.prefill`; None: that); constraint: a grammar
     and each row's start state (`phases.prefill`)."""
     tcfg, cfg = target_config, decode_config
-    cache_len = prompt.shape[1] + cfg.max_new_tokens + 2
+    cache_len = tile_slots(prompt.shape[1] + cfg.max_new_tokens + 2)
     head = decoding_head(target_params, tcfg)
     args = (target_params, head, tcfg, cfg, prompt, prompt_lengths, rng, cache_len, ())
     state, _ = prefill(*args, max_new=max_new, constraint=constraint)

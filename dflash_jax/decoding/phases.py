@@ -36,9 +36,19 @@ from dflash_jax.models.drafter import (
 )
 from dflash_jax.models.target import Head, Transformer, init_cache
 from dflash_jax.ops.attention import KEY_TILE
-from dflash_jax.ops.caches import write_rows
+from dflash_jax.ops.caches import WRITE_TILE, write_rows
 from dflash_jax.ops.invariance import prefill_rows
 from dflash_jax.ops.reductions import argmax_last
+
+
+def tile_slots(cache_len: int, tile: int = WRITE_TILE) -> int:
+    """`cache_len` rounded up to whole tiles of `tile` slots, as a decode allocates its caches
+    (the speculative and AR loops' own; a shared prefix's cache keeps the length it fills).
+    With WRITE_TILE (16), XLA:TPU lays a bf16 [B,K,S,H] buffer out row-major, as the attention
+    kernels read it; with S not a multiple (Qwen3-8B's AR cache of 1024 + 256 + 2 slots) it
+    took the S-major layout that needs no padding, and the compiled loop transposed every cache
+    for every kernel call, each step. The slots past a row's length are masked, as before."""
+    return -(-cache_len // tile) * tile
 
 
 def prefill(
@@ -70,7 +80,7 @@ def prefill(
     instead of the taps)."""
     b, p = prompt_bp.shape
     if tcfg.invariant_rows is not None:  # whole key tiles (`ops.attention.tiled_attention`)
-        cache_len = -(-cache_len // KEY_TILE) * KEY_TILE
+        cache_len = tile_slots(cache_len, KEY_TILE)
     # A sliding layer keeps a ring of its window + the widest verify (`sliding.cache_slots`).
     cache = init_cache(tcfg, b, cache_len, verify=max(cfg.block_size, cfg.tree_nodes, 1))
     offset = 0
@@ -362,6 +372,7 @@ def init_speculative(
     b, p = prompt.shape
     if cache_len is None:
         cache_len = p + cfg.max_new_tokens + 2 * max(bs, cfg.tree_nodes)  # a tree: N verify slots
+        cache_len = tile_slots(cache_len)
     if cfg.row_settings and rows is None:
         rows = RowSettings.uniform(cfg, rng, b)
     ctx_shape = (b, dcfg.num_kv_heads, cache_len, dcfg.head_dim)

@@ -17,6 +17,11 @@ def bits16(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
+# Slots of a TPU memory tile of a 16-bit cache ((16, 128): 16 slots of a head's 128 lanes):
+# a decode's caches are whole tiles long (`decoding.phases.tile_slots`).
+WRITE_TILE = 16
+
+
 def write_rows(
     buf_bksh: jax.Array,
     new_bkth: jax.Array,
@@ -32,24 +37,29 @@ def write_rows(
     (default start[b] + T) are written, so no two rows meet in a slot (a prefill longer than
     the ring keeps its last S rows; rows at or past end[b], a right-padded prompt's padding,
     are dropped)."""
-    b, t, s = new_bkth.shape[0], new_bkth.shape[2], buf_bksh.shape[2]
+    b, k, t, s = *new_bkth.shape[:3], buf_bksh.shape[2]
     slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
     if ring:
         end_b = start_b + t if end_b is None else end_b
         keep_bt = (slots_bt >= end_b[:, None] - s) & (slots_bt < end_b[:, None])
         slots_bt = jnp.where(keep_bt, jnp.mod(slots_bt, s), s)  # s: dropped
-    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    # Advanced indices split by a slice put their dims first: the update is [B,T,K,H].
-    update_btkh = jnp.swapaxes(new_bkth, 1, 2).astype(buf_bksh.dtype)
+    # Every leading dim indexed, the head dim H the one update window: a TPU lays such a
+    # scatter's buffer out as it is, [B,K,S,H] row-major, as the attention kernels read it. A
+    # window of (K, H) with S indexed between them had XLA:TPU keep each cache S-major
+    # ([B,S,K,H]) in the decode loop and transpose all of it for every kernel call, each step.
+    rows_bkt = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, k, t))
+    heads_bkt = jnp.broadcast_to(jnp.arange(k)[None, :, None], (b, k, t))
+    slots_bkt = jnp.broadcast_to(slots_bt[:, None, :], (b, k, t))
+    update_bkth = new_bkth.astype(buf_bksh.dtype)
     if platform.xla_cpu_codegen() and bits16(buf_bksh.dtype):
         # A 16-bit float cache is scattered as its bits: XLA:CPU widens a bf16 scatter's whole
         # operand to f32 and narrows it back (two converts of the full cache per layer, K and
         # V, every step: ~9 ms of a 26 ms bf16 SmolLM2 step at one row, 2026-12-04); an
         # integer scatter writes the same bits in place.
         bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
-        out = bits(buf_bksh).at[rows_bt, :, slots_bt].set(bits(update_btkh), mode="drop")
+        out = bits(buf_bksh).at[rows_bkt, heads_bkt, slots_bkt].set(bits(update_bkth), mode="drop")
         return jax.lax.bitcast_convert_type(out, buf_bksh.dtype)
-    return buf_bksh.at[rows_bt, :, slots_bt].set(update_btkh, mode="drop")
+    return buf_bksh.at[rows_bkt, heads_bkt, slots_bkt].set(update_bkth, mode="drop")
 
 
 def ring_positions(lengths_b: jax.Array, num_slots: int) -> jax.Array:
@@ -78,7 +88,9 @@ def patched_tiles(
     num_tiles = (t + tile - 2) // tile + 1
     first_b = (start_b // tile).astype(jnp.int32)
     slots_bp = first_b[:, None] * tile + jnp.arange(num_tiles * tile)[None, :]
-    patch = jnp.take_along_axis(
-        buf_bksh, slots_bp[:, None, :, None], axis=2, mode="fill", fill_value=0
-    )
+    # Indexed on every leading dim, as `write_rows` writes (a TPU keeps the cache row-major).
+    b, k = buf_bksh.shape[:2]
+    rows_b11 = jnp.arange(b)[:, None, None]
+    heads_1k1 = jnp.arange(k)[None, :, None]
+    patch = buf_bksh.at[rows_b11, heads_1k1, slots_bp[:, None, :]].get(mode="fill", fill_value=0)
     return write_rows(patch, new_bkth, start_b - first_b * tile), first_b
