@@ -38,10 +38,10 @@ def _reachable(comps: dict, roots: list[str]) -> set[str]:
     return seen
 
 
-def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
-    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
-    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
-    step instead of updated in place."""
+def loop_copy_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """The result shape (the largest, for a tuple) of every copy instruction (copy,
+    copy-start) inside the while loops' bodies and what they call, in XLA:CPU, GPU and TPU
+    HLO text alike (a TPU shape's tiled layout is ignored)."""
     comps = _computations(hlo)
     bodies = [
         m.group(1)
@@ -51,18 +51,29 @@ def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
         for m in [re.search(r"body=%?([\w.\-]+)", line)]
         if m
     ]
-    count = 0
+    shapes = []
     for name in _reachable(comps, bodies):
         for line in comps[name]:
             m = re.search(r"=\s*(\S.*?)\s(copy|copy-start)\(", line)
             if not m:
                 continue
-            sizes = [
-                np.prod([int(d) for d in dims.split(",") if d])
-                for _, dims in _SHAPE.findall(m.group(1))
-            ]
-            if sizes and max(sizes) >= cache_elements:
-                count += 1
-    return count
+            found = [tuple(int(d) for d in dims.split(",") if d)
+                     for _, dims in _SHAPE.findall(m.group(1))]  # fmt: skip
+            if found:
+                shapes.append(max(found, key=lambda s: int(np.prod(s))))
+    return shapes
 
 
+def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
+    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
+    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
+    step instead of updated in place."""
+    return sum(int(np.prod(s)) >= cache_elements for s in loop_copy_shapes(hlo))
+
+
+def copies_of_shapes_in_loop(hlo: str, shapes) -> int:
+    """Copies inside the while loops' bodies whose result has one of `shapes` (a cache's or a
+    recurrent state's per-device shapes): what `infer.lower --device` reports, exact where an
+    element threshold would also count a logits or weight copy."""
+    shapes = {tuple(s) for s in shapes}
+    return sum(s in shapes for s in loop_copy_shapes(hlo))
