@@ -376,6 +376,9 @@ def main(argv):
             head["attention_impl"] = FLAGS.attention_impl
             if device is not None:
                 head["device"] = device.name
+            if what == "decode":
+                head["shape"] = {"batch": FLAGS.batch, "prompt_len": FLAGS.prompt_len,
+                                 "max_new_tokens": FLAGS.max_new_tokens}  # fmt: skip
             try:
                 lines = [
                     {"program": program.name, **head,
