@@ -289,7 +289,8 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
         compiled = lowered.compile(compiler_options=program.options)
         hlo = compiled.as_text()
     except Exception as e:  # noqa: BLE001  (the compiler's refusal is the finding)
-        return {**out, "error": f"compile: {type(e).__name__}: {e}"}
+        before = f"{lowered_out['error']}; " if lowered_out.get("error") else ""
+        return {**out, "error": f"{before}compile: {type(e).__name__}: {e}"}
     out.update(compiled=True, memory=devices.memory(compiled), **devices.cost(compiled, lowered))
     targets = Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
     out["compiled_custom_calls"] = dict(sorted(targets.items()))
