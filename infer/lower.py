@@ -302,10 +302,9 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
                            if f not in ("name", "target")}}
         for k in lowered_out.get("kernels") or []
     ]  # fmt: skip
-    peak = out["memory"]["peak_bytes"]
-    if peak > device.memory_bytes and lowered_out.get("error") is None:
-        out["error"] = f"needs {peak / 2**30:.2f} GiB per device, {device.name} has " \
-            f"{device.memory_bytes / 2**30:.2f} GiB"  # fmt: skip
+    peak, have = out["memory"]["peak_bytes"] / 2**30, device.memory_bytes / 2**30
+    if peak > have and lowered_out.get("error") is None:
+        out["error"] = f"needs {peak:.2f} GiB per device, {device.name} has {have:.2f} GiB"
     return out
 
 
