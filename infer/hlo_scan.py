@@ -38,10 +38,10 @@ def _reachable(comps: dict, roots: list[str]) -> set[str]:
     return seen
 
 
-def loop_copy_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """The result shape (the largest, for a tuple) of every copy instruction (copy,
-    copy-start) inside the while loops' bodies and what they call, in XLA:CPU, GPU and TPU
-    HLO text alike (a TPU shape's tiled layout is ignored)."""
+def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
+    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
+    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
+    step instead of updated in place."""
     comps = _computations(hlo)
     bodies = [
         m.group(1)
@@ -51,29 +51,71 @@ def loop_copy_shapes(hlo: str) -> list[tuple[int, ...]]:
         for m in [re.search(r"body=%?([\w.\-]+)", line)]
         if m
     ]
-    shapes = []
+    count = 0
     for name in _reachable(comps, bodies):
         for line in comps[name]:
             m = re.search(r"=\s*(\S.*?)\s(copy|copy-start)\(", line)
             if not m:
                 continue
-            found = [tuple(int(d) for d in dims.split(",") if d)
-                     for _, dims in _SHAPE.findall(m.group(1))]  # fmt: skip
-            if found:
-                shapes.append(max(found, key=lambda s: int(np.prod(s))))
-    return shapes
-
-
-def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
-    """Copy instructions (copy, copy-start) inside the while loops' bodies (and what they
-    call) whose result holds at least `cache_elements` elements: a cache buffer copied every
-    step instead of updated in place."""
-    return sum(int(np.prod(s)) >= cache_elements for s in loop_copy_shapes(hlo))
+            sizes = [
+                np.prod([int(d) for d in dims.split(",") if d])
+                for _, dims in _SHAPE.findall(m.group(1))
+            ]
+            if sizes and max(sizes) >= cache_elements:
+                count += 1
+    return count
 
 
 def copies_of_shapes_in_loop(hlo: str, shapes) -> int:
-    """Copies inside the while loops' bodies whose result has one of `shapes` (a cache's or a
-    recurrent state's per-device shapes): what `infer.lower --device` reports, exact where an
-    element threshold would also count a logits or weight copy."""
+    """Copies (copy, copy-start) inside the while loops' bodies and what they call whose result
+    has one of `shapes` (a cache's or a recurrent state's per-device dims; a TPU layout's tiles
+    ignored): what `infer.lower --device` reports, exact where an element threshold would also
+    count a logits or weight copy. A buffer only moved to another memory space in the same
+    layout (XLA:TPU prefetching a kernel's operand into VMEM, `S(1)`) is not a copy."""
     shapes = {tuple(s) for s in shapes}
-    return sum(s in shapes for s in loop_copy_shapes(hlo))
+    comps = _computations(hlo)
+    types = {
+        m.group(1): m.group(2)
+        for lines in comps.values()
+        for line in lines
+        for m in [re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s[\w\-]+\(", line)]
+        if m
+    }
+    bodies = [
+        m.group(1)
+        for lines in comps.values()
+        for line in lines
+        if " while(" in line
+        for m in [re.search(r"body=%?([\w.\-]+)", line)]
+        if m
+    ]
+    count = 0
+    for name in _reachable(comps, bodies):
+        for line in comps[name]:
+            m = re.search(r"=\s*(\S.*?)\s(?:copy|copy-start)\(%?([\w.\-]+)", line)
+            if not m:
+                continue
+            dims = [
+                tuple(int(d) for d in ds.split(",") if d) for _, ds in _SHAPE.findall(m.group(1))
+            ]
+            if (
+                dims
+                and max(dims, key=np.prod) in shapes
+                and not _moved(m.group(1), types.get(m.group(2), ""))
+            ):
+                count += 1
+    return count
+
+
+def _moved(out: str, arg: str) -> bool:
+    """Whether a copy from HLO type `arg` to `out` only moves the buffer to another memory space
+    (`S(n)` in the layout) and keeps its layout."""
+
+    def placement(hlo_type: str) -> tuple[str, str]:
+        m = re.match(r"\(?\s*\w+\[[0-9,]*\](?:\{([^}]*)\})?", hlo_type)
+        layout = (m.group(1) or "") if m else ""
+        space = re.search(r"S\(\d+\)", layout)
+        return re.sub(r"S\(\d+\)", "", layout), space.group(0) if space else ""
+
+    (out_layout, out_space), (arg_layout, arg_space) = placement(out), placement(arg)
+    return out_space != arg_space and out_layout == arg_layout

@@ -57,9 +57,14 @@ _TRITON_CALL = (
 
 
 def test_loop_copies_are_counted_by_the_caches_shapes_in_tpu_hlo():
-    """The async copy and the fused copy of the cache's shape inside the loop count; the copy
-    of another shape and the one outside the loop do not."""
-    assert copies_of_shapes_in_loop(_TPU_HLO, {(8, 2, 48, 64)}) == 2
+    """The fused copy of the cache's shape to another layout inside the loop counts; its async
+    copy into VMEM in the same layout (a prefetch), the copy of another shape and the one
+    outside the loop do not."""
+    assert copies_of_shapes_in_loop(_TPU_HLO, {(8, 2, 48, 64)}) == 1
+    relaid = _TPU_HLO.replace(
+        "{3,1,2,0:T(2,128)(2,1)S(1)}, bf16", "{3,2,1,0:T(8,128)(2,1)S(1)}, bf16"
+    )
+    assert copies_of_shapes_in_loop(relaid, {(8, 2, 48, 64)}) == 2
     assert copies_of_shapes_in_loop(_TPU_HLO, {(8, 2, 1024, 64)}) == 0
 
 
