@@ -22,9 +22,10 @@ and the target's LM head over its block. What the model leaves out: launch and h
 per step (large at batch 1 on a GPU: the reference's PyTorch backend launches per layer), the
 kernels' efficiency below peak, the step's bookkeeping (acceptance, sampling, cache rollback),
 GPU/TPU collectives and any cache copies the compiled loop makes (`infer.lower --device`:
-`cache_copies_in_loop`). XLA's GPU executables report no cost analysis, so the GPU figures are
-analytic only; --compiled adds, for a TPU, the roofline of `infer.lower --device`'s compiled
-advance programs (their loop body's flops and bytes per device, cost_analysis).
+`cache_copies_in_loop`). XLA's GPU executables report no cost analysis, so the predictions are
+analytic; --compiled adds the roofline of `infer.lower --device`'s compiled advance programs
+(their loop body's flops and bytes per device: a TPU's cost_analysis, on a GPU XLA's cost model
+over the compiled HLO, whose bytes run 2.7-3x the analytic ones, docs/results.md).
 
 The default --tau is the reference's reported figures for the target (Qwen3-8B: the DFlash
 paper's transformers backend, batch 1, block 16, temperature 0, on H200/B200), printed beside
@@ -79,7 +80,8 @@ flags.DEFINE_list(
 flags.DEFINE_string(
     "compiled", "",
     "An `infer.lower --device` JSONL of the same target: adds the roofline of its compiled "
-    "advance programs (TPU: cost_analysis flops and bytes per device) at its batch.",
+    "advance programs (flops and bytes per device of one loop body: a TPU's cost_analysis, on a "
+    "GPU XLA's cost model over the compiled HLO) at its batch.",
 )  # fmt: skip
 flags.mark_flag_as_required("config")
 
