@@ -294,7 +294,10 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
     out.update(compiled=True, memory=devices.memory(compiled), **devices.cost(compiled, lowered))
     targets = Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
     out["compiled_custom_calls"] = dict(sorted(targets.items()))
-    shapes = devices.cache_shapes(_loop_state(program))
+    try:
+        shapes = devices.cache_shapes(_loop_state(program))
+    except TypeError:  # an evaluation decode placed on a mesh: its statics are bound (on_mesh)
+        shapes = set()
     out["cache_copies_in_loop"] = copies_of_shapes_in_loop(hlo, shapes) if shapes else None
     found = {(k["target"], k["name"]): k for k in devices.kernel_resources(hlo)}
     out["kernels"] = [
@@ -310,7 +313,8 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
 
 def _loop_state(program: aot.Program):
     """The decode loop state a program carries (an advance's last argument, a start's
-    result, an evaluation decode's start), or None (the training programs)."""
+    result, an evaluation decode's start: on one device only, TypeError on a mesh), or None
+    (the training programs)."""
     from dflash_jax.decoding import speculative
     from dflash_jax.decoding.state import LoopState
 
