@@ -107,3 +107,44 @@ def cache_prefetches_in_loop(hlo: str, cache_elements: int) -> int:
     spaces inside the loop (prefetched into a TPU's VMEM for a fusion or kernel, or evicted
     back), each step's traffic but no second buffer of the cache."""
     return sum(_moved(out, arg) for out, arg in _loop_copies(hlo, cache_elements))
+
+
+def copies_of_shapes_in_loop(hlo: str, shapes) -> int:
+    """Copies (copy, copy-start) inside the while loops' bodies and what they call whose result
+    has one of `shapes` (a cache's or a recurrent state's per-device dims; a TPU layout's tiles
+    ignored): what `infer.lower --device` reports, exact where an element threshold would also
+    count a logits or weight copy. A buffer only moved to another memory space in the same
+    layout (XLA:TPU prefetching a kernel's operand into VMEM, `S(1)`) is not a copy."""
+    shapes = {tuple(s) for s in shapes}
+    comps = _computations(hlo)
+    types = {
+        m.group(1): m.group(2)
+        for lines in comps.values()
+        for line in lines
+        for m in [re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s[\w\-]+\(", line)]
+        if m
+    }
+    bodies = [
+        m.group(1)
+        for lines in comps.values()
+        for line in lines
+        if " while(" in line
+        for m in [re.search(r"body=%?([\w.\-]+)", line)]
+        if m
+    ]
+    count = 0
+    for name in _reachable(comps, bodies):
+        for line in comps[name]:
+            m = re.search(r"=\s*(\S.*?)\s(?:copy|copy-start)\(%?([\w.\-]+)", line)
+            if not m:
+                continue
+            dims = [
+                tuple(int(d) for d in ds.split(",") if d) for _, ds in _SHAPE.findall(m.group(1))
+            ]
+            if (
+                dims
+                and max(dims, key=np.prod) in shapes
+                and not _moved(m.group(1), types.get(m.group(2), ""))
+            ):
+                count += 1
+    return count

@@ -41,13 +41,33 @@ A program fails (ok false, its error in the line, and the command exits 1) when 
 (jax refuses to partition a Mosaic kernel, a kernel refuses a shape) or, on a mesh of more than
 one device, when a kernel call lies outside a `shard_map` over every mesh axis in use: GSPMD
 cannot split a Mosaic or Triton custom call, so it would gather the call's operands onto every
-device. Lowering is not compiling: what only XLA's TPU or GPU compiler finds (VMEM or shared
-memory limits, register pressure) does not show here. Shard_map regions are recognised as
-Shardy's `sdy.manual_computation` (jax's default partitioner).
+device. Shard_map regions are recognised as Shardy's `sdy.manual_computation` (jax's default
+partitioner).
+
+Lowering is not compiling: what only XLA's TPU or GPU compiler finds (VMEM or shared memory
+limits, Mosaic layouts, what the pipelines do to the caches in the loop, GSPMD's collectives)
+shows only when the program is compiled for the device. --device=NAME does that on this machine,
+with no accelerator, through XLA's own compilers (requirements-compile.txt; `infer.devices`):
+
+  python -m infer.lower --device=h200 --what=decode,train --config=configs/qwen3_8b_b16.py
+  python -m infer.lower --device=v5p-8 --mesh=fsdp=4 --what=decode --config=...
+
+A deviceless H100 or H200 (CUDA: XLA, Triton, ptxas) or a TPU slice (v5e-8, v5p-8, v6e-8, v5p-64
+and one-chip v5e-1, v5p-1, v6e-1: XLA and Mosaic), the mesh made of the slice's chips (--mesh;
+empty: one chip, its arguments unplaced as a run without --mesh). Each line adds `compiled`,
+`device_kind`, `memory` (argument, output, alias, temp and generated-code bytes per device and
+`peak_bytes`), `device_bytes`, `flops` and `bytes_accessed` per device and call (a loop's body
+once; `cost_source` says whose analysis: on GPU XLA's cost model over the compiled HLO, custom
+calls uncounted), `cache_copies_in_loop` (copies of a KV cache or recurrent state, by its
+per-device shape, inside the compiled loop bodies: `hlo_scan`; null for a program with no
+cache), `compiled_custom_calls`, and each kernel's `compiled` resources (Triton's warps, stages
+and grid; Mosaic's scoped VMEM). A compile the compiler refuses, or a peak above the device's
+memory, is an error (exit 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -60,9 +80,11 @@ from absl import app, flags
 from jax.interpreters.mlir import ir
 from ml_collections import config_flags
 
+from dflash_jax import sharding
 from dflash_jax.config import ATTENTION_IMPLS
 from dflash_jax.ops import platform as ops_platform
-from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
+from infer import aot, cli, devices, distributed  # noqa: F401  (distributed: --mesh)
+from infer.hlo_scan import copies_of_shapes_in_loop
 
 PLATFORMS = ("tpu", "cuda", "cpu")
 WHATS = ("decode", "train")
@@ -98,6 +120,15 @@ flags.DEFINE_enum(
     "Attention as the run would choose it on the platform: 'auto' (the run's default: Pallas "
     "kernels on GPU and TPU where they take the shapes, else xla), 'pallas' (kernels or a "
     "refusal), 'xla' (no kernels).",
+)  # fmt: skip
+flags.DEFINE_enum(
+    "device", None, list(devices.DEVICES),
+    "Compile for this accelerator too, with XLA's own compiler for it and no accelerator here "
+    "(requirements-compile.txt): a deviceless H100/H200 (CUDA, Triton, ptxas) or a TPU slice "
+    "(libtpu, Mosaic; v5p-8 = 4 chips). The mesh (--mesh, empty: one chip) is made of its "
+    "chips, --platform is the device's, and each line adds the compiled figures: memory per "
+    "device, flops, bytes, the loop's cache copies, the kernels. Exit 1 also when a program "
+    "does not compile or needs more than the device's memory.",
 )  # fmt: skip
 aot.define_shape_flags(flags)
 flags.mark_flag_as_required("config")
@@ -221,12 +252,16 @@ def report(found: Counter, mesh) -> dict:
     }
 
 
-def lower_one(program: aot.Program, platform: str, mesh) -> dict:
-    """Lowers `program` for `platform`. -> {ok, error, custom_calls, kernels, fingerprint,
-    seconds}."""
+def lower_one(program: aot.Program, platform: str, mesh, device=None) -> dict:
+    """Lowers `program` for `platform` and, with `device` (`devices.Device`, `mesh` made of
+    its chips), compiles it for that device. -> {ok, error, custom_calls, kernels, fingerprint,
+    seconds} and with a device `compiled` and the compiled figures (`compiled_fields`)."""
     t0 = time.perf_counter()
+    lowered = None
     try:
-        lowered = program.lower(platform)
+        one = device is not None and mesh.devices.size == 1  # unplaced args: the default device
+        with jax.default_device(mesh.devices.flat[0]) if one else contextlib.nullcontext():
+            lowered = program.lower(None if device else platform)
         module = lowered.compiler_ir("stablehlo")
         out = report(custom_calls(module), mesh)
         out["collectives"] = collectives(module)
@@ -234,8 +269,63 @@ def lower_one(program: aot.Program, platform: str, mesh) -> dict:
     except Exception as e:  # noqa: BLE001  (any failure is the finding, reported in the line)
         out = {"custom_calls": None, "kernels": None, "collectives": None}
         out["error"] = f"{type(e).__name__}: {e}"
+    if device is not None:
+        out.update(compiled_fields(program, lowered, device, mesh, out))
     seconds = round(time.perf_counter() - t0, 2)
     return {"ok": out["error"] is None, "error": out.pop("error"), **out, "seconds": seconds}
+
+
+def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: dict) -> dict:
+    """`lowered` compiled for `device`: compiled, device_kind, memory (bytes per device,
+    `devices.memory`), device_bytes, flops and bytes_accessed (`devices.cost`), the copies of
+    a KV cache or recurrent state in its loops' bodies (None: the program carries no cache),
+    the kernels with their compiled resources; an error when it does not compile or needs more
+    memory than the device has."""
+    out = {"compiled": False, "device_kind": mesh.devices.flat[0].device_kind,
+           "device_bytes": device.memory_bytes}  # fmt: skip
+    if lowered is None:
+        return out
+    try:
+        compiled = lowered.compile(compiler_options=program.options)
+        hlo = compiled.as_text()
+    except Exception as e:  # noqa: BLE001  (the compiler's refusal is the finding)
+        before = f"{lowered_out['error']}; " if lowered_out.get("error") else ""
+        return {**out, "error": f"{before}compile: {type(e).__name__}: {e}"}
+    out.update(compiled=True, memory=devices.memory(compiled), **devices.cost(compiled, lowered))
+    targets = Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
+    out["compiled_custom_calls"] = dict(sorted(targets.items()))
+    try:
+        shapes = devices.cache_shapes(_loop_state(program))
+    except TypeError:  # an evaluation decode placed on a mesh: its statics are bound (on_mesh)
+        shapes = set()
+    out["cache_copies_in_loop"] = copies_of_shapes_in_loop(hlo, shapes) if shapes else None
+    found = {(k["target"], k["name"]): k for k in devices.kernel_resources(hlo)}
+    out["kernels"] = [
+        {**k, "compiled": {f: v for f, v in found.get((k["target"], k["name"]), {}).items()
+                           if f not in ("name", "target")}}
+        for k in lowered_out.get("kernels") or []
+    ]  # fmt: skip
+    peak, have = out["memory"]["peak_bytes"] / 2**30, device.memory_bytes / 2**30
+    if peak > have and lowered_out.get("error") is None:
+        out["error"] = f"needs {peak:.2f} GiB per device, {device.name} has {have:.2f} GiB"
+    return out
+
+
+def _loop_state(program: aot.Program):
+    """The decode loop state a program carries (an advance's last argument, a start's
+    result, an evaluation decode's start: on one device only, TypeError on a mesh), or None
+    (the training programs)."""
+    from dflash_jax.decoding import speculative
+    from dflash_jax.decoding.state import LoopState
+
+    if program.args and isinstance(program.args[-1], LoopState):
+        return program.args[-1]
+    if program.name.startswith("start_"):
+        return program.fn.eval_shape(*program.args, **program.statics)
+    if program.name == "eval_decode":
+        start = speculative.start_speculative
+        return start.eval_shape(*program.args[:5], **program.statics)
+    return None
 
 
 def programs(what: str, mesh, platform: str) -> list[aot.Program]:
@@ -251,24 +341,52 @@ def programs(what: str, mesh, platform: str) -> list[aot.Program]:
     ]
 
 
+def _mesh(device):
+    """The mesh --mesh describes: over fake CPU devices, or with `device` over its chips."""
+    if device is None:
+        return aot.fake_mesh(FLAGS.mesh)
+    jax.config.update("jax_platforms", "cpu")  # no accelerator backend: compile-only devices
+    try:
+        chips = devices.topology_devices(device)
+    except RuntimeError as e:
+        raise app.UsageError(f"--device={device.name}: {e}") from e
+    sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh.strip() else {}
+    return sharding.make_mesh(
+        sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1), devices=chips
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    device = devices.DEVICES[FLAGS.device] if FLAGS.device else None
+    platforms = FLAGS.platform if device is None else [device.platform]
+    if device is not None and FLAGS["platform"].present and FLAGS.platform != platforms:
+        raise app.UsageError(
+            f"--platform={','.join(FLAGS.platform)} with --device="
+            f"{device.name}: that device is {device.platform}; drop --platform"
+        )
     try:
-        mesh = aot.fake_mesh(FLAGS.mesh)
+        mesh = _mesh(device)
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from e
     spec = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     failed = 0
-    for platform in FLAGS.platform:
+    for platform in platforms:
         ops_platform.TARGET = platform  # what traced code decides by (kernels, barriers)
         jax.clear_caches()  # traces made for another platform hold its kernels
         for what in FLAGS.what:
             head = {"what": what, "platform": platform, "mesh": spec}
             head["attention_impl"] = FLAGS.attention_impl
+            if device is not None:
+                head["device"] = device.name
+            if what == "decode":
+                head["shape"] = {"batch": FLAGS.batch, "prompt_len": FLAGS.prompt_len,
+                                 "max_new_tokens": FLAGS.max_new_tokens}  # fmt: skip
             try:
                 lines = [
-                    {"program": program.name, **head, **lower_one(program, platform, mesh),
+                    {"program": program.name, **head,
+                     **lower_one(program, platform, mesh, device),
                      **({"decode": program.settings} if program.settings else {})}
                     for program in programs(what, mesh, platform)
                 ]  # fmt: skip
