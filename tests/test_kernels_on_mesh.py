@@ -33,7 +33,7 @@ from dflash_jax import sharding
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.decoding.settings import DecodeConfig
 from dflash_jax.ops import attention as xla
-from dflash_jax.ops import dispatch, pallas_gpu, pallas_tpu_decode
+from dflash_jax.ops import caches, dispatch, pallas_gpu, pallas_tpu_decode
 from dflash_jax.ops.caches import write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,7 +452,7 @@ def test_kernel_decode_step_writes_each_cache_once_and_copies_none(monkeypatch, 
     `lax.switch` over step kinds. On the commit before, the kernels read a cache written for
     them while the loop still held the old one for its deferred write: a copy of every buffer
     in every kind, and two writes."""
-    from dflash_jax.decoding import phases, speculative
+    from dflash_jax.decoding import speculative
 
     module = pallas_gpu if kernels == "gpu" else pallas_tpu_decode
     jax.clear_caches()  # no trace of the real kernels is reused, nor one of these left behind
@@ -467,7 +467,7 @@ def test_kernel_decode_step_writes_each_cache_once_and_copies_none(monkeypatch, 
     kw = dict(target_config=tcfg, drafter_config=dcfg, decode_config=cfg)
     args = (tp, dp, PROMPT, LENS, jax.random.key(0), speculative.step_cost_array(cfg))
     hlo = speculative.speculative_jit.lower(*args, np.int32(-1), np.int32(9), **kw)
-    cache_len = phases.tile_slots(PROMPT.shape[1] + cfg.max_new_tokens + 2 * cfg.block_size)
+    cache_len = caches.tile_slots(PROMPT.shape[1] + cfg.max_new_tokens + 2 * cfg.block_size)
     shape = f"{len(LENS)},{tcfg.num_kv_heads},{cache_len},{tcfg.head_dim}"
     counts = _hlo_counts(hlo.compile().as_text(), shape)
     assert counts == {"copies": 0, "writes": 2 * tcfg.num_layers}, counts

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.decoding import grammar
-from dflash_jax.decoding.phases import next_token, prefill, tile_slots
+from dflash_jax.decoding.phases import next_token, prefill
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.programs import (
     check_prompt,
@@ -31,6 +31,7 @@ from dflash_jax.decoding.state import (
     step_key,
 )
 from dflash_jax.models.target import Transformer, decoding_head
+from dflash_jax.ops.caches import tile_slots
 
 
 def _start_autoregressive(

@@ -36,19 +36,9 @@ from dflash_jax.models.drafter import (
 )
 from dflash_jax.models.target import Head, Transformer, init_cache
 from dflash_jax.ops.attention import KEY_TILE
-from dflash_jax.ops.caches import WRITE_TILE, write_rows
+from dflash_jax.ops.caches import tile_slots, write_rows
 from dflash_jax.ops.invariance import prefill_rows
 from dflash_jax.ops.reductions import argmax_last
-
-
-def tile_slots(cache_len: int, tile: int = WRITE_TILE) -> int:
-    """`cache_len` rounded up to whole tiles of `tile` slots, as a decode allocates its caches
-    (the speculative and AR loops' own; a shared prefix's cache keeps the length it fills).
-    With WRITE_TILE (16), XLA:TPU lays a bf16 [B,K,S,H] buffer out row-major, as the attention
-    kernels read it; with S not a multiple (Qwen3-8B's AR cache of 1024 + 256 + 2 slots) it
-    took the S-major layout that needs no padding, and the compiled loop transposed every cache
-    for every kernel call, each step. The slots past a row's length are masked, as before."""
-    return -(-cache_len // tile) * tile
 
 
 def prefill(

@@ -18,7 +18,7 @@ def bits16(dtype) -> bool:
 
 
 # Slots of a TPU memory tile of a 16-bit cache ((16, 128): 16 slots of a head's 128 lanes):
-# a decode's caches are whole tiles long (`decoding.phases.tile_slots`).
+# a decode's caches are whole tiles long (`tile_slots`).
 WRITE_TILE = 16
 
 
@@ -94,3 +94,13 @@ def patched_tiles(
     heads_1k1 = jnp.arange(k)[None, :, None]
     patch = buf_bksh.at[rows_b11, heads_1k1, slots_bp[:, None, :]].get(mode="fill", fill_value=0)
     return write_rows(patch, new_bkth, start_b - first_b * tile), first_b
+
+
+def tile_slots(cache_len: int, tile: int = WRITE_TILE) -> int:
+    """`cache_len` rounded up to whole tiles of `tile` slots, as a decode allocates its caches
+    (the speculative and AR loops' own; a shared prefix's cache keeps the length it fills).
+    With WRITE_TILE (16), XLA:TPU lays a bf16 [B,K,S,H] buffer out row-major, as the attention
+    kernels read it; with S not a multiple (Qwen3-8B's AR cache of 1024 + 256 + 2 slots) it
+    took the S-major layout that needs no padding, and the compiled loop transposed every cache
+    for every kernel call, each step. The slots past a row's length are masked, as before."""
+    return -(-cache_len // tile) * tile

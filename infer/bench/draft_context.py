@@ -33,6 +33,7 @@ from dflash_jax import api
 from dflash_jax.decoding import phases
 from dflash_jax.decoding.runner import timed_decode
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.ops import caches
 from infer import cli
 from infer.logs import quiet_library_logs
 
@@ -82,7 +83,7 @@ def draft_time(target, drafter, cfg: DecodeConfig, length: int, window: int) -> 
         drafter.config, draft_window=window, draft_sinks=cfg.draft_sinks if window else 0
     )
     bs = cfg.block_size
-    cache_len = phases.tile_slots(length + cfg.max_new_tokens + 2 * bs)  # as `init_speculative`
+    cache_len = caches.tile_slots(length + cfg.max_new_tokens + 2 * bs)  # as `init_speculative`
     shape = (1, dcfg.num_kv_heads, cache_len, dcfg.head_dim)
     keys = jax.random.split(jax.random.key(0), 2 * dcfg.num_layers)
     ctx = [jax.random.normal(k, shape, jnp.dtype(dcfg.dtype)) for k in keys]
