@@ -42,9 +42,9 @@ def _reachable(comps: dict, roots: list[str]) -> set[str]:
     return seen
 
 
-def _loop_copies(hlo: str, cache_elements: int) -> list[tuple[str, str]]:
+def _loop_copies(hlo: str) -> list[tuple[str, str]]:
     """(result type, operand type) of each copy instruction (copy, copy-start) inside the while
-    loops' bodies (and what they call) whose result holds at least `cache_elements` elements."""
+    loops' bodies (and what they call)."""
     comps = _computations(hlo)
     bodies = [
         m.group(1)
@@ -65,15 +65,23 @@ def _loop_copies(hlo: str, cache_elements: int) -> list[tuple[str, str]]:
     for name in _reachable(comps, bodies):
         for line in comps[name]:
             m = re.search(r"=\s*(\S.*?)\s(?:copy|copy-start)\(%?([\w.\-]+)", line)
-            if not m:
-                continue
-            sizes = [
-                np.prod([int(d) for d in dims.split(",") if d])
-                for _, dims in _SHAPE.findall(m.group(1))
-            ]
-            if sizes and max(sizes) >= cache_elements:
+            if m:
                 found.append((m.group(1), types.get(m.group(2), "")))
     return found
+
+
+def _dims(hlo_type: str) -> list[tuple[int, ...]]:
+    """The dims of each array in an HLO type (a tuple's elements in order)."""
+    return [tuple(int(d) for d in ds.split(",") if d) for _, ds in _SHAPE.findall(hlo_type)]
+
+
+def _cache_sized(hlo: str, cache_elements: int) -> list[tuple[str, str]]:
+    """`_loop_copies` whose result holds at least `cache_elements` elements."""
+    return [
+        (out, arg)
+        for out, arg in _loop_copies(hlo)
+        if (dims := _dims(out)) and max(np.prod(d) for d in dims) >= cache_elements
+    ]
 
 
 def _placement(hlo_type: str) -> tuple[str, int]:
@@ -99,14 +107,14 @@ def cache_copies_in_loop(hlo: str, cache_elements: int) -> int:
     moved to or from another memory space in the same layout (XLA:TPU's memory-space
     assignment prefetching a kernel's operand into VMEM, `S(1)`) is counted by
     `cache_prefetches_in_loop` instead."""
-    return sum(not _moved(out, arg) for out, arg in _loop_copies(hlo, cache_elements))
+    return sum(not _moved(out, arg) for out, arg in _cache_sized(hlo, cache_elements))
 
 
 def cache_prefetches_in_loop(hlo: str, cache_elements: int) -> int:
     """The copies `cache_copies_in_loop` leaves out: cache-sized buffers moved between memory
     spaces inside the loop (prefetched into a TPU's VMEM for a fusion or kernel, or evicted
     back), each step's traffic but no second buffer of the cache."""
-    return sum(_moved(out, arg) for out, arg in _loop_copies(hlo, cache_elements))
+    return sum(_moved(out, arg) for out, arg in _cache_sized(hlo, cache_elements))
 
 
 def copies_of_shapes_in_loop(hlo: str, shapes) -> int:
@@ -116,35 +124,7 @@ def copies_of_shapes_in_loop(hlo: str, shapes) -> int:
     count a logits or weight copy. A buffer only moved to another memory space in the same
     layout (XLA:TPU prefetching a kernel's operand into VMEM, `S(1)`) is not a copy."""
     shapes = {tuple(s) for s in shapes}
-    comps = _computations(hlo)
-    types = {
-        m.group(1): m.group(2)
-        for lines in comps.values()
-        for line in lines
-        for m in [re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S.*?)\s[\w\-]+\(", line)]
-        if m
-    }
-    bodies = [
-        m.group(1)
-        for lines in comps.values()
-        for line in lines
-        if " while(" in line
-        for m in [re.search(r"body=%?([\w.\-]+)", line)]
-        if m
-    ]
-    count = 0
-    for name in _reachable(comps, bodies):
-        for line in comps[name]:
-            m = re.search(r"=\s*(\S.*?)\s(?:copy|copy-start)\(%?([\w.\-]+)", line)
-            if not m:
-                continue
-            dims = [
-                tuple(int(d) for d in ds.split(",") if d) for _, ds in _SHAPE.findall(m.group(1))
-            ]
-            if (
-                dims
-                and max(dims, key=np.prod) in shapes
-                and not _moved(m.group(1), types.get(m.group(2), ""))
-            ):
-                count += 1
-    return count
+    return sum(
+        bool(dims := _dims(out)) and max(dims, key=np.prod) in shapes and not _moved(out, arg)
+        for out, arg in _loop_copies(hlo)
+    )
