@@ -145,6 +145,13 @@ def test_sliding_layers_cache_a_ring(family):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
+# gpt_oss in the default suite (window, sinks, experts); gemma3 and gemma4 (slow) alone guard
+# their families' chunked prefill (softcapped scores; per-layer inputs and shared KV).
+@pytest.mark.parametrize(
+    "family",
+    ["gpt_oss"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma3", "gemma4")],
+    indirect=True,
+)
 def test_chunked_prefill_equals_the_dense_one(family):
     """A prefill in chunks of 16 (rings of window + 4 slots, each chunk attending to the cache
     in key blocks of 8) gives the dense prefill's last hidden states, taps and written cache
@@ -213,6 +220,13 @@ def test_drafters_of_both_formats_load_fit_checked(family, tmp_path):
 _draft_logits = jax.jit(draft_logits, static_argnums=(2, 3, 9))
 
 
+# gemma3 in the default suite (the embedding scale and logit cap the drafter must not take);
+# gemma4 and gpt_oss (slow) alone guard their families' block embedding against the reference.
+@pytest.mark.parametrize(
+    "family",
+    ["gemma3"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma4", "gpt_oss")],
+    indirect=True,
+)
 def test_drafter_block_logits_match_reference_dflash(family, tmp_path):
     """Our drafter's block logits equal the reference `dflash` model's (same weights, taps and
     block; fp32): the block embedded from the raw table (not Gemma's sqrt(hidden)), logits from
