@@ -135,7 +135,7 @@ def on_mesh(jitted, mesh, args: tuple, statics: dict):
     in_shardings = (
         *(sharding.param_shardings(p, mesh) for p in params),
         *sharding.batch_shardings(args[num_params : num_params + 2], mesh),
-        *(sharding.replicated(mesh),) * len(rest),
+        *(jax.tree.map(lambda _: sharding.replicated(mesh), r) for r in rest),  # None: none
         *((carry_shardings(args[-1], mesh),) if takes_state else ()),
     )
     leaves, treedef = jax.tree.flatten(in_shardings)
