@@ -17,12 +17,18 @@ temporaries, from XLA's memory_analysis; for a decode the larger of the two halv
 state is an output of start and the donated argument of advance, so no program's temporaries
 hold it (planning the whole decode as one program did: its caches are made inside, and were
 counted twice). The temporaries are the CPU compiler's; a GPU build fuses and schedules
-differently, and `--attention_impl=xla` (the default here) materialises attention scores that
+differently, and `--attention_impl=xla` (the default on XLA:CPU) materialises attention scores that
 the Pallas kernels of a GPU run never hold, so that line is an upper bound. A program traced
 for --platform gets the CPU decode's 16-bit rewrites here (`ops.platform.CPU_COMPILES`: a bf16
 cache scattered as its bits, the same bits), or XLA:CPU would count an f32 copy of every cache a
 scatter writes, which no TPU or GPU makes. `--output` also
 writes XLA's own figures for each program (argument, output, aliased and temporary bytes).
+
+With the platform's own compiler installed (requirements-compile.txt, `infer.devices`) the
+programs are compiled by it instead, for a device without owning one (--device, by default the
+--platform's device whose chip count is the mesh's: h200 for cuda on one device; v5p-1, v5p-8,
+v5p-64 for tpu on 1, 4, 32): the temporaries are then XLA:GPU's or XLA:TPU's own, with no
+XLA:CPU-only copies to set apart. `--device=cpu` keeps XLA:CPU. The plan says which compiled it.
 
 The target's shapes come from a local HF directory's config.json, a GGUF file (the embedded
 smollm2-135m-instruct) or, offline, from `infer.aot.KNOWN_TARGETS` for the hub ids of configs/*.py.
@@ -36,7 +42,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from infer import aot, cli, distributed  # noqa: F401  (distributed: --mesh)
+from infer import aot, cli, devices, distributed  # noqa: F401  (distributed: --mesh)
 from infer.plan_bytes import (
     CPU_ONLY,
     EVERYWHERE,
@@ -56,15 +62,24 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_enum("mode", "train", ["train", "decode"], "Plan a training step or a decode.")
 aot.define_shape_flags(flags)
 flags.DEFINE_enum(
-    "attention_impl", "xla", ["xla", "pallas"],
-    "Attention lowered for the plan ('pallas' runs the kernels' interpret mode: slow).",
+    "attention_impl", "auto", ["auto", "xla", "pallas"],
+    "Attention lowered for the plan: 'auto' is the run's choice (Pallas kernels where they take "
+    "the shapes) when a device's compiler compiles the plan, and 'xla' on XLA:CPU; 'pallas' on "
+    "XLA:CPU runs the kernels' interpret mode (slow).",
 )  # fmt: skip
 flags.DEFINE_enum(
     "platform", "cuda", ["cuda", "tpu", "cpu"],
     "--mode=decode: the platform whose run is planned: its decode (api.generate_config's "
     "defaults there: block size, adaptive, batch invariance) traced as for it "
     "(ops.platform.TARGET), then compiled by XLA:CPU for the figures. With "
-    "--attention_impl=pallas only cpu (the kernels' interpret mode).",
+    "--attention_impl=pallas on XLA:CPU only cpu (the kernels' interpret mode).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "device", "auto",
+    "Which compiler the figures come from: a device of infer.devices (" + ", ".join(devices.DEVICES)
+    + ": its own XLA compiler, without the accelerator; requirements-compile.txt), 'cpu' (XLA:CPU, "
+    "its CPU-only copies set apart), or 'auto': --platform's device with the mesh's chip count "
+    "when that compiler is installed (cuda: h200 on one device; tpu: v5p-1/-8/-64), else cpu.",
 )  # fmt: skip
 flags.DEFINE_bool("compile", True, "Compile for the activations line (slow for big models).")
 flags.DEFINE_float("device_gb", 141.0, "Memory of one device in GB (1e9 bytes); H200: 141.")
@@ -76,14 +91,44 @@ flags.DEFINE_string(
 flags.mark_flag_as_required("config")
 
 
-def _analyses(programs: list[aot.Program]) -> dict | None:
-    """XLA's memory_analysis of each compiled program (bytes per device), or None without
-    --compile."""
+def pick_device(flag: str, platform: str, chips: int) -> devices.Device | None:
+    """The device whose compiler gives the figures (None: XLA:CPU) for --device=`flag`, a
+    decode planned for `platform` (None for training: any) on a mesh of `chips` devices;
+    ValueError naming the fix when the named one cannot be used."""
+    if flag == "cpu":
+        return None
+    if flag != "auto":
+        if flag not in devices.DEVICES:
+            raise ValueError(f"--device={flag}: not one of cpu, auto, {', '.join(devices.DEVICES)}")
+        device = devices.DEVICES[flag]
+        if device.chips != chips:
+            raise ValueError(f"--device={flag} has {device.chips} chips, the mesh {chips}: "
+                             f"give --mesh a size of {device.chips}")  # fmt: skip
+        if reason := devices.missing(device.platform):
+            raise ValueError(f"--device={flag}: {reason}")
+        return device
+    auto = {("cuda", 1): "h200", ("tpu", 1): "v5p-1", ("tpu", 4): "v5p-8", ("tpu", 32): "v5p-64"}
+    name = auto.get((platform or "cuda", chips))
+    if name is None or devices.missing(devices.DEVICES[name].platform):
+        return None
+    return devices.DEVICES[name]
+
+
+def _analyses(programs: list[aot.Program], mesh, device) -> dict | None:
+    """XLA's memory_analysis of each compiled program (bytes per device), compiled by
+    `device`'s compiler (None: XLA:CPU), or None without --compile."""
     if not FLAGS.compile:
         return None
+    import contextlib
+
+    import jax
+
+    one = device is not None and mesh.devices.size == 1  # unplaced args: the default device
     out = {}
     for program in programs:
-        a = program.lower().compile(compiler_options=program.options).memory_analysis()
+        with jax.default_device(mesh.devices.flat[0]) if one else contextlib.nullcontext():
+            lowered = program.lower()
+        a = lowered.compile(compiler_options=program.options).memory_analysis()
         out[program.name] = {
             "argument": int(a.argument_size_in_bytes),
             "output": int(a.output_size_in_bytes),
@@ -97,11 +142,12 @@ def _temporaries(analyses: dict | None) -> int | None:
     return None if analyses is None else max(a["temp"] for a in analyses.values())
 
 
-def plan_train(cfg, mesh) -> tuple[dict, dict | None]:
-    """-> (rows in bytes per device, with "shape"; XLA's figures for the step)."""
+def plan_train(cfg, mesh, device) -> tuple[dict, dict | None]:
+    """-> (rows in bytes per device, with "shape"; XLA's figures for the step, compiled by
+    `device`'s compiler or XLA:CPU)."""
     step = aot.train_program(cfg, mesh, FLAGS.attention_impl)
     state, target, batch = step.args
-    analyses = _analyses([step])
+    analyses = _analyses([step], mesh, device)
     b, s, n = cfg.batch_size, cfg.seq_len, cfg.num_anchors
     return {
         "params (target, frozen)": per_device_bytes(target),
@@ -114,24 +160,27 @@ def plan_train(cfg, mesh) -> tuple[dict, dict | None]:
     }, analyses
 
 
-def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
-    """-> (rows in bytes per device, with "shape"; XLA's figures for start and advance)."""
+def plan_decode(cfg, mesh, device) -> tuple[dict, dict | None]:
+    """-> (rows in bytes per device, with "shape"; XLA's figures for start and advance, compiled
+    by `device`'s compiler or XLA:CPU)."""
     from dflash_jax.ops import platform as ops_platform
 
-    if FLAGS.attention_impl == "pallas" and FLAGS.platform != "cpu":
+    if FLAGS.attention_impl == "pallas" and FLAGS.platform != "cpu" and device is None:
         raise ValueError(
-            f"--attention_impl=pallas with --platform={FLAGS.platform}: that platform's kernels "
-            "do not compile on this CPU; plan with xla or --platform=cpu (interpret mode)"
+            f"--attention_impl=pallas with --platform={FLAGS.platform} compiled by XLA:CPU: that "
+            "platform's kernels need its compiler (requirements-compile.txt, --device); plan "
+            "with xla or --platform=cpu (interpret mode)"
         )
     shape = aot.shape_from_flags(FLAGS)
     ops_platform.TARGET = FLAGS.platform  # traced as for that run (its kernels, its barriers)
-    ops_platform.CPU_COMPILES = True  # compiled here: XLA:CPU's 16-bit workarounds apply
+    # compiled by XLA:CPU: its 16-bit workarounds apply; by the device's compiler: none
+    ops_platform.CPU_COMPILES = device is None
     start, advance = aot.speculative_programs(
         cfg, mesh, shape, FLAGS.attention_impl, FLAGS.platform
     )
     target, drafter, prompt, lengths = advance.args[:4]
     state = advance.args[-1]  # start's output: the loop carry
-    analyses = _analyses([start, advance])
+    analyses = _analyses([start, advance], mesh, device)
     plan = {
         "params (target)": per_device_bytes(target),
         "params (drafter)": per_device_bytes(drafter),
@@ -150,6 +199,8 @@ def plan_decode(cfg, mesh) -> tuple[dict, dict | None]:
             target, shape.dtype
         )
     other_scheme = bool(shape.quantize) and shape.quantize != "mxfp4"  # its copies booked above
+    if device is not None:  # the device's own compiler: no XLA:CPU copies to set apart
+        return plan, analyses
     if FLAGS.compile and (experts := expert_kernel_bytes(target, shape.dtype, not other_scheme)):
         # XLA:CPU's ragged_dot copies every expert kernel (`plan_bytes.expert_kernel_bytes`);
         # a quantized one's dequantized copy is that copy (mxfp4 left the temporaries as bf16's)
@@ -168,15 +219,43 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import jax
 
+    from dflash_jax import sharding
     from dflash_jax.config import ConfigError
 
     try:
-        mesh = aot.fake_mesh(FLAGS.mesh)
+        sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh.strip() else {}
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from e
+    chips = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+    try:
+        device = pick_device(FLAGS.device, FLAGS.platform if FLAGS.mode == "decode" else None,
+                             chips)  # fmt: skip
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    if device is not None and FLAGS.mode == "decode" and FLAGS.platform != device.platform:
+        raise app.UsageError(f"--device={device.name} is {device.platform}, --platform="
+                             f"{FLAGS.platform}: give --platform={device.platform}")  # fmt: skip
+    if FLAGS.attention_impl == "auto" and device is None:
+        FLAGS.attention_impl = "xla"  # XLA:CPU: the kernels would run in interpret mode
+    if device is None:
+        mesh = aot.fake_mesh(FLAGS.mesh)
+    else:
+        jax.config.update("jax_platforms", "cpu")  # no accelerator backend: compile-only devices
+        mesh = sharding.make_mesh(
+            sizes.get("data", 1),
+            sizes.get("fsdp", 1),
+            sizes.get("tensor", 1),
+            devices=devices.topology_devices(device),
+        )
+    device_gb = device.memory_bytes / 1e9 if device and not FLAGS["device_gb"].present else None
+    if device_gb is not None:
+        FLAGS.device_gb = device_gb
+    backend = (f"XLA:{device.platform.upper().replace('CUDA', 'GPU')} for {device.name} "
+               f"({mesh.devices.flat[0].device_kind}, compiled without one)" if device else
+               "XLA:CPU")  # fmt: skip
     cfg = FLAGS.config
     try:
-        plan, analyses = (plan_train if FLAGS.mode == "train" else plan_decode)(cfg, mesh)
+        plan, analyses = (plan_train if FLAGS.mode == "train" else plan_decode)(cfg, mesh, device)
     except (ConfigError, ValueError, OSError) as e:
         raise app.UsageError(f"{type(e).__name__}: {e}") from e
     shape = plan.pop("shape")
@@ -190,6 +269,7 @@ def main(argv):
     fits = lambda n: n <= FLAGS.device_gb * 1e9
     count = mesh.devices.size
     print(f"{FLAGS.mode} {cfg.target} on mesh {dict(mesh.shape)} ({count} devices): {shape}")
+    print(f"  compiled by {backend}" if FLAGS.compile else "  not compiled (--nocompile)")
     for name, value in plan.items():
         print(f"  {name:38s}{gib(value):>12s}")
     if everywhere:
@@ -211,7 +291,7 @@ def main(argv):
             "target": cfg.target,
             "mesh": dict(mesh.shape),
             "shape": shape,
-            "attention_impl": FLAGS.attention_impl,
+            "attention_impl": FLAGS.attention_impl,  # as compiled ("auto": the run's choice)
             "bytes_per_device": rows,
             "gib_per_device": {
                 k: None if v is None else round(v / 2**30, 2) for k, v in rows.items()
@@ -219,7 +299,8 @@ def main(argv):
             "device_gb": FLAGS.device_gb,
             "fits": {k: fits(v) for k, v in totals.items()},
             "xla_memory_analysis": analyses,
-            "backend": f"XLA:CPU, jax {jax.__version__}",
+            "backend": f"{backend}, jax {jax.__version__}",
+            "device": device.name if device else "cpu",
         }
         with open(FLAGS.output, "w") as f:
             json.dump(out, f, indent=1)

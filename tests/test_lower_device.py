@@ -82,7 +82,8 @@ def test_kernels_are_read_with_their_compiled_resources():
 @pytest.mark.parametrize("device", ["v5p-1", "h100"])
 def test_tiny_programs_compile_for_the_device(tmp_path, device):
     """Every decode and training program of the tiny config compiles for one TPU v5p chip and
-    one H100, within the device's memory; each line carries the compiled figures."""
+    one H100, within the device's memory; each line carries the compiled figures; and
+    `infer.memory_plan --device` plans the same decode with that compiler's own temporaries."""
     platform = devices.DEVICES[device].platform
     reason = devices.missing(platform)
     if reason:
@@ -90,9 +91,10 @@ def test_tiny_programs_compile_for_the_device(tmp_path, device):
     config = write_tiny_config(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     env.pop("JAX_PLATFORMS", None)  # infer.lower sets its own
+    shape = ["--batch=8", "--prompt_len=16", "--max_new_tokens=16"]
     out = subprocess.run(
         [sys.executable, "-m", "infer.lower", f"--config={config}", f"--device={device}",
-         "--what=decode,train", "--batch=8", "--prompt_len=16", "--max_new_tokens=16"],
+         "--what=decode,train", *shape],
         env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=900,
     )  # fmt: skip
     lines = {(x := json.loads(line))["program"]: x for line in out.stdout.splitlines()}
@@ -106,3 +108,19 @@ def test_tiny_programs_compile_for_the_device(tmp_path, device):
         copies = line["cache_copies_in_loop"]
         assert (copies is None) == (name in {"train_step", "heldout_metrics"}), line
         assert copies is None or copies >= 0
+    # the memory plan of that decode, compiled by the same compiler: its activations row is the
+    # larger of the two halves' temporaries as infer.lower reads them, and no CPU-only row
+    plan_file = tmp_path / "plan.json"
+    plan = subprocess.run(
+        [sys.executable, "-m", "infer.memory_plan", f"--config={config}", "--mode=decode",
+         f"--platform={platform}", f"--device={device}", *shape, f"--output={plan_file}"],
+        env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stdout + plan.stderr[-3000:]
+    plan = json.loads(plan_file.read_text())
+    assert plan["device"] == device and plan["backend"].startswith("XLA:"), plan
+    halves = ("start_speculative", "advance_speculative")
+    temp = max(lines[name]["memory"]["temp"] for name in halves)
+    rows = plan["bytes_per_device"]
+    assert rows["activations (temporaries)"] == temp, (rows, temp)
+    assert not any("CPU only" in name for name in rows), rows

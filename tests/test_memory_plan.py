@@ -27,7 +27,7 @@ def test_decode_plan_counts_the_caches_once(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "infer.memory_plan", f"--config={config}", "--mode=decode",
          "--batch=8", "--prompt_len=64", "--max_new_tokens=448", "--dtype=float32",
-         f"--output={output}"],
+         "--device=cpu", f"--output={output}"],
         env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
