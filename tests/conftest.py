@@ -16,6 +16,15 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dflash_jax_test_xla")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+# Compile time is most of the suite; XLA:CPU's LLVM back end at -O0 compiles ~22% faster over a
+# mix of the decode and training tests (measured 2026-12-07: 72.6 -> 56.3 s on 47 tests, cold
+# caches). It changes the machine code only: XLA's HLO passes, buffer assignment (the memory
+# tests) and the order of every floating-point operation (no fast-math; the bitwise tests) stay
+# the same. Tests, and the CLIs they start, inherit it; runs outside the tests do not.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -32,8 +41,9 @@ def _private_target_cache():
 # times them (so over every xdist worker: about twice the wall time on the 2-core CI machine).
 # A whole default run over it fails, naming the sum: the suite is a budget like a kernel's
 # memory (docs/development.md). 700 s summed is about the 6-minute wall-time goal on 2 workers
-# (half the sum plus ~20 s of start-up and imbalance); measured 2026-12-04: 567 s summed, 302 s
-# of wall. DFLASH_JAX_SUITE_BUDGET_S sets another (a tiny one shows the check failing).
+# (half the sum plus ~20 s of start-up and imbalance); measured 2026-12-07, cold caches: 724 s
+# summed, 389 s of wall at -O3 (CI: 750 s, over), 540 s and 297 s at -O0 (above).
+# DFLASH_JAX_SUITE_BUDGET_S sets another (a tiny one shows the check failing).
 DEFAULT_SUITE_BUDGET_S = float(os.environ.get("DFLASH_JAX_SUITE_BUDGET_S", "700"))
 _durations = {"sum": 0.0, "tests": 0}
 
