@@ -172,26 +172,33 @@ def prompt_pass(
 
     acc = None if sink is None else sink[1]
     shapes = jax.eval_shape(run, cache, acc, starts[0])
+    n = starts.shape[0]
+    # Only the chunks up to the longest row's last position run (the rest of a power-of-two
+    # buffer is padding): a while loop over that many, not a scan over all of them with a
+    # `lax.cond` skipping the rest, because XLA:GPU copied every cache buffer into and out of
+    # the cond's branches, once per chunk (infer.lower --device=h200, `cache_copies_in_loop`).
+    # A skipped chunk's taps stay zeros; its cache rows are unwritten, which nothing reads.
+    live = jnp.sum(starts <= jnp.max(last_b))
+    stack = lambda x: jnp.zeros((n, *x.shape), x.dtype)
 
-    def skip(cache, acc, start):  # a chunk past every row's prompt (the buffer's padding)
-        zeros = lambda x: jnp.zeros(x.shape, x.dtype)
-        return zeros(shapes[0]), jax.tree.map(zeros, shapes[1]), cache, acc
-
-    def body(carry, start):
-        cache, hidden_b1d, acc = carry
-        live = start <= jnp.max(last_b)
-        chunk_hidden_b1d, taps_bcf, cache, acc = jax.lax.cond(live, run, skip, cache, acc, start)
+    def body(carry):
+        i, cache, hidden_b1d, acc, taps_nbcf = carry
+        start = starts[i]
+        chunk_hidden_b1d, taps_bcf, cache, acc = run(cache, acc, start)
         mine_b = (last_b >= start) & (last_b < start + chunk)
         hidden_b1d = jnp.where(mine_b[:, None, None], chunk_hidden_b1d, hidden_b1d)
-        return (cache, hidden_b1d, acc), taps_bcf
+        taps_nbcf = jax.tree.map(lambda all_, one: all_.at[i].set(one), taps_nbcf, taps_bcf)
+        return i + 1, cache, hidden_b1d, acc, taps_nbcf
 
     hidden_b1d = jnp.zeros(shapes[0].shape, shapes[0].dtype)
-    (cache, hidden_b1d, acc), taps_nbcf = jax.lax.scan(body, (cache, hidden_b1d, acc), starts)
+    carry = (jnp.int32(0), cache, hidden_b1d, acc, jax.tree.map(stack, shapes[1]))
+    _, cache, hidden_b1d, acc, taps_nbcf = jax.lax.while_loop(
+        lambda carry: carry[0] < live, body, carry
+    )
     if sink is not None:
         return hidden_b1d, acc, cache
     if taps_nbcf is None:
         return hidden_b1d, None, cache
-    n = len(starts)
     head_bqf = jnp.moveaxis(taps_nbcf[:-1], 0, 1).reshape(b, (n - 1) * chunk, -1)
     cut = 0 if tcfg.sliding else n * chunk - p  # the last chunk padded, or ending at P
     taps_bpf = jnp.concatenate([head_bqf, taps_nbcf[-1][:, cut : cut + p - (n - 1) * chunk]], 1)
