@@ -308,6 +308,11 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
     peak, have = out["memory"]["peak_bytes"] / 2**30, device.memory_bytes / 2**30
     if peak > have and lowered_out.get("error") is None:
         out["error"] = f"needs {peak:.2f} GiB per device, {device.name} has {have:.2f} GiB"
+        if program.name == "train_step":  # what a user changes to fit it (docs/training.md)
+            out["error"] += (
+                ": fewer rows at once (--config.grad_accum_steps=k runs the batch in k "
+                "micro-batches) or more chips (--mesh)"
+            )
     return out
 
 
