@@ -145,6 +145,10 @@ def _temporaries(analyses: dict | None) -> int | None:
 def plan_train(cfg, mesh, device) -> tuple[dict, dict | None]:
     """-> (rows in bytes per device, with "shape"; XLA's figures for the step, compiled by
     `device`'s compiler or XLA:CPU)."""
+    if device is not None:  # traced as for that platform (its kernels), as infer.lower does
+        from dflash_jax.ops import platform as ops_platform
+
+        ops_platform.TARGET = device.platform
     step = aot.train_program(cfg, mesh, FLAGS.attention_impl)
     state, target, batch = step.args
     analyses = _analyses([step], mesh, device)
