@@ -135,10 +135,10 @@ def prompt_pass(
     from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
     before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
     position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
-    tokens (the MoE / hybrid families excepted) runs as a scan over chunks (`sliding.
+    tokens (the MoE / hybrid families excepted) runs as a loop over chunks (`sliding.
     prompt_chunks`), each attending to the cache written before it and to itself
     (`cached_attention`, as a verify does): a layer holds chunk x P scores, not P x P. Chunks
-    past every row's last position (the padding of a power-of-two buffer) are skipped: their
+    past every row's last position (the padding of a power-of-two buffer) never run: their
     taps are zeros and their cache rows unwritten, which nothing reads.
 
     sink: None, or (fn, init): the taps are folded as they come, acc = fn(acc, taps [B,C,F],
@@ -173,11 +173,8 @@ def prompt_pass(
     acc = None if sink is None else sink[1]
     shapes = jax.eval_shape(run, cache, acc, starts[0])
     n = starts.shape[0]
-    # Only the chunks up to the longest row's last position run (the rest of a power-of-two
-    # buffer is padding): a while loop over that many, not a scan over all of them with a
-    # `lax.cond` skipping the rest, because XLA:GPU copied every cache buffer into and out of
-    # the cond's branches, once per chunk (infer.lower --device=h200, `cache_copies_in_loop`).
-    # A skipped chunk's taps stay zeros; its cache rows are unwritten, which nothing reads.
+    # The live chunks only, in a while loop: a scan with a lax.cond skipping the padding made
+    # XLA:GPU copy every cache through the cond's branches per chunk (`infer.lower --device`).
     live = jnp.sum(starts <= jnp.max(last_b))
     stack = lambda x: jnp.zeros((n, *x.shape), x.dtype)
 
