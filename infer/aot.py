@@ -194,6 +194,7 @@ class Program:
     statics: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
     settings: dict = dataclasses.field(default_factory=dict)  # what a reader needs to know
+    loop_state: Any = None  # the decode loop state it carries, where `statics` are bound (mesh)
 
     def lower(self, platform: str | None = None):
         """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend)."""
@@ -303,6 +304,7 @@ def train_programs(cfg, mesh, attention_impl: str, prompt_len: int) -> list[Prog
     their buffer is `prompt_len` wide: a run's is its longest prompt's)."""
     from dflash_jax.decoding import programs as decode_programs
     from dflash_jax.decoding import runner, speculative
+    from dflash_jax.decoding.state import carry_shardings
     from dflash_jax.models.drafter import init_drafter_params
     from dflash_jax.models.target import init_params
     from dflash_jax.training import evaluation
@@ -356,8 +358,14 @@ def train_programs(cfg, mesh, attention_impl: str, prompt_len: int) -> list[Prog
         drafter_config=dcfg,
         decode_config=decode,
     )
+    state = speculative.start_speculative.eval_shape(*args[:5], **statics)
+    if run_mesh is not None:  # its per-device shapes, as the loop carries it
+        placed = carry_shardings(state, run_mesh)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             state, placed)  # fmt: skip
     fn, args, statics = runner.place_half(speculative.speculative_jit, args, statics, run_mesh)
-    out.append(Program("eval_decode", fn, args, statics, decode_programs.executable_options(tcfg)))
+    options = decode_programs.executable_options(tcfg)
+    out.append(Program("eval_decode", fn, args, statics, options, loop_state=state))
     return out
 
 

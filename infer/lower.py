@@ -294,10 +294,7 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
     out.update(compiled=True, memory=devices.memory(compiled), **devices.cost(compiled, lowered))
     targets = Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
     out["compiled_custom_calls"] = dict(sorted(targets.items()))
-    try:
-        shapes = devices.cache_shapes(_loop_state(program))
-    except TypeError:  # an evaluation decode placed on a mesh: its statics are bound (on_mesh)
-        shapes = set()
+    shapes = devices.cache_shapes(_loop_state(program))
     out["cache_copies_in_loop"] = copies_of_shapes_in_loop(hlo, shapes) if shapes else None
     found = {(k["target"], k["name"]): k for k in devices.kernel_resources(hlo)}
     out["kernels"] = [
@@ -317,19 +314,17 @@ def compiled_fields(program: aot.Program, lowered, device, mesh, lowered_out: di
 
 
 def _loop_state(program: aot.Program):
-    """The decode loop state a program carries (an advance's last argument, a start's
-    result, an evaluation decode's start: on one device only, TypeError on a mesh), or None
-    (the training programs)."""
-    from dflash_jax.decoding import speculative
+    """The decode loop state a program carries (an evaluation decode's, kept by `infer.aot`
+    with its per-device shapes; an advance's last argument; a start's result), or None (the
+    training programs)."""
     from dflash_jax.decoding.state import LoopState
 
+    if program.loop_state is not None:
+        return program.loop_state
     if program.args and isinstance(program.args[-1], LoopState):
         return program.args[-1]
     if program.name.startswith("start_"):
         return program.fn.eval_shape(*program.args, **program.statics)
-    if program.name == "eval_decode":
-        start = speculative.start_speculative
-        return start.eval_shape(*program.args[:5], **program.statics)
     return None
 
 
