@@ -135,7 +135,7 @@ def prompt_pass(
     from slot 0 (offset: from slot `offset`, the cache holding the K/V of the `offset` tokens
     before the prompt, which it attends to). -> (final-normed hidden at each row's `last_b`
     position of the prompt [B,1,D], taps [B,P,F] or None, cache). A prompt longer than `chunk`
-    tokens (the MoE / hybrid families excepted) runs as a loop over chunks (`sliding.
+    tokens (the hybrid families excepted) runs as a loop over chunks (`sliding.
     prompt_chunks`), each attending to the cache written before it and to itself
     (`cached_attention`, as a verify does): a layer holds chunk x P scores, not P x P. Chunks
     past every row's last position (the padding of a power-of-two buffer) never run: their
@@ -147,7 +147,7 @@ def prompt_pass(
     drafter's context K/V of a 32K prompt of Qwen3-8B: [P, 5 x 4096] taps were 1.25 GiB)."""
     b, p = prompt_bp.shape
     model, params = Transformer(tcfg), {"params": target_params}
-    if not chunk or p <= chunk or (tcfg.layered and not tcfg.sliding):
+    if not chunk or p <= chunk or tcfg.hybrid:  # recurrent states: one pass
         positions_bp = jnp.broadcast_to(jnp.arange(offset, offset + p, dtype=jnp.int32), (b, p))
         # cache_lengths None: an empty cache, written from slot 0
         held_b = jnp.full((b,), offset, jnp.int32) if offset else None
