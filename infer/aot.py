@@ -16,9 +16,12 @@ configs/*.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,12 +197,17 @@ class Program:
     statics: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
     settings: dict = dataclasses.field(default_factory=dict)  # what a reader needs to know
-    loop_state: Any = None  # the decode loop state it carries, where `statics` are bound (mesh)
+    # -> the decode loop state it carries, for a program whose `statics` are bound (on a mesh)
+    loop_state: Callable[[], Any] | None = None
 
-    def lower(self, platform: str | None = None):
-        """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend)."""
+    def lower(self, platform: str | None = None, mesh=None):
+        """-> jax's Lowered for `platform` ("tpu", "cuda", ...; None: this process's backend).
+        On a one-device `mesh` the arguments are unplaced, so they are traced with its device
+        as the default one (a deviceless accelerator's chip, `chip_mesh`)."""
         platforms = None if platform is None else (platform,)
-        return self.fn.trace(*self.args, **self.statics).lower(lowering_platforms=platforms)
+        one = mesh is not None and mesh.devices.size == 1
+        with jax.default_device(mesh.devices.flat[0]) if one else contextlib.nullcontext():
+            return self.fn.trace(*self.args, **self.statics).lower(lowering_platforms=platforms)
 
     def fingerprint(self, lowered) -> str:
         """`programs.fingerprint` of this program lowered (`lower`): what `infer.generate
@@ -209,15 +217,31 @@ class Program:
         return programs.fingerprint(lowered, self.options)
 
 
-def fake_mesh(spec: str) -> jax.sharding.Mesh:
-    """The mesh `spec` describes ("" = one device) over exactly as many fake CPU devices as it
-    needs (an axis left out, `data` included, has size 1). Call it before anything starts a
-    jax backend; a bad spec raises ValueError naming what is wrong."""
+def mesh_sizes(spec: str) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of a --mesh `spec` ("" = one device; an axis left out has size 1);
+    ValueError naming what is wrong."""
     sizes = sharding.parse_mesh(spec) if spec.strip() else {}
-    count = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+    return sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+
+
+def fake_mesh(spec: str) -> jax.sharding.Mesh:
+    """The mesh `spec` describes over exactly as many fake CPU devices as it needs. Call it
+    before anything starts a jax backend; a bad spec raises ValueError naming what is wrong."""
+    sizes = mesh_sizes(spec)
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
-    return sharding.make_mesh(sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1))
+    jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+    return sharding.make_mesh(*sizes)
+
+
+def chip_mesh(spec: str, device) -> jax.sharding.Mesh:
+    """The mesh `spec` describes over the chips of `device` (`infer.devices.Device`, a
+    deviceless GPU or TPU slice: `devices.topology_devices`), no accelerator backend started.
+    ValueError for a bad spec, RuntimeError naming the package when its compiler is absent."""
+    from infer import devices
+
+    sizes = mesh_sizes(spec)
+    jax.config.update("jax_platforms", "cpu")  # no accelerator backend: compile-only devices
+    return sharding.make_mesh(*sizes, devices=devices.topology_devices(device))
 
 
 def target_config(source: str, dtype: str) -> TargetConfig:
@@ -358,14 +382,17 @@ def train_programs(cfg, mesh, attention_impl: str, prompt_len: int) -> list[Prog
         drafter_config=dcfg,
         decode_config=decode,
     )
-    state = speculative.start_speculative.eval_shape(*args[:5], **statics)
-    if run_mesh is not None:  # its per-device shapes, as the loop carries it
-        placed = carry_shardings(state, run_mesh)
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             state, placed)  # fmt: skip
+
+    def loop_state(args=args[:5], statics=statics):  # its per-device shapes, as the loop carries it
+        state = speculative.start_speculative.eval_shape(*args, **statics)
+        if run_mesh is None:
+            return state
+        put = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        return jax.tree.map(put, state, carry_shardings(state, run_mesh))
+
     fn, args, statics = runner.place_half(speculative.speculative_jit, args, statics, run_mesh)
     options = decode_programs.executable_options(tcfg)
-    out.append(Program("eval_decode", fn, args, statics, options, loop_state=state))
+    out.append(Program("eval_decode", fn, args, statics, options, loop_state=loop_state))
     return out
 
 

@@ -67,7 +67,6 @@ memory, is an error (exit 1).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -80,7 +79,6 @@ from absl import app, flags
 from jax.interpreters.mlir import ir
 from ml_collections import config_flags
 
-from dflash_jax import sharding
 from dflash_jax.config import ATTENTION_IMPLS
 from dflash_jax.ops import platform as ops_platform
 from infer import aot, cli, devices, distributed  # noqa: F401  (distributed: --mesh)
@@ -259,9 +257,7 @@ def lower_one(program: aot.Program, platform: str, mesh, device=None) -> dict:
     t0 = time.perf_counter()
     lowered = None
     try:
-        one = device is not None and mesh.devices.size == 1  # unplaced args: the default device
-        with jax.default_device(mesh.devices.flat[0]) if one else contextlib.nullcontext():
-            lowered = program.lower(None if device else platform)
+        lowered = program.lower(None if device else platform, mesh)
         module = lowered.compiler_ir("stablehlo")
         out = report(custom_calls(module), mesh)
         out["collectives"] = collectives(module)
@@ -320,7 +316,7 @@ def _loop_state(program: aot.Program):
     from dflash_jax.decoding.state import LoopState
 
     if program.loop_state is not None:
-        return program.loop_state
+        return program.loop_state()
     if program.args and isinstance(program.args[-1], LoopState):
         return program.args[-1]
     if program.name.startswith("start_"):
@@ -345,15 +341,10 @@ def _mesh(device):
     """The mesh --mesh describes: over fake CPU devices, or with `device` over its chips."""
     if device is None:
         return aot.fake_mesh(FLAGS.mesh)
-    jax.config.update("jax_platforms", "cpu")  # no accelerator backend: compile-only devices
     try:
-        chips = devices.topology_devices(device)
+        return aot.chip_mesh(FLAGS.mesh, device)
     except RuntimeError as e:
         raise app.UsageError(f"--device={device.name}: {e}") from e
-    sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh.strip() else {}
-    return sharding.make_mesh(
-        sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1), devices=chips
-    )
 
 
 def main(argv):

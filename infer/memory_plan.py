@@ -119,15 +119,9 @@ def _analyses(programs: list[aot.Program], mesh, device) -> dict | None:
     `device`'s compiler (None: XLA:CPU), or None without --compile."""
     if not FLAGS.compile:
         return None
-    import contextlib
-
-    import jax
-
-    one = device is not None and mesh.devices.size == 1  # unplaced args: the default device
     out = {}
     for program in programs:
-        with jax.default_device(mesh.devices.flat[0]) if one else contextlib.nullcontext():
-            lowered = program.lower()
+        lowered = program.lower(mesh=mesh)
         a = lowered.compile(compiler_options=program.options).memory_analysis()
         out[program.name] = {
             "argument": int(a.argument_size_in_bytes),
@@ -221,16 +215,16 @@ def plan_decode(cfg, mesh, device) -> tuple[dict, dict | None]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import math
+
     import jax
 
-    from dflash_jax import sharding
     from dflash_jax.config import ConfigError
 
     try:
-        sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh.strip() else {}
+        chips = math.prod(aot.mesh_sizes(FLAGS.mesh))
     except ValueError as e:
         raise app.UsageError(f"--mesh: {e}") from e
-    chips = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("tensor", 1)
     try:
         device = pick_device(FLAGS.device, FLAGS.platform if FLAGS.mode == "decode" else None,
                              chips)  # fmt: skip
@@ -241,16 +235,7 @@ def main(argv):
                              f"{FLAGS.platform}: give --platform={device.platform}")  # fmt: skip
     if FLAGS.attention_impl == "auto" and device is None:
         FLAGS.attention_impl = "xla"  # XLA:CPU: the kernels would run in interpret mode
-    if device is None:
-        mesh = aot.fake_mesh(FLAGS.mesh)
-    else:
-        jax.config.update("jax_platforms", "cpu")  # no accelerator backend: compile-only devices
-        mesh = sharding.make_mesh(
-            sizes.get("data", 1),
-            sizes.get("fsdp", 1),
-            sizes.get("tensor", 1),
-            devices=devices.topology_devices(device),
-        )
+    mesh = aot.fake_mesh(FLAGS.mesh) if device is None else aot.chip_mesh(FLAGS.mesh, device)
     device_gb = device.memory_bytes / 1e9 if device and not FLAGS["device_gb"].present else None
     if device_gb is not None:
         FLAGS.device_gb = device_gb
