@@ -7,9 +7,11 @@ r"""An OpenAI-compatible server: continuous batching over the jitted DFlash loop
 
 POST /v1/completions and /v1/chat/completions (`stream: true` as server-sent events; per
 request max_tokens, temperature, top_p, top_k, stop, seed; an unseeded request draws a fresh
-seed), GET /v1/models, /health (200 once every program is compiled and warmed up, 503 before,
-while draining and after a failure, with the reason), /metrics (Prometheus: requests, queue,
-tokens, latency histograms, speculative decoding) and /stats (the same summary as JSON). The
+seed; structured output: response_format json_object / json_schema, vLLM's guided_json,
+guided_regex, guided_choice, each row constrained inside the loop), GET /v1/models, /health
+(200 once every program is compiled and warmed up, 503 before, while draining and after a
+failure, with the reason), /metrics (Prometheus: requests, queue, tokens, latency histograms,
+speculative decoding) and /stats (the same summary as JSON). The
 --slots rows of one running decode are the slots: between chunks of --chunk_steps loop steps,
 finished rows are freed and queued requests are prefilled into free rows
 (`dflash_jax.decoding.slots`). Target passes are batch-invariant unless --nobatch_invariant, so
@@ -34,7 +36,7 @@ from absl import app, flags
 
 from dflash_jax import api
 from infer import cli, common
-from infer.serving.server import make_server
+from infer.serving.server import GRAMMAR_SHAPE, make_server
 
 FLAGS = flags.FLAGS
 API_KEY_ENV = "DFLASH_API_KEY"  # as vLLM's VLLM_API_KEY
@@ -81,6 +83,13 @@ flags.DEFINE_bool(
     "Prefill the prompts admitted at one chunk boundary together (one insert program); off: "
     "one after another, each alone (what the server did before; for comparisons).",
 )  # fmt: skip
+flags.DEFINE_string(
+    "grammar_table",
+    "x".join(map(str, GRAMMAR_SHAPE)),
+    "Structured output (response_format, guided_json / guided_regex / guided_choice): each "
+    "slot's grammar table, STATESxCLASSES (a request whose grammar needs more is refused with "
+    "a 400 naming this flag); 0: structured output off.",
+)
 flags.DEFINE_bool(
     "calibrate", True,
     "Measure the adaptive step kinds' costs on the served program at start-up (a few "
@@ -107,6 +116,19 @@ def server_config(target, drafter) -> api.DecodeConfig:
     )  # fmt: skip
 
 
+def parse_grammar_table(text: str) -> tuple[int, int] | None:
+    """--grammar_table: "STATESxCLASSES" -> (states, classes); "0": None (off)."""
+    if text.strip() in ("0", "off", ""):
+        return None
+    try:
+        states, classes = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        states = classes = 0
+    if states < 1 or classes < 1:
+        raise ValueError(f"--grammar_table={text!r}: give STATESxCLASSES, e.g. 2048x256, or 0")
+    return states, classes
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -121,6 +143,7 @@ def main(argv):
         if target.tokenizer is None:
             raise ValueError(f"the target {FLAGS.target} has no tokenizer to read requests with")
         cfg = server_config(target, drafter)
+        grammar_shape = parse_grammar_table(FLAGS.grammar_table)
         api.check_inputs(target, drafter, [[1]], [1], cfg)
         context = target.config.max_position_embeddings
         max_prompt = FLAGS.max_prompt_tokens or context - cfg.max_new_tokens
@@ -135,6 +158,7 @@ def main(argv):
         max_queue=FLAGS.max_queue, model_name=FLAGS.model_name or FLAGS.target,
         calibrate=FLAGS.calibrate, api_key=FLAGS.api_key or os.environ.get(API_KEY_ENV),
         precompile=FLAGS.precompile_inserts, admit_together=FLAGS.admit_together,
+        grammar_shape=grammar_shape,
     )  # fmt: skip
     print(
         f"serving {FLAGS.model_name or FLAGS.target} on http://{FLAGS.host}:{FLAGS.port} "

@@ -14,23 +14,28 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import os
+import re
 import signal
 import threading
 import time
 import types
+import typing
 
 import httpx2 as httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
+import pydantic
 import pytest
 from _chat_tokenizer import CHATML, char_tokenizer
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.decoding import autoregressive_decode, sampling
+from dflash_jax.decoding import autoregressive_decode, grammar, sampling
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.io import grammar as grammar_io
 from dflash_jax.io.drafter_io import LoadedDrafter
 from dflash_jax.io.target_loader import LoadedTarget
 from dflash_jax.models.drafter import init_drafter_params
@@ -322,8 +327,10 @@ def test_request_shapes_apps_send(served):
     for body, param in (
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"messages": tool}, "messages[0]"),
-        ({"messages": messages, "response_format": {"type": "json_object"}}, "response_format"),
-        ({"messages": messages, "guided_regex": "[0-9]+"}, "guided_regex"),  # never ignored
+        ({"messages": messages, "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": messages, "guided_regex": "(?=a)b"}, "guided_regex"),  # never ignored
+        ({"messages": messages, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        ({"messages": messages, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"messages": messages, "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ):
@@ -335,6 +342,79 @@ def test_request_shapes_apps_send(served):
         (httpx.get(f"{served.url}/v1/completions"), 405),
     ):
         assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
+def _constrained_reference(target, prompt: str, spec) -> str:
+    """The target alone, greedy, its distribution masked to `spec`'s grammar at every step
+    (`decoding.grammar`), on the raw prompt, as text."""
+    tok = target.tokenizer
+    tables = grammar_io.compile_grammar(
+        spec, grammar_io.token_bytes(tok), target.config.vocab_size, [2]
+    )
+    ids = tok.encode(prompt, add_special_tokens=False)
+    buf = np.zeros((1, 64), np.int32)
+    buf[0, : len(ids)] = ids
+    cfg = DecodeConfig(max_new_tokens=MAX_NEW, stop_token_ids=(2,), batch_invariant=True)
+    out = autoregressive_decode(
+        target.params, buf, np.array([len(ids)], np.int32), jax.random.key(0),
+        target_config=target.config, decode_config=cfg,
+        constraint=grammar.constraint(grammar.device_table(*tables), 1),
+    )  # fmt: skip
+    return tok.decode(np.asarray(out.tokens[0, : int(out.lengths[0])]), skip_special_tokens=True)
+
+
+def test_structured_output_rows_carry_their_own_grammars(served, fp32_pair):
+    """Guards the server's structured output: each slot carries its own request's grammar
+    (per-row tables in the loop state). A guided_regex, a guided_choice and a json_schema
+    response_format request and one without, admitted together: each constrained answer is
+    text its grammar accepts and equals the constrained target alone (greedy), the free one
+    equals the target alone; the openai client's `parse` with a pydantic model reads the
+    answer back."""
+    target = fp32_pair[0]
+    client = served.client()
+    regex = r"[a-c]{2,6}-[0-9]{1,3}"
+    choices = ["yes", "no", "maybe"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tag": {"type": "string", "enum": ["ab", "c"]},
+        },
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    json_format = {"type": "json_schema", "json_schema": {"name": "T", "schema": schema}}
+    jobs = [
+        ("abc", {"guided_regex": regex}, grammar_io.spec_of(regex=regex)),
+        ("12+34=", {"guided_choice": choices}, grammar_io.spec_of(choices=choices)),
+        ("The quick brown fox", {"response_format": json_format},
+         grammar_io.spec_of(json_schema=schema)),
+        ("Hello there", {}, None),
+    ]  # fmt: skip
+    kw = dict(model=MODEL, max_tokens=MAX_NEW, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(
+            pool.map(
+                lambda job: client.completions.create(prompt=job[0], extra_body=job[1], **kw),
+                jobs,
+            )
+        )
+    texts = [a.choices[0].text for a in answers]
+    assert re.fullmatch(regex, texts[0]) and texts[1] in choices, texts
+    assert json.loads(texts[2])["tag"] in ("ab", "c"), texts[2]
+    assert all(a.choices[0].finish_reason == "stop" for a in answers[:3]), answers
+    want = [_constrained_reference(target, p, spec) for p, _, spec in jobs[:3]]
+    assert texts == [*want, _greedy_reference(target, jobs[3][0], MAX_NEW)]
+
+    class T(pydantic.BaseModel):
+        n: int = pydantic.Field(ge=0, le=99)
+        tag: typing.Literal["ab", "c"]
+
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], response_format=T,
+        max_tokens=MAX_NEW, temperature=0,
+    ).choices[0].message.parsed  # fmt: skip
+    assert isinstance(parsed, T), parsed
 
 
 def test_prometheus_metrics(served):
@@ -644,7 +724,8 @@ def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch)
     dec.params, dec._rng, dec.state = (None, None), None, None
     dec.prompt, dec.lengths = np.zeros((2, 32), np.int32), np.ones((2,), np.int32)
     dec.step_costs, dec.sampled_step_costs = "greedy", "sampled"
-    dec._sampling = np.zeros((2,), bool)
+    dec._sampling, dec._grammar_rows = np.zeros((2,), bool), np.zeros((2,), bool)
+    dec.grammar_shape = None
     passed = []
     dec.inserts = types.SimpleNamespace(
         plan=lambda n, width: [(n, n, width)], get=lambda k, width: lambda *args: None

@@ -49,6 +49,7 @@ def insert_rows(
     rows_k,
     slot_k,
     state: LoopState,
+    constraint_k=None,
     *,
     target_config,
     drafter_config,
@@ -58,12 +59,14 @@ def insert_rows(
     and writes row k into row slot_k[k] of `state` (a slot index past the state's rows: a
     padding row, written nowhere): its target cache and drafter context rows from slot 0, its
     generated tokens, counts and controller estimates. The loop-wide scalars (step, probe wait)
-    stay."""
+    stay. constraint_k: structured output, (one grammar table per row [K], start states [K])
+    (`SlotDecoder._constraint`), written into the rows with their automaton states."""
     head = decoding_head(target_params, target_config)
     new = init_speculative(
         target_params, drafter_params, head, target_config, drafter_config, decode_config,
         prompt_kp, length_k, None, rows=rows_k, cache_len=prompt_kp.shape[1],
         control=proposers.init_control(decode_config, prompt_kp.shape[0]),
+        constraint=constraint_k,
     )  # fmt: skip
 
     def put(big, small):  # rows slot_k of big [N, ...] from small [K, ...] (no wider)

@@ -45,6 +45,12 @@ class Grammar:
     forced: jax.Array
 
     @property
+    def per_row(self) -> bool:
+        """One table per row (class_of [B, V], trans [B, S, C], ...: a server's slots, each
+        with its own request's grammar), rather than one for every row."""
+        return self.class_of.ndim == 2
+
+    @property
     def nbytes(self) -> int:
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self))
 
@@ -54,13 +60,20 @@ def bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << max(int(n) - 1, 0).bit_length())
 
 
-def device_table(class_of, trans) -> Grammar:
-    """The host table (class_of [V], trans [S, C] numpy, from `io.grammar`) padded to its
-    buckets and placed on the device."""
+def host_table(class_of, trans, shape: tuple[int, int] | None = None) -> Grammar:
+    """The host table (class_of [V], trans [S, C] numpy, from `io.grammar`) padded to `shape`
+    (S, C) (None: its buckets), as numpy arrays; ValueError if it does not fit `shape`."""
     class_of = np.asarray(class_of, np.int32)
     trans = np.asarray(trans, np.int32)
     s, c = trans.shape
-    padded = np.full((bucket(s), bucket(c)), -1, np.int32)
+    rows, cols = shape or (bucket(s), bucket(c))
+    if s > rows or c > cols:
+        raise ValueError(
+            f"the grammar's table has {s} states x {c} token classes; this decoder's grammar "
+            f"table holds at most {rows} x {cols}: simplify the grammar, or give the decoder "
+            "a larger grammar table"
+        )
+    padded = np.full((rows, cols), -1, np.int32)
     padded[:s, :c] = trans
     live = (padded >= 0).any(axis=1)
     sizes = np.bincount(class_of, minlength=padded.shape[1])  # tokens per class
@@ -72,12 +85,27 @@ def device_table(class_of, trans) -> Grammar:
     forced = np.where(
         count == 1, token_of_class[np.argmax(single, axis=1)], -1
     )  # a state with one allowed token: its class has that one token
+    return Grammar(class_of=class_of, trans=padded, live=live, forced=forced.astype(np.int32))
+
+
+def device_table(class_of, trans) -> Grammar:
+    """The host table padded to its buckets (`host_table`) and placed on the device."""
+    return jax.tree.map(jnp.asarray, host_table(class_of, trans))
+
+
+def no_grammar(vocab: int, shape: tuple[int, int]) -> Grammar:
+    """The table of a row without a grammar, in a per-row table of `shape` (S, C): nothing
+    allowed (its row's state is NONE, so nothing is masked)."""
+    s, c = shape
     return Grammar(
-        class_of=jnp.asarray(class_of),
-        trans=jnp.asarray(padded),
-        live=jnp.asarray(live),
-        forced=jnp.asarray(forced.astype(np.int32)),
-    )
+        class_of=np.zeros(vocab, np.int32), trans=np.full((s, c), -1, np.int32),
+        live=np.zeros(s, bool), forced=np.full(s, -1, np.int32),
+    )  # fmt: skip
+
+
+def per_row(tables) -> Grammar:
+    """One table per row (`Grammar.per_row`) from host tables of one shape, in row order."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *tables)
 
 
 def constraint(g: Grammar, batch: int, rows=None):
@@ -89,6 +117,18 @@ def constraint(g: Grammar, batch: int, rows=None):
     return g, jnp.asarray(start)
 
 
+def rowwise(fn):
+    """`fn(g, state, *args)` for one table, run per row (vmapped over the leading axis of the
+    table and of every argument) when `g` holds one table per row (`Grammar.per_row`)."""
+
+    def run(g, *args):
+        return jax.vmap(fn)(g, *args) if g.per_row else fn(g, *args)
+
+    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+    return run
+
+
+@rowwise
 def allowed(g: Grammar, state) -> jax.Array:
     """Tokens allowed in `state` [...] -> bool [..., V]; all of them for NONE/DEAD rows."""
     at = jnp.maximum(state, 0)
@@ -97,11 +137,24 @@ def allowed(g: Grammar, state) -> jax.Array:
     return ok | free[..., None]
 
 
+@rowwise
 def advance(g: Grammar, state, token) -> jax.Array:
     """The state after `token` [...] from `state` [...]: NONE stays NONE, a refused token DEAD."""
     nxt = g.trans[jnp.maximum(state, 0), g.class_of[token]]
     nxt = jnp.where(nxt >= 0, nxt, DEAD)
     return jnp.where(state < 0, state, nxt)
+
+
+@rowwise
+def is_live(g: Grammar, state) -> jax.Array:
+    """Whether `state` [...] (a state of the table, >= 0) allows some token."""
+    return g.live[jnp.maximum(state, 0)]
+
+
+@rowwise
+def forced_token(g: Grammar, state) -> jax.Array:
+    """The one token `state` [...] allows (-1 where it allows none or several)."""
+    return g.forced[jnp.maximum(state, 0)]
 
 
 def walk(g: Grammar, state_b, tokens_bt) -> jax.Array:
@@ -117,7 +170,7 @@ def commit_walk(g: Grammar, state_b, new_bt, produced_b):
     has a grammar and reached a state that allows no token, or a refused one)."""
     states_bt = walk(g, state_b, new_bt)
     state_b = jnp.take_along_axis(states_bt, produced_b[:, None], 1)[:, 0]
-    ended_b = (state_b == DEAD) | ((state_b >= 0) & ~g.live[jnp.maximum(state_b, 0)])
+    ended_b = (state_b == DEAD) | ((state_b >= 0) & ~is_live(g, state_b))
     return state_b, ended_b
 
 
@@ -171,7 +224,7 @@ def forced_run(g: Grammar, state_b, width: int):
     state, going = state_b, state_b >= 0
     tokens, n = [], jnp.zeros_like(state_b)
     for _ in range(width):
-        tok_b = jnp.where(going, g.forced[jnp.maximum(state, 0)], -1)
+        tok_b = jnp.where(going, forced_token(g, state), -1)
         going = going & (tok_b >= 0)
         tokens.append(jnp.where(going, tok_b, 0))
         n = n + going.astype(jnp.int32)

@@ -13,6 +13,11 @@ construction; an insert program per (K, prompt width) on its first use (`Inserts
 row count is compiled in the background while a compiled program of more rows (padded) or
 fewer (in turns) stands in, so only a prompt width never seen before waits for a compile.
 
+Structured output (`grammar_shape`): each row carries its own request's grammar table (padded
+to that shape; `grammar.Grammar.per_row`) and automaton state. The constrained advance (compiled
+on the first request with a grammar) runs while a busy row has one, else the plain advance
+with the grammar fields set aside: requests without one never pay for the masking.
+
 With batch invariance (`DecodeConfig.batch_invariant`) a greedy row's tokens are the target's
 greedy tokens whatever the other rows hold: every target pass computes a row the same way at
 any row count, and stale cache rows of a slot's previous request sit past its length, where
@@ -33,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import ConfigError
-from dflash_jax.decoding import proposers, speculative
+from dflash_jax.decoding import grammar, proposers, speculative
 from dflash_jax.decoding.admission import Inserts, insert_rows, row_counts
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.runner import compile_half, decode_params
@@ -57,7 +62,8 @@ def prompt_buckets(max_prompt: int) -> tuple[int, ...]:
 class Admit:
     """One request for a free row (`SlotDecoder.insert_many`): its prompt token ids, its own
     token limit and sampling settings; `logprobs`: keep its tokens' log-probabilities (with
-    `DecodeConfig.logprobs`)."""
+    `DecodeConfig.logprobs`); grammar: its structured output, a host table padded to the
+    decoder's `grammar_shape` (`grammar.host_table`), None without."""
 
     slot: int
     token_ids: tuple[int, ...] | list[int]
@@ -67,6 +73,7 @@ class Admit:
     top_p: float = 1.0
     seed: int = 0
     logprobs: bool = False
+    grammar: grammar.Grammar | None = None
 
 
 def _release(state: LoopState, release_n) -> LoopState:
@@ -76,6 +83,8 @@ def _release(state: LoopState, release_n) -> LoopState:
     one key tile, not its last request's length), and the step counter restarts, so the
     per-step records (acc, kinds) of the next chunk start at column 0."""
     rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
+    if state.gstate is not None:  # a free row has no grammar
+        state = state.replace(gstate=jnp.where(release_n, grammar.NONE, state.gstate))
     return state.replace(
         done=state.done | release_n, step=jnp.int32(0), rows=rows,
         n_gen=jnp.where(release_n, 1, state.n_gen),
@@ -115,9 +124,14 @@ class SlotDecoder:
     and released (`release`) between calls of `advance`, each a chunk of loop steps. Not
     thread-safe: one engine thread drives it. Prompts up to `max_prompt` tokens, each with at
     most `cfg.max_new_tokens` new tokens (its own limit below that); `cfg` must have
-    row_settings. The adaptive controller's step costs are the defaults until `calibrate`."""
+    row_settings. The adaptive controller's step costs are the defaults until `calibrate`.
+    grammar_shape: (states, token classes) of each row's grammar table, for requests with
+    structured output (`Admit.grammar`); None: no grammars."""
 
-    def __init__(self, target, drafter, cfg: DecodeConfig, slots: int, max_prompt: int):
+    def __init__(
+        self, target, drafter, cfg: DecodeConfig, slots: int, max_prompt: int,
+        grammar_shape: tuple[int, int] | None = None,
+    ):  # fmt: skip
         if not cfg.row_settings:
             raise ConfigError("a SlotDecoder needs DecodeConfig(row_settings=True)")
         if drafter is None:
@@ -131,6 +145,9 @@ class SlotDecoder:
             )
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.slots, self.max_prompt = slots, max_prompt
+        self.grammar_shape = None if grammar_shape is None else tuple(map(int, grammar_shape))
+        self._grammar_rows = np.zeros((slots,), bool)  # which busy rows have a grammar
+        self._constrained = None  # the constrained advance, compiled on its first use
         self.buckets = prompt_buckets(max_prompt)
         self.statics = self.plan.statics
         self.params = (target.params, decode_params(drafter))
@@ -157,19 +174,28 @@ class SlotDecoder:
         control = list(state.control)  # the probe clock starts at its wait
         drafted = [e.name for e in proposers.REGISTRY].index("drafted")
         control[drafted] = {**control[drafted], "probe_wait": jnp.int32(self.cfg.probe_every)}
-        return state.replace(done=jnp.ones((self.slots,), bool), control=tuple(control))
+        state = state.replace(done=jnp.ones((self.slots,), bool), control=tuple(control))
+        if self.grammar_shape is not None:  # every row without a grammar
+            free = self._constraint([Admit(0, (), 1)] * self.slots)
+            tables, gstate = jax.tree.map(jnp.asarray, free)
+            state = state.replace(grammar=tables, gstate=gstate)
+        return state
+
+    def _advance_args(self, state, costs, forced_kind, steps) -> tuple:
+        args = (self.prompt, self.lengths, self._rng, costs, np.int32(forced_kind))
+        return (*self.params, *args, np.int32(steps), state)
+
+    def _compile_advance(self, state):
+        program, _, seconds = compile_half(
+            speculative.advance_speculative, self._advance_args(state, self.step_costs, -1, 0),
+            self.statics, None, self.plan.compiler_options,
+        )  # fmt: skip
+        return program, seconds
 
     def _compile_all(self) -> None:
         """The advance and the release now; the inserts on their first use (`Inserts`)."""
         t0 = time.perf_counter()
-        args = (*self.params, self.prompt, self.lengths, self._rng, self.step_costs)
-        self._advance, _, _ = compile_half(
-            speculative.advance_speculative,
-            (*args, np.int32(-1), np.int32(0), self.state),
-            self.statics,
-            None,
-            self.plan.compiler_options,
-        )
+        self._advance, _ = self._compile_advance(self._plain(self.state))
         options = self.plan.compiler_options
         insert = jax.jit(insert_rows, static_argnames=tuple(self.statics), donate_argnames="state")
         state = jax.tree.map(
@@ -179,7 +205,7 @@ class SlotDecoder:
             lambda k, width: insert.lower(
                 *self.params, np.zeros((k, width), np.int32), np.ones((k,), np.int32),
                 self._row_settings([Admit(0, (), 1)] * k), np.zeros((k,), np.int32), state,
-                **self.statics,
+                self._constraint([Admit(0, (), 1)] * k), **self.statics,
             ),
             options, row_counts(self.slots), self.buckets,
         )  # fmt: skip
@@ -191,6 +217,19 @@ class SlotDecoder:
     def compile_s(self) -> float:
         """Seconds spent compiling: the advance and release, and every insert so far."""
         return self._compile_s + self.inserts.seconds
+
+    def _plain(self, state: LoopState) -> LoopState:  # the grammar fields set aside
+        return state.replace(grammar=None, gstate=None)
+
+    def _constraint(self, admits):
+        """The insert's constraint input of `admits`: (their tables, one per row, their start
+        states [K]: 0, or NONE for a row without a grammar); None without `grammar_shape`."""
+        if self.grammar_shape is None:
+            return None
+        free = grammar.no_grammar(self.target.config.vocab_size, self.grammar_shape)
+        tables = [free if a.grammar is None else a.grammar for a in admits]
+        start = np.asarray([0 if a.grammar is not None else grammar.NONE for a in admits])
+        return grammar.per_row(tables), start.astype(np.int32)
 
     # -- rows ----------------------------------------------------------------------------
     def _row_settings(self, admits) -> RowSettings:
@@ -225,6 +264,14 @@ class SlotDecoder:
                 raise ValueError(f"max_new={a.max_new}: between 1 and {self.cfg.max_new_tokens}")
             if not 0 <= a.slot < self.slots:
                 raise ValueError(f"slot {a.slot}: between 0 and {self.slots - 1}")
+            if a.grammar is not None:
+                if self.grammar_shape is None:
+                    raise ValueError("structured output: this decoder carries no grammars")
+                if tuple(a.grammar.trans.shape) != self.grammar_shape:
+                    raise ValueError(
+                        f"a grammar table of shape {tuple(a.grammar.trans.shape)}: this "
+                        f"decoder's are {self.grammar_shape} (grammar.host_table(shape=))"
+                    )
         if len({a.slot for a in admits}) < len(admits):
             raise ValueError("two requests for one slot")
         if not admits:
@@ -249,11 +296,13 @@ class SlotDecoder:
             self.prompt[a.slot, :n] = a.token_ids
             self.lengths[a.slot] = n
             self._sampling[a.slot] = a.temperature > 0
+            self._grammar_rows[a.slot] = a.grammar is not None
         lengths = np.asarray([len(a.token_ids) for a in rows], np.int32)
         slots = np.asarray([a.slot for a in rows], np.int32)
         self.state = self.inserts.get(k, width)(
-            *self.params, prompt, lengths, self._row_settings(rows), slots, self.state
-        )
+            *self.params, prompt, lengths, self._row_settings(rows), slots, self.state,
+            self._constraint(rows),
+        )  # fmt: skip
 
     def intact(self) -> bool:
         """Whether the loop state is whole: an insert donates it, so one that failed while
@@ -267,10 +316,19 @@ class SlotDecoder:
         -> the chunk's records."""
         t0 = time.perf_counter()
         costs = self.sampled_step_costs if self._sampling.any() else self.step_costs
-        self.state = self._advance(
-            *self.params, self.prompt, self.lengths, self._rng, costs,
-            np.int32(forced_kind), np.int32(min(steps, max_steps(self.cfg))), self.state,
-        )  # fmt: skip
+        steps = min(steps, max_steps(self.cfg))
+        if self._grammar_rows.any():  # the constrained loop, over the whole state
+            if self._constrained is None:
+                self._constrained, seconds = self._compile_advance(self.state)
+                self._compile_s += seconds
+            args = self._advance_args(self.state, costs, forced_kind, steps)
+            self.state = self._constrained(*args)
+        elif self.grammar_shape is None:
+            self.state = self._advance(*self._advance_args(self.state, costs, forced_kind, steps))
+        else:  # the plain loop; the (unused) grammar fields kept aside
+            kept = {"grammar": self.state.grammar, "gstate": self.state.gstate}
+            args = self._advance_args(self._plain(self.state), costs, forced_kind, steps)
+            self.state = self._advance(*args).replace(**kept)
         gen, n_gen, done, num_steps, acc, kinds, step, lp = jax.device_get(_peek(self.state))
         seconds = time.perf_counter() - t0
         ran = int(step)
@@ -282,6 +340,7 @@ class SlotDecoder:
         mask = np.zeros((self.slots,), bool)
         mask[list(rows)] = True
         self._sampling[mask] = False
+        self._grammar_rows[mask] = False
         self.lengths[mask] = 1
         self.state = self._release(self.state, mask)
 

@@ -81,13 +81,123 @@ def regex_of(spec: GrammarSpec) -> str:
         json.loads(schema)
     except ValueError as e:
         raise GrammarError(f"json_schema is not valid JSON ({e}); pass a JSON object") from e
+    schema, ranges = bounded_numbers(schema)
     try:
-        return build_regex_from_schema(schema, None, depth)
+        regex = build_regex_from_schema(schema, None, depth)
     except Exception as e:  # outlines-core raises its own types
         raise GrammarError(
             f"json_schema: outlines-core cannot turn this schema into a grammar ({e}); "
             "simplify the schema (bounded nesting, supported keywords) or pass a regex"
         ) from e
+    for mark, pattern in ranges.items():
+        regex = regex.replace(str(mark), pattern)
+    return regex
+
+
+# A number no schema holds: the stand-in for a bounded number's own regex (`bounded_numbers`).
+_MARK = 918273645500000
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def bounded_numbers(schema: str) -> tuple[str, dict[int, str]]:
+    """outlines-core ignores an integer's or a number's minimum and maximum; so each bounded
+    one is replaced by a stand-in enum and its regex (`number_regex`) put in its place after:
+    -> (the schema, {stand-in: regex})."""
+    ranges: dict[int, str] = {}
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind in ("integer", "number") and any(k in node for k in _BOUNDS):
+            mark = _MARK + len(ranges)
+            ranges[mark] = number_regex(node, integer=kind == "integer")
+            return {k: v for k, v in node.items() if k not in (*_BOUNDS, "type")} | {"enum": [mark]}
+        return {k: walk(v) for k, v in node.items()}
+
+    out = walk(json.loads(schema))
+    return (json.dumps(out) if ranges else schema), ranges
+
+
+def number_regex(node: dict, integer: bool) -> str:
+    """The regex of the integers (or numbers: an integer part, an optional fraction, no
+    exponent) within a schema node's minimum/maximum (exclusive ones too). A bound that is
+    not an integer is rounded inwards, so every number the regex takes is within bounds."""
+    import math
+
+    lo = node.get("minimum")
+    hi = node.get("maximum")
+    if "exclusiveMinimum" in node:
+        x = node["exclusiveMinimum"]
+        lo = max(lo, math.floor(x) + 1) if lo is not None else math.floor(x) + 1
+    if "exclusiveMaximum" in node:
+        x = node["exclusiveMaximum"]
+        hi = min(hi, math.ceil(x) - 1) if hi is not None else math.ceil(x) - 1
+    lo = None if lo is None else math.ceil(lo)
+    hi = None if hi is None else math.floor(hi)
+    if lo is not None and hi is not None and lo > hi:
+        raise GrammarError(f"json_schema: no {'integer' if integer else 'number'} lies in {node}")
+    frac = "" if integer else r"(\.[0-9]+)?"
+    zeros = "" if integer else r"(\.0+)?"
+    parts = []
+    if hi is None or hi >= 0:  # the non-negative ones: [max(lo, 0), hi]
+        a = max(lo, 0) if lo is not None else 0
+        if integer:
+            parts.append(_digits(a, hi))
+        else:  # below hi with any fraction; hi itself with zeros only
+            if hi is None or a <= hi - 1:
+                parts.append(_digits(a, None if hi is None else hi - 1) + frac)
+            if hi is not None:
+                parts.append(f"{hi}{zeros}")
+    if lo is None or lo < 0:  # the negative ones: -k, k in [n, m]
+        n = -hi if hi is not None and hi < 0 else 1 if integer else 0
+        m = None if lo is None else -lo
+        if integer:
+            parts.append("-" + _digits(n, m))
+        else:
+            if m is None or n <= m - 1:
+                parts.append("-" + _digits(n, None if m is None else m - 1) + frac)
+            if m is not None:
+                parts.append(f"-{m}{zeros}")
+    return "(" + "|".join(parts) + ")"
+
+
+def _digits(a: int, b: int | None) -> str:
+    """A regex of the integers a..b (b None: no end), a >= 0, without leading zeros."""
+    if b is None:
+        width = len(str(a))
+        return f"({_digits(a, 10**width - 1)[1:-1]}|[1-9][0-9]{{{width},}})"
+    parts = []
+    for width in range(len(str(a)), len(str(b)) + 1):
+        lo, hi = max(a, 10 ** (width - 1) if width > 1 else 0), min(b, 10**width - 1)
+        if lo <= hi:
+            parts += _same_width(str(lo), str(hi))
+    return "(" + "|".join(parts) + ")"
+
+
+def _same_width(lo: str, hi: str) -> list[str]:
+    """Regexes covering the integers lo..hi, written with as many digits each."""
+    i = 0
+    while i < len(lo) and lo[i] == hi[i]:
+        i += 1
+    prefix, lo, hi = lo[:i], lo[i:], hi[i:]
+    if not lo:
+        return [prefix]
+    n = len(lo) - 1
+    tail = f"[0-9]{{{n}}}" if n else ""
+    low_full, high_full = lo[1:] == "0" * n, hi[1:] == "9" * n
+    out = []
+    first = int(lo[0]) if low_full else int(lo[0]) + 1
+    last = int(hi[0]) if high_full else int(hi[0]) - 1
+    if not low_full:
+        out += _same_width(lo, lo[0] + "9" * n)
+    if first <= last:
+        out.append(f"[{first}-{last}]{tail}")
+    if not high_full:
+        out += _same_width(hi[0] + "0" * n, hi)
+    return [prefix + x for x in out]
 
 
 def _escape(text: str) -> str:

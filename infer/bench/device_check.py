@@ -568,6 +568,7 @@ def stage_decode(ctx, clock: Clock) -> dict:
 
 # --- hlo -----------------------------------------------------------------------------------
 
+
 def _advance_copies(target, drafter, block: int, new: int, p: int) -> dict:
     """The cache copies in the loop of the advance program of a decode (AR when drafter is
     None, else chains of `block`) as `decoding.runner` compiles it (the decode stage's

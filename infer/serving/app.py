@@ -22,9 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from infer.serving import structured
 from infer.serving.engine import Engine, NotServing, QueueFull
 from infer.serving.engine import Request as Job
 from infer.serving.metrics import CONTENT_TYPE
+from infer.serving.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,12 @@ class Options:
     include_usage: bool = False
 
 
-def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[Job, Options]:
+def parse(
+    body, *, chat: bool, model: str, tokenizer, limits: Limits, grammars: Grammars | None = None
+) -> tuple[Job, Options]:
     """A request body -> (the engine's job, how to answer); BadRequest names the field. Runs
-    off the event loop: it tokenizes."""
+    off the event loop: it tokenizes, and compiles a structured output's grammar (`grammars`;
+    None: such a request is refused)."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
     if body.get("model") != model:
@@ -125,6 +130,7 @@ def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[J
         raise BadRequest("stop", "every stop sequence must be a non-empty string")
     seed = _number(body, "seed", None, 0, MAX_SEED - 1, integer=True)
     logprobs = _logprobs(body, chat, limits)
+    table = _grammar(body, grammars)
     job = Job(
         prompt_ids=ids,
         max_tokens=max_tokens,
@@ -135,8 +141,22 @@ def parse(body, *, chat: bool, model: str, tokenizer, limits: Limits) -> tuple[J
         seed=secrets.randbelow(MAX_SEED) if seed is None else seed,
         stop=tuple(stop),
         logprobs=logprobs,
+        grammar=table,
     )
     return job, opts
+
+
+def _grammar(body: dict, grammars: Grammars | None):
+    """The table of a request's structured output (`structured`), None without one."""
+    try:
+        asked = structured.requested(body)
+        if asked is None:
+            return None
+        if grammars is None:
+            raise structured.GrammarRequestError(asked[0], "structured output is off here")
+        return grammars.table(*asked)
+    except structured.GrammarRequestError as e:
+        raise BadRequest(e.param, str(e)) from e
 
 
 def _logprobs(body: dict, chat: bool, limits: Limits) -> int | None:
@@ -171,19 +191,6 @@ def _refuse_unsupported(body: dict) -> None:
             raise BadRequest(name, f"{name} is not supported by this server (only 0)")
     if body.get("repetition_penalty") not in (None, 1, 1.0):
         raise BadRequest("repetition_penalty", "repetition_penalty is not supported (only 1)")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequest(
-            "response_format", "response_format is not supported by this server yet (only "
-            '{"type": "text"}): its slot engine does not carry grammars; structured output '
-            "runs in dj.generate(json_schema=...) and infer.generate --json_schema",
-        )  # fmt: skip
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if body.get(name) is not None:  # vLLM's extras: refused, never answered unconstrained
-            raise BadRequest(
-                name, f"{name} is not supported by this server yet: its slot engine does not "
-                "carry grammars; structured output runs in dj.generate and infer.generate",
-            )  # fmt: skip
     for name in ("echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, []):
             raise BadRequest(name, f"{name} is not supported by this server")
@@ -335,9 +342,16 @@ class ApiKey:
 
 
 def make_app(
-    engine: Engine, *, model: str, tokenizer, limits: Limits, api_key: str | None = None
+    engine: Engine,
+    *,
+    model: str,
+    tokenizer,
+    limits: Limits,
+    api_key: str | None = None,
+    grammars: Grammars | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `model`."""
+    """The FastAPI app serving `engine` under the name `model`; `grammars` compiles the
+    requests' structured output (None: refused)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -402,7 +416,13 @@ def make_app(
             except ValueError:
                 return _error(400, "the request body is not valid JSON")
             job, opts = await asyncio.to_thread(
-                parse, body, chat=chat, model=model, tokenizer=tokenizer, limits=limits
+                parse,
+                body,
+                chat=chat,
+                model=model,
+                tokenizer=tokenizer,
+                limits=limits,
+                grammars=grammars,
             )
         except BadRequest as e:
             return _error(e.status, str(e), e.param)

@@ -55,6 +55,7 @@ class Request:
     seed: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none wanted; else the alternatives wanted per token
+    grammar: object | None = None  # structured output: its table (`slots.Admit.grammar`)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     id: int = 0
@@ -327,7 +328,7 @@ class Engine:
             Admit(
                 slot, req.prompt_ids, req.max_tokens, temperature=req.temperature,
                 top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                logprobs=req.logprobs is not None,
+                logprobs=req.logprobs is not None, grammar=req.grammar,
             )
             for slot, req in group
         ]  # fmt: skip

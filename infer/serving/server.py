@@ -11,19 +11,23 @@ from dflash_jax.decoding.slots import SlotDecoder
 from infer.serving.app import Limits, make_app
 from infer.serving.engine import Engine
 from infer.serving.metrics import Metrics
+from infer.serving.structured import Grammars
 
 WARM_PROMPT = "Write a Python function that checks whether a number is prime."
+# Each slot's structured-output table (states, token classes): SmolLM2's tables for the tested
+# JSON schemas and any JSON object fit (results/structured/tables.json); 2 MiB a slot.
+GRAMMAR_SHAPE = (2048, 256)
 
 
 def build_decoder(
-    target, drafter, cfg, *, slots, max_prompt, calibrate, precompile=True
+    target, drafter, cfg, *, slots, max_prompt, calibrate, precompile=True, grammar_shape=None
 ) -> SlotDecoder:
     """The SlotDecoder, compiled, warmed up over every step kind and (adaptive) calibrated:
     what /health waits for. Its inserts of every slot and of one row are compiled at the warm
     prompt's width; with `precompile`, the insert of one row at every other prompt width is
     then compiled in the background while it serves (smallest first; a request that needs one
     first compiles it itself), other row counts on their first use (`admission.Inserts`)."""
-    decoder = SlotDecoder(target, drafter, cfg, slots, max_prompt)
+    decoder = SlotDecoder(target, drafter, cfg, slots, max_prompt, grammar_shape)
     warm = api.render_prompt(target.tokenizer, WARM_PROMPT)[:max_prompt]
     decoder.warm_up(warm)
     if calibrate:
@@ -49,12 +53,15 @@ class DrainingServer(uvicorn.Server):
 def make_server(
     target, drafter, cfg, *, host, port, slots, max_prompt, chunk_steps, max_queue, model_name,
     calibrate=True, api_key=None, precompile=True, admit_together=True,
+    grammar_shape=GRAMMAR_SHAPE,
 ) -> tuple[DrainingServer, Engine]:  # fmt: skip
     """(server, engine): the engine builds its decoder on its own thread once the server runs
-    (`server.run()`); /health says ready when it is built. With `api_key`, /v1/ needs it."""
+    (`server.run()`); /health says ready when it is built. With `api_key`, /v1/ needs it.
+    grammar_shape: (states, token classes) of each slot's structured-output table (None:
+    structured output refused)."""
     build = lambda: build_decoder(
         target, drafter, cfg, slots=slots, max_prompt=max_prompt, calibrate=calibrate,
-        precompile=precompile,
+        precompile=precompile, grammar_shape=grammar_shape,
     )  # fmt: skip
     engine = Engine(
         build,
@@ -70,9 +77,13 @@ def make_server(
         max_prompt, cfg.max_new_tokens, target.config.max_position_embeddings,
         logprobs=cfg.logprobs,
     )  # fmt: skip
-    web = make_app(
-        engine, model=model_name, tokenizer=target.tokenizer, limits=limits, api_key=api_key
+    grammars = Grammars(
+        target.tokenizer, target.config.vocab_size, cfg.stop_token_ids, grammar_shape
     )
+    web = make_app(
+        engine, model=model_name, tokenizer=target.tokenizer, limits=limits, api_key=api_key,
+        grammars=grammars,
+    )  # fmt: skip
     config = uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="on")
     server = DrainingServer(config, engine)
     return server, engine
