@@ -1,8 +1,8 @@
 """Structured output on the host: a JSON schema, a regular expression or a list of choices
 compiled once to a token-level automaton over a tokenizer's vocabulary (outlines-core builds
 the regex of a schema and the index of a regex), then reduced to the class table
-`decoding.grammar.device_table` places on the device. Compiled tables are kept per process,
-keyed by the grammar's and the vocabulary's hashes.
+`decoding.grammar.device_table` places on the device. Compiled tables are kept per process
+and on disk, keyed by the grammar's and the vocabulary's hashes.
 
 class_of [V]: each token id's class (tokens whose moves agree in every state share one; class
 0 is the tokens no state allows: the specials, ids past the tokenizer). trans [S, C]: the next
@@ -15,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 
 import numpy as np
+
+from dflash_jax.files import cache_root
 
 KINDS = ("json_schema", "regex", "choices", "json_object")
 # json_object: any JSON object, nested up to this depth (outlines-core's recursion bound).
@@ -254,14 +257,33 @@ def compile_grammar(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(class_of [vocab_size] int32, trans [S, C] int32) of `spec` over a vocabulary whose
     token ids have the bytes `pieces` (`token_bytes`; ids past it and None never allowed);
-    `stop_ids` end the text in an accepting state. Cached per process."""
+    `stop_ids` end the text in an accepting state. Cached per process and on disk
+    (`files.cache_root()/grammars`: outlines-core takes seconds to minutes per schema)."""
     stop_ids = tuple(sorted({int(i) for i in stop_ids}))
     if not stop_ids:
         raise GrammarError("structured output needs a stop token (the tokenizer's EOS)")
     key = (spec, vocab_hash(pieces), vocab_size, stop_ids)
     if key not in _TABLES:
-        _TABLES[key] = _compile(spec.regex(), pieces, vocab_size, stop_ids)
+        path = cache_root() / "grammars" / f"{hashlib.sha256(repr(key).encode()).hexdigest()}.npz"
+        try:
+            with np.load(path) as kept:
+                _TABLES[key] = (kept["class_of"], kept["trans"])
+        except (OSError, ValueError, KeyError):  # not kept yet (or damaged): compiled again
+            _TABLES[key] = _compile(spec.regex(), pieces, vocab_size, stop_ids)
+            _keep(path, *_TABLES[key])
     return _TABLES[key]
+
+
+def _keep(path, class_of: np.ndarray, trans: np.ndarray) -> None:
+    """A compiled table kept on disk (through a temporary file and a rename); an unwritable
+    cache is left as it is."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, class_of=class_of, trans=trans)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _compile(regex: str, pieces, vocab_size: int, stop_ids) -> tuple[np.ndarray, np.ndarray]:
