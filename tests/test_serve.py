@@ -725,7 +725,7 @@ def test_the_controller_steers_by_sampled_costs_while_a_row_samples(monkeypatch)
     dec.prompt, dec.lengths = np.zeros((2, 32), np.int32), np.ones((2,), np.int32)
     dec.step_costs, dec.sampled_step_costs = "greedy", "sampled"
     dec._sampling, dec._grammar_rows = np.zeros((2,), bool), np.zeros((2,), bool)
-    dec.grammar_shape = None
+    dec.grammar_shape, dec.solo, dec.busy = None, None, np.zeros((2,), bool)
     passed = []
     dec.inserts = types.SimpleNamespace(
         plan=lambda n, width: [(n, n, width)], get=lambda k, width: lambda *args: None
@@ -779,8 +779,9 @@ def _greedy_reference(target, prompt: str, max_tokens: int) -> str:
 
 
 def check_greedy_under_load(served, target, seeded_too: bool) -> None:
-    """Each greedy request alone, then all of them at once among sampled ones (more requests
-    than slots, so rows are reused mid-decode): the same text, the target's own greedy text.
+    """Each greedy request alone (a row alone runs in the one-row program, `decoding.solo`),
+    then all of them at once among sampled ones (more requests than slots, so rows are reused
+    mid-decode): the same text, the target's own greedy text.
     seeded_too (a fixed block size): each sampled request's text is its text alone too."""
     client = served.client(max_retries=0)
     greedy = [
@@ -793,7 +794,10 @@ def check_greedy_under_load(served, target, seeded_too: bool) -> None:
         )
     ]
     ask = lambda kw: client.completions.create(model=MODEL, **kw).choices[0].text
+    solo = served.engine.decoder.solo
+    before = solo.chunks
     alone = [ask(kw) for kw in greedy + (sampled if seeded_too else [])]
+    assert solo.chunks > before  # each request alone ran in the one-row program
     mixed = [kw for pair in zip(greedy, sampled, strict=True) for kw in pair]
     with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
         loaded = list(pool.map(ask, mixed))

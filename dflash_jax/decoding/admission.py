@@ -24,8 +24,9 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 
-from dflash_jax.decoding import proposers
+from dflash_jax.decoding import grammar, proposers
 from dflash_jax.decoding.phases import init_speculative
 from dflash_jax.decoding.state import LoopState
 from dflash_jax.models.target import decoding_head
@@ -76,6 +77,22 @@ def insert_rows(
         return big.at[index].set(small.astype(big.dtype), mode="drop")
 
     return jax.tree.map(put, state, new)
+
+
+def release_rows(state: LoopState, release_n) -> LoopState:
+    """Between chunks: rows in `release_n` [N] bool stop (done, greedy, so no free row keeps
+    the sampling arithmetic running) and shrink to one generated token and one context entry
+    (with the host's prompt length of 1, `slots.SlotDecoder.release`: a free row's attention reads
+    one key tile, not its last request's length), and the step counter restarts, so the
+    per-step records (acc, kinds) of the next chunk start at column 0."""
+    rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
+    if state.gstate is not None:  # a free row has no grammar
+        state = state.replace(gstate=jnp.where(release_n, grammar.NONE, state.gstate))
+    return state.replace(
+        done=state.done | release_n, step=jnp.int32(0), rows=rows,
+        n_gen=jnp.where(release_n, 1, state.n_gen),
+        drf_len=jnp.where(release_n, 1, state.drf_len),
+    )  # fmt: skip
 
 
 class Inserts:

@@ -13,10 +13,9 @@ construction; an insert program per (K, prompt width) on its first use (`Inserts
 row count is compiled in the background while a compiled program of more rows (padded) or
 fewer (in turns) stands in, so only a prompt width never seen before waits for a compile.
 
-Structured output (`grammar_shape`): each row carries its own request's grammar table (padded
-to that shape; `grammar.Grammar.per_row`) and automaton state. The constrained advance (compiled
-on the first request with a grammar) runs while a busy row has one, else the plain advance
-with the grammar fields set aside: requests without one never pay for the masking.
+Structured output (`grammar_shape`): each row carries its own grammar table and automaton
+state; the constrained advance (compiled on first use) runs while a busy row has one, else the
+plain one (grammar fields set aside). A row busy alone runs in a one-row program (`solo`).
 
 With batch invariance (`DecodeConfig.batch_invariant`) a greedy row's tokens are the target's
 greedy tokens whatever the other rows hold: every target pass computes a row the same way at
@@ -39,11 +38,13 @@ import numpy as np
 
 from dflash_jax.config import ConfigError
 from dflash_jax.decoding import grammar, proposers, speculative
-from dflash_jax.decoding.admission import Inserts, insert_rows, row_counts
+from dflash_jax.decoding.admission import Inserts, insert_rows, release_rows, row_counts
 from dflash_jax.decoding.plan import make_plan
 from dflash_jax.decoding.runner import compile_half, decode_params
 from dflash_jax.decoding.sampling import RowSettings
 from dflash_jax.decoding.settings import DecodeConfig
+from dflash_jax.decoding.solo import Solo
+from dflash_jax.decoding.solo import peek as _peek
 from dflash_jax.decoding.state import LoopState, max_steps
 
 MIN_BUCKET = 32  # the narrowest prompt buffer an insert compiles for (as `api.bucket_length`)
@@ -76,31 +77,6 @@ class Admit:
     grammar: grammar.Grammar | None = None
 
 
-def _release(state: LoopState, release_n) -> LoopState:
-    """Between chunks: rows in `release_n` [N] bool stop (done, greedy, so no free row keeps
-    the sampling arithmetic running) and shrink to one generated token and one context entry
-    (with the host's prompt length of 1, `SlotDecoder.release`: a free row's attention reads
-    one key tile, not its last request's length), and the step counter restarts, so the
-    per-step records (acc, kinds) of the next chunk start at column 0."""
-    rows = state.rows.replace(temperature=jnp.where(release_n, 0.0, state.rows.temperature))
-    if state.gstate is not None:  # a free row has no grammar
-        state = state.replace(gstate=jnp.where(release_n, grammar.NONE, state.gstate))
-    return state.replace(
-        done=state.done | release_n, step=jnp.int32(0), rows=rows,
-        n_gen=jnp.where(release_n, 1, state.n_gen),
-        drf_len=jnp.where(release_n, 1, state.drf_len),
-    )  # fmt: skip
-
-
-@jax.jit
-def _peek(state: LoopState):
-    logprobs = None if state.logp is None else (state.logp, state.top_logp, state.top_ids)
-    return (
-        state.gen, state.n_gen, state.done, state.num_steps, state.acc, state.kinds, state.step,
-        logprobs,
-    )  # fmt: skip
-
-
 @dataclasses.dataclass
 class Chunk:
     """What one advance call did. gen [N,W], n_gen [N], done [N], num_steps [N] as the state
@@ -126,11 +102,12 @@ class SlotDecoder:
     most `cfg.max_new_tokens` new tokens (its own limit below that); `cfg` must have
     row_settings. The adaptive controller's step costs are the defaults until `calibrate`.
     grammar_shape: (states, token classes) of each row's grammar table, for requests with
-    structured output (`Admit.grammar`); None: no grammars."""
+    structured output (`Admit.grammar`); None: no grammars. solo: a row busy alone runs in a
+    program of one row (`decoding.solo`)."""
 
     def __init__(
         self, target, drafter, cfg: DecodeConfig, slots: int, max_prompt: int,
-        grammar_shape: tuple[int, int] | None = None,
+        grammar_shape: tuple[int, int] | None = None, solo: bool = True,
     ):  # fmt: skip
         if not cfg.row_settings:
             raise ConfigError("a SlotDecoder needs DecodeConfig(row_settings=True)")
@@ -147,6 +124,7 @@ class SlotDecoder:
         self.slots, self.max_prompt = slots, max_prompt
         self.grammar_shape = None if grammar_shape is None else tuple(map(int, grammar_shape))
         self._grammar_rows = np.zeros((slots,), bool)  # which busy rows have a grammar
+        self.busy = np.zeros((slots,), bool)  # rows holding a request (done or not)
         self._constrained = None  # the constrained advance, compiled on its first use
         self.buckets = prompt_buckets(max_prompt)
         self.statics = self.plan.statics
@@ -163,6 +141,7 @@ class SlotDecoder:
         self._rng = jax.random.key(0)  # the loop's own key: unused, each row has its own
         self.state = self._empty_state()
         self._compile_all()
+        self.solo = Solo(self) if solo and slots > 1 else None
 
     # -- programs -------------------------------------------------------------------------
     def _empty_state(self) -> LoopState:
@@ -209,14 +188,14 @@ class SlotDecoder:
             ),
             options, row_counts(self.slots), self.buckets,
         )  # fmt: skip
-        release = jax.jit(_release, donate_argnums=0)
+        release = jax.jit(release_rows, donate_argnums=0)
         self._release = release.lower(self.state, np.zeros((self.slots,), bool)).compile()
         self._compile_s = time.perf_counter() - t0
 
     @property
     def compile_s(self) -> float:
         """Seconds spent compiling: the advance and release, and every insert so far."""
-        return self._compile_s + self.inserts.seconds
+        return self._compile_s + self.inserts.seconds + (self.solo.compile_s if self.solo else 0)
 
     def _plain(self, state: LoopState) -> LoopState:  # the grammar fields set aside
         return state.replace(grammar=None, gstate=None)
@@ -276,6 +255,8 @@ class SlotDecoder:
             raise ValueError("two requests for one slot")
         if not admits:
             return
+        if self.solo is not None:  # a row decoded alone goes back to its slot first
+            self.solo.leave()
         width = next(w for w in self.buckets if w >= max(len(a.token_ids) for a in admits))
         admits = list(admits)
         for taken, k, w in self.inserts.plan(len(admits), width):
@@ -297,6 +278,7 @@ class SlotDecoder:
             self.lengths[a.slot] = n
             self._sampling[a.slot] = a.temperature > 0
             self._grammar_rows[a.slot] = a.grammar is not None
+            self.busy[a.slot] = True
         lengths = np.asarray([len(a.token_ids) for a in rows], np.int32)
         slots = np.asarray([a.slot for a in rows], np.int32)
         self.state = self.inserts.get(k, width)(
@@ -307,14 +289,28 @@ class SlotDecoder:
     def intact(self) -> bool:
         """Whether the loop state is whole: an insert donates it, so one that failed while
         running (not compiling) may have taken it down (the decoder is then unusable)."""
-        return not any(x.is_deleted() for x in jax.tree.leaves(self.state))
+        solo = None if self.solo is None else self.solo.state
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.state, solo)))
 
     def advance(self, steps: int, forced_kind: int = -1) -> Chunk:
         """Runs up to `steps` loop steps (fewer when every row is done), then releases nothing:
         call `release` next, which also restarts the step count. The controller steers by
-        `sampled_step_costs` while some row samples, else by `step_costs`.
-        -> the chunk's records."""
+        `sampled_step_costs` while some row samples, else by `step_costs`; one busy row alone
+        runs in the one-row program (`decoding.solo`). -> the chunk's records."""
         t0 = time.perf_counter()
+        if self.solo is not None and self.solo.fits():
+            peeked = self.solo.advance(steps, forced_kind)
+        else:
+            if self.solo is not None:
+                self.solo.leave()
+            self._advance_all(steps, forced_kind)
+            peeked = jax.device_get(_peek(self.state))
+        gen, n_gen, done, num_steps, acc, kinds, step, lp = peeked
+        seconds = time.perf_counter() - t0
+        ran = int(step)
+        return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds, lp)
+
+    def _advance_all(self, steps: int, forced_kind: int) -> None:
         costs = self.sampled_step_costs if self._sampling.any() else self.step_costs
         steps = min(steps, max_steps(self.cfg))
         if self._grammar_rows.any():  # the constrained loop, over the whole state
@@ -329,10 +325,6 @@ class SlotDecoder:
             kept = {"grammar": self.state.grammar, "gstate": self.state.gstate}
             args = self._advance_args(self._plain(self.state), costs, forced_kind, steps)
             self.state = self._advance(*args).replace(**kept)
-        gen, n_gen, done, num_steps, acc, kinds, step, lp = jax.device_get(_peek(self.state))
-        seconds = time.perf_counter() - t0
-        ran = int(step)
-        return Chunk(gen, n_gen, done, num_steps, acc[:, :ran], kinds[:, :ran], seconds, lp)
 
     def release(self, rows) -> None:
         """Marks the rows `rows` (indices) free (done, their lengths one token: they cost the
@@ -341,7 +333,10 @@ class SlotDecoder:
         mask[list(rows)] = True
         self._sampling[mask] = False
         self._grammar_rows[mask] = False
+        self.busy[mask] = False
         self.lengths[mask] = 1
+        if self.solo is not None:
+            self.solo.release(rows)
         self.state = self._release(self.state, mask)
 
     # -- start-up ------------------------------------------------------------------------
@@ -356,6 +351,10 @@ class SlotDecoder:
             self._fill(token_ids, sampled=True, logprobs=bool(self.cfg.logprobs))
             self.advance(steps, forced_kind=kind)
             self.release(range(self.slots))
+        for kind in kinds if self.solo is not None else ():  # one busy row: its program
+            self.insert(0, token_ids, max_new=self.cfg.max_new_tokens)
+            self.advance(steps, forced_kind=kind)
+            self.release([0])
         self.insert(0, token_ids, max_new=1)
         self.release([0])
 
@@ -384,6 +383,8 @@ class SlotDecoder:
             return self.step_costs
         self.step_costs = self._measure_costs(token_ids, steps, repeats, sampled=False)
         self.sampled_step_costs = self._measure_costs(token_ids, sampled_steps, 1, sampled=True)
+        if self.solo is not None:
+            self.solo.calibrate(token_ids, steps, repeats)
         return np.asarray(self.step_costs)
 
     def _measure_costs(self, token_ids, steps: int, repeats: int, sampled: bool) -> jax.Array:
