@@ -344,25 +344,6 @@ def test_request_shapes_apps_send(served):
         assert r.status_code == status and r.json()["error"]["message"], r.text
 
 
-def _constrained_reference(target, prompt: str, spec) -> str:
-    """The target alone, greedy, its distribution masked to `spec`'s grammar at every step
-    (`decoding.grammar`), on the raw prompt, as text."""
-    tok = target.tokenizer
-    tables = grammar_io.compile_grammar(
-        spec, grammar_io.token_bytes(tok), target.config.vocab_size, [2]
-    )
-    ids = tok.encode(prompt, add_special_tokens=False)
-    buf = np.zeros((1, 64), np.int32)
-    buf[0, : len(ids)] = ids
-    cfg = DecodeConfig(max_new_tokens=MAX_NEW, stop_token_ids=(2,), batch_invariant=True)
-    out = autoregressive_decode(
-        target.params, buf, np.array([len(ids)], np.int32), jax.random.key(0),
-        target_config=target.config, decode_config=cfg,
-        constraint=grammar.constraint(grammar.device_table(*tables), 1),
-    )  # fmt: skip
-    return tok.decode(np.asarray(out.tokens[0, : int(out.lengths[0])]), skip_special_tokens=True)
-
-
 def test_structured_output_rows_carry_their_own_grammars(served, fp32_pair):
     """Guards the server's structured output: each slot carries its own request's grammar
     (per-row tables in the loop state). A guided_regex, a guided_choice and a json_schema
@@ -403,8 +384,7 @@ def test_structured_output_rows_carry_their_own_grammars(served, fp32_pair):
     assert re.fullmatch(regex, texts[0]) and texts[1] in choices, texts
     assert json.loads(texts[2])["tag"] in ("ab", "c"), texts[2]
     assert all(a.choices[0].finish_reason == "stop" for a in answers[:3]), answers
-    want = [_constrained_reference(target, p, spec) for p, _, spec in jobs[:3]]
-    assert texts == [*want, _greedy_reference(target, jobs[3][0], MAX_NEW)]
+    assert texts == [_greedy_reference(target, p, MAX_NEW, spec) for p, _, spec in jobs]
 
     class T(pydantic.BaseModel):
         n: int = pydantic.Field(ge=0, le=99)
@@ -763,16 +743,23 @@ def test_inverse_cdf_draws_follow_the_distribution():
     assert 0.5 * np.abs(freq - np.exp(np.asarray(logp))).sum() < 0.03
 
 
-def _greedy_reference(target, prompt: str, max_tokens: int) -> str:
+def _greedy_reference(target, prompt: str, max_tokens: int, spec=None) -> str:
     """The target's own greedy decode of the raw prompt, alone (batch 1), as text: the first
-    max_tokens of one MAX_NEW-token decode (one program for every request)."""
-    ids = target.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens of one MAX_NEW-token decode (one program for every request). spec: a grammar
+    (`io.grammar.GrammarSpec`) its distribution is masked to at every step."""
+    tok = target.tokenizer
+    constraint = None
+    if spec is not None:
+        pieces, vocab = grammar_io.token_bytes(tok), target.config.vocab_size
+        table = grammar.device_table(*grammar_io.compile_grammar(spec, pieces, vocab, [2]))
+        constraint = grammar.constraint(table, 1)
+    ids = tok.encode(prompt, add_special_tokens=False)
     buf = np.zeros((1, 64), np.int32)
     buf[0, : len(ids)] = ids
     cfg = DecodeConfig(max_new_tokens=MAX_NEW, stop_token_ids=(2,), batch_invariant=True)
     out = autoregressive_decode(
         target.params, buf, np.array([len(ids)], np.int32), jax.random.key(0),
-        target_config=target.config, decode_config=cfg,
+        target_config=target.config, decode_config=cfg, constraint=constraint,
     )  # fmt: skip
     tokens = np.asarray(out.tokens[0, : min(int(out.lengths[0]), max_tokens)]).tolist()
     return target.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -20,6 +20,8 @@ Letters: B batch, T verified block, G drafts, V vocab, S states, C classes.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -93,9 +95,11 @@ def device_table(class_of, trans) -> Grammar:
     return jax.tree.map(jnp.asarray, host_table(class_of, trans))
 
 
+@functools.lru_cache(maxsize=4)
 def no_grammar(vocab: int, shape: tuple[int, int]) -> Grammar:
     """The table of a row without a grammar, in a per-row table of `shape` (S, C): nothing
-    allowed (its row's state is NONE, so nothing is masked)."""
+    allowed (its row's state is NONE, so nothing is masked). Kept: every admission of a
+    decoder with grammars reads it (`row_constraint` stacks copies)."""
     s, c = shape
     return Grammar(
         class_of=np.zeros(vocab, np.int32), trans=np.full((s, c), -1, np.int32),
@@ -115,6 +119,14 @@ def constraint(g: Grammar, batch: int, rows=None):
     if rows is not None:
         start = np.where(np.asarray(rows, bool), 0, NONE).astype(np.int32)
     return g, jnp.asarray(start)
+
+
+def row_constraint(tables, vocab: int, shape: tuple[int, int]):
+    """The constraint of rows each with its own grammar (a host table of `shape`, or None):
+    (one table per row, `per_row`; each row's start state: 0, NONE for a row without)."""
+    free = no_grammar(vocab, shape)
+    start = np.asarray([NONE if t is None else 0 for t in tables], np.int32)
+    return per_row([free if t is None else t for t in tables]), start
 
 
 def rowwise(fn):

@@ -155,9 +155,8 @@ class SlotDecoder:
         control[drafted] = {**control[drafted], "probe_wait": jnp.int32(self.cfg.probe_every)}
         state = state.replace(done=jnp.ones((self.slots,), bool), control=tuple(control))
         if self.grammar_shape is not None:  # every row without a grammar
-            free = self._constraint([Admit(0, (), 1)] * self.slots)
-            tables, gstate = jax.tree.map(jnp.asarray, free)
-            state = state.replace(grammar=tables, gstate=gstate)
+            free = jax.tree.map(jnp.asarray, self._constraint([Admit(0, (), 1)] * self.slots))
+            state = state.replace(grammar=free[0], gstate=free[1])
         return state
 
     def _advance_args(self, state, costs, forced_kind, steps) -> tuple:
@@ -194,21 +193,17 @@ class SlotDecoder:
 
     @property
     def compile_s(self) -> float:
-        """Seconds spent compiling: the advance and release, and every insert so far."""
+        """Seconds spent compiling: the advances and release, and every insert so far."""
         return self._compile_s + self.inserts.seconds + (self.solo.compile_s if self.solo else 0)
 
     def _plain(self, state: LoopState) -> LoopState:  # the grammar fields set aside
         return state.replace(grammar=None, gstate=None)
 
-    def _constraint(self, admits):
-        """The insert's constraint input of `admits`: (their tables, one per row, their start
-        states [K]: 0, or NONE for a row without a grammar); None without `grammar_shape`."""
+    def _constraint(self, admits):  # the insert's input: each admitted row's grammar
         if self.grammar_shape is None:
             return None
-        free = grammar.no_grammar(self.target.config.vocab_size, self.grammar_shape)
-        tables = [free if a.grammar is None else a.grammar for a in admits]
-        start = np.asarray([0 if a.grammar is not None else grammar.NONE for a in admits])
-        return grammar.per_row(tables), start.astype(np.int32)
+        vocab = self.target.config.vocab_size
+        return grammar.row_constraint([a.grammar for a in admits], vocab, self.grammar_shape)
 
     # -- rows ----------------------------------------------------------------------------
     def _row_settings(self, admits) -> RowSettings:
@@ -381,20 +376,25 @@ class SlotDecoder:
         `sampled_step_costs`. Sets both and returns the greedy table."""
         if not self.cfg.adaptive:
             return self.step_costs
-        self.step_costs = self._measure_costs(token_ids, steps, repeats, sampled=False)
-        self.sampled_step_costs = self._measure_costs(token_ids, sampled_steps, 1, sampled=True)
+        every = range(self.slots)
+        fill = lambda sampled: lambda: self._fill(token_ids, sampled)
+        self.step_costs = self._measure_costs(fill(False), every, steps, repeats)
+        self.sampled_step_costs = self._measure_costs(fill(True), every, sampled_steps, 1)
         if self.solo is not None:
-            self.solo.calibrate(token_ids, steps, repeats)
+            self.solo.calibrate(token_ids, steps, sampled_steps, repeats)
         return np.asarray(self.step_costs)
 
-    def _measure_costs(self, token_ids, steps: int, repeats: int, sampled: bool) -> jax.Array:
+    def _measure_costs(self, fill, rows, steps: int, repeats: int) -> jax.Array:
+        """Each kind forced for `steps` steps once `fill()` has made `rows` busy (its prefills
+        and a row alone's move to its program not timed), the fastest of `repeats` rounds, in
+        units of a plain step's."""
         best = np.full(len(self.cfg.all_kinds), np.inf)
         for _ in range(repeats):
             for kind in range(len(self.cfg.all_kinds)):
-                self._fill(token_ids, sampled)
-                jax.block_until_ready(self.state)  # the inserts' prefills are not the kind's
+                fill()
+                self.advance(0)  # untimed: waits for the prefills
                 chunk = self.advance(steps, forced_kind=kind)
-                self.release(range(self.slots))
+                self.release(rows)
                 best[kind] = min(best[kind], chunk.seconds / max(chunk.acc.shape[1], 1))
         unit = best[self.cfg.all_kinds.index(1)] if 1 in self.cfg.all_kinds else best.min()
         return jnp.asarray(np.maximum(best / unit, 1.0), jnp.float32)

@@ -121,26 +121,15 @@ class Solo:
         return (rows(gen), rows(n_gen), rows(done, True), rows(num_steps), rows(acc),
                 rows(kinds), step, lp)  # fmt: skip
 
-    def calibrate(self, token_ids, steps: int, repeats: int) -> None:
-        """The one-row step costs, as `SlotDecoder.calibrate` measures the slots' (greedy;
-        sampled: one round)."""
-        self.step_costs = self._measure(token_ids, steps, repeats, sampled=False)
-        self.sampled_step_costs = self._measure(token_ids, steps, 1, sampled=True)
-
-    def _measure(self, token_ids, steps: int, repeats: int, sampled: bool):
+    def calibrate(self, token_ids, steps: int, sampled_steps: int, repeats: int) -> None:
+        """The one-row step costs, as `SlotDecoder.calibrate` measures the slots' (greedy, then
+        sampling at temperature 0.7 for `sampled_steps` steps, one round)."""
         dec = self.dec
-        kinds = len(dec.cfg.all_kinds)
-        best = np.full(kinds, np.inf)
-        for _ in range(repeats):
-            for kind in range(kinds):
-                dec.insert(0, token_ids, max_new=dec.cfg.max_new_tokens,
-                           temperature=0.7 if sampled else 0.0, seed=1)  # fmt: skip
-                dec.advance(1, forced_kind=kind)  # the row taken out; not timed
-                chunk = dec.advance(steps, forced_kind=kind)
-                dec.release([0])
-                best[kind] = min(best[kind], chunk.seconds / max(chunk.acc.shape[1], 1))
-        unit = best[dec.cfg.all_kinds.index(1)] if 1 in dec.cfg.all_kinds else best.min()
-        return jax.numpy.asarray(np.maximum(best / unit, 1.0), jax.numpy.float32)
+        one = lambda t: (
+            lambda: dec.insert(0, token_ids, max_new=dec.cfg.max_new_tokens, temperature=t, seed=1)
+        )
+        self.step_costs = dec._measure_costs(one(0.0), [0], steps, repeats)
+        self.sampled_step_costs = dec._measure_costs(one(0.7), [0], sampled_steps, 1)
 
 
 @jax.jit
