@@ -137,13 +137,13 @@ def main(argv):
     if FLAGS.batch_invariant is None:
         FLAGS.batch_invariant = True  # also what --dtype=auto compares dtypes under
     with common.usage_errors():
+        grammar_shape = parse_grammar_table(FLAGS.grammar_table)  # a typo fails before the load
         target, drafter, _, _ = common.load_models(slots=FLAGS.slots)
         if drafter is None:
             raise ValueError("--drafter=none: the server decodes with a drafter")
         if target.tokenizer is None:
             raise ValueError(f"the target {FLAGS.target} has no tokenizer to read requests with")
         cfg = server_config(target, drafter)
-        grammar_shape = parse_grammar_table(FLAGS.grammar_table)
         api.check_inputs(target, drafter, [[1]], [1], cfg)
         context = target.config.max_position_embeddings
         max_prompt = FLAGS.max_prompt_tokens or context - cfg.max_new_tokens
